@@ -1,0 +1,1 @@
+"""dualkv.models: decoder layers and causal-LM models on the packed layout."""

@@ -1,0 +1,1 @@
+"""dualkv.parallel: sequence parallelism (Ulysses) for the packed layout and device meshes."""
