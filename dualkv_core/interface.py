@@ -17,9 +17,16 @@ from .validation import check_attention_inputs, check_options, check_qkv
 __all__ = ["dualkv_attention", "flash_attn_dualkv_varlen_func"]
 
 
+@torch.compiler.assume_constant_result
+def _backend_name(backend: str, is_cuda: bool) -> str:
+    """Resolved once per (backend, device kind); constant under torch.compile."""
+    return resolve_backend(backend, "cuda" if is_cuda else "cpu")
+
+
 def _run(q, k, v, k_ctx, v_ctx, meta, scale, window, softcap, deterministic, backend):
-    name = resolve_backend(backend, q)
-    get_backend(name).check_supported(q, k, v, window, softcap)
+    name = _backend_name(backend, q.is_cuda)
+    if not torch.compiler.is_compiling():
+        get_backend(name).check_supported(q, k, v, window, softcap)
     return attention_fwd(
         q, k, v, k_ctx, v_ctx, list(meta), scale, -1 if window is None else window,
         0.0 if softcap is None else softcap, deterministic, name,
@@ -105,7 +112,7 @@ def flash_attn_dualkv_varlen_func(
     if not causal:
         raise ValueError("causal: expected True; DualKV attention is causal within each decoded sequence")
     check_qkv(q, k_decoded, v_decoded, k_name="k_decoded", v_name="v_decoded")
-    check_qkv(q, k_context, v_context, k_name="k_context", v_name="v_context")
+    check_qkv(q, k_context, v_context, k_name="k_context", v_name="v_context", same_tokens=False)
     if k_context.shape[0] != context_seqlen:
         raise ValueError(f"context_seqlen: expected k_context.shape[0] ({k_context.shape[0]}), got {context_seqlen}")
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k_decoded", cu_seqlens_k_decoded)):

@@ -15,8 +15,8 @@ def _fail(msg: str):
     raise ValueError(msg)
 
 
-def check_qkv(q, k, v, total: int | None = None, k_name: str = "k", v_name: str = "v") -> None:
-    """q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim)."""
+def check_qkv(q, k, v, total: int | None = None, k_name: str = "k", v_name: str = "v", same_tokens: bool = True) -> None:
+    """q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim), total_k == total_q if same_tokens."""
     for name, t in (("q", q), (k_name, k), (v_name, v)):
         if not isinstance(t, torch.Tensor):
             _fail(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -32,10 +32,10 @@ def check_qkv(q, k, v, total: int | None = None, k_name: str = "k", v_name: str 
             _fail(f"{name}: expected the last (headdim) dimension to be contiguous, got strides {t.stride()}")
     if total is not None and q.shape[0] != total:
         _fail(f"q: expected {total} tokens (the layout's packed length T), got {q.shape[0]}")
+    if same_tokens and k.shape[0] != q.shape[0]:
+        _fail(f"{k_name}: expected {q.shape[0]} tokens like q, got {k.shape[0]}")
     if k.shape[0] != v.shape[0] or k.shape[1] != v.shape[1]:
         _fail(f"{v_name}: expected the same (tokens, heads) as {k_name} {tuple(k.shape[:2])}, got {tuple(v.shape[:2])}")
-    if k.shape[0] != q.shape[0] and k_name == "k":
-        _fail(f"k: expected {q.shape[0]} tokens like q, got {k.shape[0]}")
     H, Hkv = q.shape[1], k.shape[1]
     if Hkv < 1 or H % Hkv != 0:
         _fail(f"{k_name}: expected nheads_k to divide nheads (GQA/MQA), got nheads={H}, nheads_k={Hkv}")

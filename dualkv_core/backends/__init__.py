@@ -52,14 +52,18 @@ def available_backends() -> list[str]:
     return [name for name in BACKENDS if _available(name)]
 
 
-def resolve_backend(name: str, q: torch.Tensor) -> str:
-    """``auto``: the fastest available kernel backend on CUDA tensors, else the reference."""
+def resolve_backend(name: str, where: torch.Tensor | torch.device | str) -> str:
+    """``auto``: the fastest available kernel backend for CUDA tensors, else the reference.
+
+    ``where`` is a tensor (its device counts) or a device.
+    """
+    is_cuda = where.is_cuda if isinstance(where, torch.Tensor) else torch.device(where).type == "cuda"
     if name != "auto":
         backend = get_backend(name)
         if not backend.is_available():
             raise RuntimeError(f"backend {name!r} is not available here: {backend.unavailable_reason()}")
         return name
-    if q.is_cuda:
+    if is_cuda:
         for candidate in AUTO_ORDER_CUDA:
             if _available(candidate):
                 return candidate

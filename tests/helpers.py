@@ -1,0 +1,78 @@
+"""Shared test helpers: random rollout batches and the replicated baseline built with PyTorch's own attention."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+import torch.nn.functional as F
+
+from dualkv.core import PackedLayout
+
+
+def random_lengths(rng: random.Random, groups=(1, 3), n=(1, 4), p=(1, 40), r=(1, 30)):
+    G = rng.randint(*groups)
+    prompt_lens = [rng.randint(*p) for _ in range(G)]
+    response_lens = [[rng.randint(*r) for _ in range(rng.randint(*n))] for _ in range(G)]
+    return prompt_lens, response_lens
+
+
+def random_qkv(layout: PackedLayout, H: int, Hkv: int, d: int, dtype=torch.float64, device="cpu", requires_grad=True):
+    T = layout.total_tokens
+    q = torch.randn(T, H, d, dtype=dtype, device=device)
+    k = torch.randn(T, Hkv, d, dtype=dtype, device=device)
+    v = torch.randn(T, Hkv, d, dtype=dtype, device=device)
+    return [t.requires_grad_(requires_grad) for t in (q, k, v)]
+
+
+def replicated_attention(q, k, v, layout: PackedLayout, scale: float, window=None, softcap=None):
+    """Standard causal attention over the N replicated sequences (prompt copied into every row).
+
+    Uses torch's scaled_dot_product_attention row by row (with an explicit mask for windows and the
+    math path for softcap). Returns (T_rep, H, d) in the replicated order of ``replicated_index``.
+    """
+    idx, cu = layout.replicated_index()
+    rep = q.shape[1] // k.shape[1]
+    outs = []
+    for b in range(layout.num_rows):
+        s, e = int(cu[b]), int(cu[b + 1])
+        qs, ks, vs = (t[idx[s:e]].transpose(0, 1) for t in (q, k, v))  # (H, n, d)
+        ks, vs = ks.repeat_interleave(rep, 0), vs.repeat_interleave(rep, 0)
+        n = e - s
+        if softcap is None and window is None:
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
+        else:
+            pos = torch.arange(n, device=q.device)
+            mask = pos[None, :] <= pos[:, None]
+            if window is not None:
+                mask &= (pos[:, None] - pos[None, :]) < window
+            scores = qs @ ks.transpose(-1, -2) * scale
+            if softcap is not None:
+                scores = softcap * torch.tanh(scores / softcap)
+            o = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ vs
+        outs.append(o.transpose(0, 1))
+    return torch.cat(outs)
+
+
+def padded_rows(groups, rng: random.Random, pad_id: int = 0, shuffle: bool = True):
+    """veRL-style padded rows from [(prompt (P,), [resp (R,), ...]), ...]: left-padded prompts,
+    right-padded responses, a uid per row; rows optionally shuffled. Returns
+    (input_ids (B, L), attention_mask (B, L), response_mask (B, Lr), uid list, row list of (g, i))."""
+    rows = [(g, i) for g, (_, rs) in enumerate(groups) for i in range(len(rs))]
+    if shuffle:
+        rng.shuffle(rows)
+    Lp = max(p.numel() for p, _ in groups) + rng.randint(0, 3)
+    Lr = max(r.numel() for _, rs in groups for r in rs) + rng.randint(0, 3)
+    B = len(rows)
+    ids = torch.full((B, Lp + Lr), pad_id, dtype=torch.long)
+    attn = torch.zeros(B, Lp + Lr, dtype=torch.long)
+    resp_mask = torch.zeros(B, Lr, dtype=torch.long)
+    for b, (g, i) in enumerate(rows):
+        p, r = groups[g][0], groups[g][1][i]
+        ids[b, Lp - p.numel(): Lp] = p
+        attn[b, Lp - p.numel(): Lp] = 1
+        ids[b, Lp: Lp + r.numel()] = r
+        attn[b, Lp: Lp + r.numel()] = 1
+        resp_mask[b, : r.numel()] = 1
+    uid = [f"prompt-{g}" for g, _ in rows]
+    return ids, attn, resp_mask, uid, rows
