@@ -21,6 +21,7 @@ tokens (the baseline DualKV must equal).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -56,12 +57,11 @@ class MicroBatch:
 
 
 def balance_groups(costs: list[int], num_ranks: int) -> list[list[int]]:
-    """Longest-processing-time assignment of groups (by cost) to ranks; each rank's list sorted."""
+    """Longest-processing-time assignment of groups (by cost) to ranks; each rank's list sorted.
+
+    With fewer groups than ranks some ranks get none (they run padding micro-batches only)."""
     if num_ranks < 1:
         raise ValueError(f"num_ranks: expected >= 1, got {num_ranks}")
-    if len(costs) < num_ranks:
-        raise ValueError(f"mini-batch: {len(costs)} groups cannot feed {num_ranks} data-parallel ranks; expected "
-                         f"at least one group per rank (raise the groups per step or lower dp)")
     load = [0] * num_ranks
     members: list[list[int]] = [[] for _ in range(num_ranks)]
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
@@ -115,7 +115,8 @@ def plan_micro_batches(batch: RolloutBatch, packing: Packing, token_budget: int,
         bins = _split_to(bins, costs, count)
         bins.sort(key=lambda b: (-sum(costs[i] for i in b), b))
         mbs = [MicroBatch(tuple(sorted(b)), sum(costs[i] for i in b)) for b in bins]
-        smallest = min((i for b in bins for i in b), key=lambda i: (costs[i], i))
+        mine = [i for b in bins for i in b] or list(range(len(costs)))
+        smallest = min(mine, key=lambda i: (costs[i], i))
         mbs += [MicroBatch((smallest,), costs[smallest], padding=True)] * (count - len(mbs))
         plans.append(mbs)
     return plans
@@ -148,9 +149,10 @@ def _pad_rows(values: list[torch.Tensor], width: int, device) -> torch.Tensor:
     return out.to(device)
 
 
-def build_micro_batch(batch: RolloutBatch, mb: MicroBatch, packing: Packing, device: torch.device | str) -> MicroBatchData:
-    """The layout and per-row tensors of micro-batch ``mb``."""
-    groups = [batch.groups[i] for i in mb.groups]
+def build_micro_batch(groups: Sequence[RolloutGroup], mb: MicroBatch, packing: Packing,
+                      device: torch.device | str) -> MicroBatchData:
+    """The layout and per-row tensors of micro-batch ``mb`` (indices into ``groups``, the mini-batch)."""
+    groups = [groups[i] for i in mb.groups]
     if packing == "dualkv":
         pairs = [(g.prompt_ids, list(g.response_ids)) for g in groups]
     elif packing == "replicated":
