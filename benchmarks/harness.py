@@ -1,0 +1,503 @@
+"""The benchmark harness: configs, the provider registry, formulas, timing, memory, validation.
+
+Every attention benchmark goes through this file: a *provider* (DualKV through its public op, or a
+peer built from PyTorch alone in ``peers.py``) is timed on one *config* with the same inputs, the same
+timer and the same formulas.
+
+Vocabulary: one prompt group of P tokens and N responses of R tokens (``AttnConfig``); T = P + N*R
+packed tokens; T_rep = N*(P+R) tokens of the N-replicated layout; H query heads, H_kv key/value
+heads, head dim d, element size e bytes.
+
+FLOPs are the USEFUL work of the packed layout (the same number for every provider, so a provider
+that recomputes the prompt N times is not credited for it)::
+
+    pairs = P(P+1)/2 + sum_i [ P*R_i + R_i(R_i+1)/2 ]     attended (query, key) pairs
+    flops_fwd    = 4 * d * H * pairs                       (QK^T and PV, 2 FLOPs per multiply-add)
+    flops_bwd    = 2.5 * flops_fwd                          (dV, dP, dQ, dK and the recomputed QK^T)
+    flops_fwdbwd = 3.5 * flops_fwd
+
+Bytes are the least HBM traffic of an exact fused kernel on the packed tensors (reads + writes)::
+
+    bytes_fwd = e * (2*T*H*d + 2*T*H_kv*d) + 4*H*T                    q, k, v in; out, lse (fp32) out
+    bytes_bwd = e * (4*T*H*d + 4*T*H_kv*d) + 4*H*T                    q, k, v, out, dout, lse in; dq, dk, dv out
+
+Timing: the median of CUDA-event-timed repeats, the L2 cache flushed (a 256 MiB buffer zeroed)
+before every repeat, after one untimed warm-up (which absorbs compilation and autotuning). The
+number of repeats follows a time budget per measurement (``budget_ms``), at least 1: a provider
+that needs seconds per call is timed once per mode, a fast one up to ``max_reps`` times. Inputs are
+fresh random tensors per case; every config's q alone is larger than the 60 MB L2 of an H100/H200.
+
+Memory: peak extra = ``max_memory_allocated`` during the timed forward+backward repeats minus what
+was allocated before them (inputs, dout and the flush buffer), i.e. outputs, gradients, saved
+tensors and workspaces.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from dualkv.core import PackedLayout, dualkv_attention
+
+__all__ = [
+    "AttnConfig", "parse_size", "fmt_size", "attended_pairs", "replicated_pairs", "attention_flops",
+    "attention_bytes", "Provider", "PROVIDERS", "register", "get_provider", "Timer", "Timing",
+    "run_case", "validate_provider", "dense_mask", "dense_attention", "MODES",
+]
+
+MODES = ("fwd", "bwd", "fwdbwd")
+FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+# ----------------------------------------------------------------------------------------- configs
+def parse_size(text: str | int) -> int:
+    """``"4K"`` -> 4096, ``"128k"`` -> 131072, ``"512"`` -> 512, ``"1.5K"`` -> 1536."""
+    if isinstance(text, int):
+        return text
+    s = str(text).strip().upper()
+    scale = 1024 if s.endswith("K") else 1024 * 1024 if s.endswith("M") else 1
+    number = s[:-1] if scale > 1 else s
+    try:
+        value = float(number) * scale
+    except ValueError:
+        raise ValueError(f"size: expected an integer with an optional K/M suffix (e.g. 4K), got {text!r}") from None
+    if value != int(value) or value < 1:
+        raise ValueError(f"size: expected a positive whole number of tokens, got {text!r}")
+    return int(value)
+
+
+def fmt_size(n: int) -> str:
+    """4096 -> ``"4K"``, 512 -> ``"512"``."""
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+@dataclass(frozen=True)
+class AttnConfig:
+    """One prompt group: a prompt of P tokens and N responses of R tokens each; heads and dtype."""
+
+    N: int
+    P: int
+    R: int
+    H: int = 32
+    H_kv: int = 8
+    d: int = 128
+    dtype: str = "bfloat16"
+
+    def __post_init__(self):
+        for name in ("N", "P", "R", "H", "H_kv", "d"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)}")
+        if self.H % self.H_kv:
+            raise ValueError(f"H_kv: expected it to divide H={self.H}, got {self.H_kv}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: expected one of {list(DTYPES)}, got {self.dtype!r}")
+
+    @classmethod
+    def parse(cls, text: str, **defaults) -> AttnConfig:
+        """``"28,4K,2K"`` (N, P, R) or ``"N=16,P=32K,R=2K,H=16,H_kv=8,d=256"``; ``defaults`` fill the rest."""
+        parts = [p.strip() for p in text.split(",") if p.strip()]
+        values = dict(defaults)
+        if parts and all("=" not in p for p in parts):
+            if len(parts) != 3:
+                raise ValueError(f"config: expected 'N,P,R' (e.g. 28,4K,2K), got {text!r}")
+            values.update(N=parse_size(parts[0]), P=parse_size(parts[1]), R=parse_size(parts[2]))
+        else:
+            for p in parts:
+                key, _, val = p.partition("=")
+                key = {"hkv": "H_kv", "h_kv": "H_kv"}.get(key.strip().lower(), key.strip())
+                if key not in {"N", "P", "R", "H", "H_kv", "d", "dtype"}:
+                    raise ValueError(f"config: unknown key {key!r} in {text!r}; expected N, P, R, H, H_kv, d, dtype")
+                values[key] = val.strip() if key == "dtype" else parse_size(val)
+        missing = {"N", "P", "R"} - set(values)
+        if missing:
+            raise ValueError(f"config: {text!r} lacks {sorted(missing)}")
+        return cls(**values)
+
+    @property
+    def name(self) -> str:
+        return f"N{self.N}_P{fmt_size(self.P)}_R{fmt_size(self.R)}_H{self.H}_Hkv{self.H_kv}_d{self.d}_{self.dtype}"
+
+    @property
+    def label(self) -> str:
+        return f"{self.N}, {fmt_size(self.P)}, {fmt_size(self.R)}"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def prompt_lens(self) -> list[int]:
+        return [self.P]
+
+    @property
+    def response_lens(self) -> list[list[int]]:
+        return [[self.R] * self.N]
+
+    @property
+    def tokens(self) -> int:
+        return self.P + self.N * self.R
+
+    @property
+    def replicated_tokens(self) -> int:
+        return self.N * (self.P + self.R)
+
+    @property
+    def rho(self) -> float:
+        return self.replicated_tokens / self.tokens
+
+    def layout(self, device) -> PackedLayout:
+        return PackedLayout.from_lengths(self.prompt_lens, self.response_lens, device=device)
+
+
+# ---------------------------------------------------------------------------------------- formulas
+def attended_pairs(prompt_lens, response_lens) -> int:
+    """(query, key) pairs the packed layout attends: sum_g P(P+1)/2 + sum_i [P*R_i + R_i(R_i+1)/2]."""
+    total = 0
+    for p, rs in zip(prompt_lens, response_lens):
+        total += p * (p + 1) // 2 + sum(p * r + r * (r + 1) // 2 for r in rs)
+    return total
+
+
+def replicated_pairs(prompt_lens, response_lens) -> int:
+    """Pairs computed over the N-replicated layout: sum_g sum_i (P+R_i)(P+R_i+1)/2."""
+    return sum((p + r) * (p + r + 1) // 2 for p, rs in zip(prompt_lens, response_lens) for r in rs)
+
+
+def attention_flops(cfg: AttnConfig, mode: str) -> float:
+    """Useful FLOPs of ``mode`` ("fwd", "bwd", "fwdbwd") on the packed layout (module docstring)."""
+    return FLOP_FACTOR[mode] * 4 * cfg.d * cfg.H * attended_pairs(cfg.prompt_lens, cfg.response_lens)
+
+
+def attention_bytes(cfg: AttnConfig, mode: str) -> int:
+    """Least HBM bytes of ``mode`` for an exact fused kernel on the packed tensors (module docstring)."""
+    e = torch.empty(0, dtype=cfg.torch_dtype).element_size()
+    T, q_elems, kv_elems, lse = cfg.tokens, cfg.tokens * cfg.H * cfg.d, cfg.tokens * cfg.H_kv * cfg.d, 4 * cfg.H * cfg.tokens
+    fwd = e * (2 * q_elems + 2 * kv_elems) + lse
+    bwd = e * (4 * q_elems + 4 * kv_elems) + lse
+    return {"fwd": fwd, "bwd": bwd, "fwdbwd": fwd + bwd}[mode] if T else 0
+
+
+# --------------------------------------------------------------------------------------- providers
+class Provider:
+    """One way to compute attention over a config. Subclasses set ``name`` via ``@register``.
+
+    ``prepare`` (untimed) turns the packed q, k, v into the provider's inputs (leaf tensors that
+    require grad: the packed tensors themselves, or the N-replicated copies); ``forward`` (timed)
+    returns the output in the provider's own token order; ``gather`` maps a packed tensor to that
+    order differentiably and ``to_packed`` maps an output back (both used by validation).
+    """
+
+    name = "?"
+    replicated = False  # True: works on the N-replicated layout (T_rep tokens)
+    plan_tflops: float | None = None  # rough rate on COMPUTED pairs, only to skip runs over --max-est-s
+
+    def __init__(self, cfg: AttnConfig, layout: PackedLayout, device: torch.device):
+        self.cfg, self.layout, self.device = cfg, layout, device
+        self.scale = 1.0 / math.sqrt(cfg.d)
+
+    @classmethod
+    def unsupported(cls, cfg: AttnConfig, device: torch.device) -> str | None:
+        """None if the provider can run ``cfg`` on ``device``, else the reason (a short sentence)."""
+        return None
+
+    @classmethod
+    def computed_pairs(cls, cfg: AttnConfig) -> int:
+        if cls.replicated:
+            return replicated_pairs(cfg.prompt_lens, cfg.response_lens)
+        return attended_pairs(cfg.prompt_lens, cfg.response_lens)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def to_packed(self, out: torch.Tensor) -> torch.Tensor:
+        return out
+
+    def prepare(self, q, k, v) -> tuple[torch.Tensor, ...]:
+        return tuple(self.gather(t).detach().requires_grad_() for t in (q, k, v))
+
+    def forward(self, q, k, v) -> torch.Tensor:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what the provider built for this config (compiled graphs, masks)."""
+
+
+PROVIDERS: dict[str, type[Provider]] = {}
+
+
+def register(name: str):
+    def deco(cls):
+        cls.name = name
+        PROVIDERS[name] = cls
+        return cls
+
+    return deco
+
+
+def get_provider(name: str) -> type[Provider]:
+    if name not in PROVIDERS:
+        raise ValueError(f"provider: expected one of {sorted(PROVIDERS)}, got {name!r}")
+    return PROVIDERS[name]
+
+
+class _DualKV(Provider):
+    """DualKV through its public op ``dualkv.core.dualkv_attention`` (custom op + autograd)."""
+
+    backend = "reference"
+
+    @classmethod
+    def unsupported(cls, cfg, device):
+        from dualkv.core.backends import get_backend
+
+        if cls.backend != "reference" and device.type != "cuda":
+            return f"backend {cls.backend!r} needs a CUDA device"
+        try:
+            backend = get_backend(cls.backend)
+        except RuntimeError as err:
+            return str(err)
+        if not backend.is_available():
+            return f"backend {cls.backend!r} is not available: {backend.unavailable_reason()}"
+        return None
+
+    def forward(self, q, k, v):
+        return dualkv_attention(q, k, v, self.layout, softmax_scale=self.scale, backend=self.backend)
+
+
+@register("dualkv-triton")
+class DualKVTriton(_DualKV):
+    backend = "triton"
+
+
+@register("dualkv-cuda")
+class DualKVCuda(_DualKV):
+    backend = "cuda"
+
+
+@register("reference")
+class DualKVReference(_DualKV):
+    """The pure-PyTorch oracle through the same op (correctness anchor, CPU tests; slow)."""
+
+    backend = "reference"
+
+
+# ------------------------------------------------------------------------------------------ timing
+@dataclass
+class Timing:
+    median_ms: float
+    reps: int
+    times_ms: list[float]
+
+
+class Timer:
+    """Median of event-timed repeats with an L2 flush before each (host clock on CPU)."""
+
+    def __init__(self, device: torch.device, budget_ms: float = 400.0, max_reps: int = 30, flush_mib: int = 256):
+        self.device, self.budget_ms, self.max_reps = device, budget_ms, max_reps
+        self.cuda = device.type == "cuda"
+        self._flush = torch.empty(flush_mib * 2**20 // 4, dtype=torch.int32, device=device) if self.cuda else None
+
+    def _once(self, fn: Callable) -> float:
+        if not self.cuda:
+            t0 = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t0) * 1e3
+        self._flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    def measure(self, fn: Callable) -> Timing:
+        """One timed call estimates the cost; then repeats up to the budget (at least one more)."""
+        first = self._once(fn)
+        reps = int(max(1, min(self.max_reps - 1, self.budget_ms // max(first, 1e-3))))
+        times = [self._once(fn) for _ in range(reps)]
+        if reps < 3:  # too few for a median of the later calls alone: keep the estimate too
+            times.append(first)
+        return Timing(statistics.median(times), len(times), times)
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _free(device):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _short(err: BaseException) -> str:
+    text = f"{type(err).__name__}: {err}".strip().splitlines()
+    return (text[0] if text else type(err).__name__)[:300]
+
+
+def _is_oom(err: BaseException) -> bool:
+    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
+
+
+def base_row(cfg: AttnConfig, provider: str) -> dict:
+    pairs = attended_pairs(cfg.prompt_lens, cfg.response_lens)
+    return dict(
+        config=cfg.name, label=cfg.label, N=cfg.N, P=cfg.P, R=cfg.R, H=cfg.H, H_kv=cfg.H_kv, d=cfg.d,
+        dtype=cfg.dtype, T=cfg.tokens, T_rep=cfg.replicated_tokens, rho=round(cfg.rho, 4), pairs=pairs,
+        provider=provider, status="ok",
+    )
+
+
+def run_case(cfg: AttnConfig, provider: str, device: torch.device, timer: Timer, *, modes=MODES,
+             max_est_s: float | None = None, seed: int = 0) -> dict:
+    """Time one provider on one config; returns a result row (status 'ok', 'OOM', 'unsupported: ...',
+    'skipped: ...' or 'error: ...'). Never raises for a provider's own failure."""
+    row = base_row(cfg, provider)
+    cls = get_provider(provider)
+    computed = cls.computed_pairs(cfg)
+    row.update(computed_pairs=computed, bytes_fwd=attention_bytes(cfg, "fwd"), bytes_bwd=attention_bytes(cfg, "bwd"))
+    reason = cls.unsupported(cfg, device)
+    if reason:
+        row["status"] = f"unsupported: {reason}"
+        return row
+    if max_est_s and cls.plan_tflops and device.type == "cuda":
+        planned = FLOP_FACTOR["fwdbwd"] * 4 * cfg.d * cfg.H * computed / (cls.plan_tflops * 1e12)
+        if planned > max_est_s:
+            row["status"] = f"skipped: planned {planned:.0f} s per fwd+bwd call > --max-est-s {max_est_s:g}"
+            return row
+    prov = None
+    try:
+        prov = cls(cfg, cfg.layout(device), device)
+        row.update(_measure(prov, cfg, device, timer, modes, seed))
+    except Exception as err:  # a peer that fails is recorded, not fatal
+        row["status"] = "OOM" if _is_oom(err) else f"error: {_short(err)}"
+    finally:
+        if prov is not None:
+            prov.close()
+        del prov
+        _free(device)
+    return row
+
+
+def _random_qkv(cfg: AttnConfig, device, seed: int):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    shape_q, shape_kv = (cfg.tokens, cfg.H, cfg.d), (cfg.tokens, cfg.H_kv, cfg.d)
+    return [torch.randn(s, generator=gen, device=device, dtype=cfg.torch_dtype) for s in (shape_q, shape_kv, shape_kv)]
+
+
+def _measure(prov: Provider, cfg: AttnConfig, device, timer: Timer, modes, seed: int) -> dict:
+    inputs = prov.prepare(*_random_qkv(cfg, device, seed))
+    result = dict(input_gib=sum(t.numel() * t.element_size() for t in inputs) / 2**30)
+    t0 = time.perf_counter()
+    out = prov.forward(*inputs)
+    dout = torch.randn_like(out)
+    torch.autograd.grad(out, inputs, dout)  # warm-up: compilation, autotuning, plan caches
+    del out
+    _sync(device)
+    result["warmup_s"] = round(time.perf_counter() - t0, 3)
+
+    def fwd():
+        prov.forward(*inputs)
+
+    def fwdbwd():
+        torch.autograd.grad(prov.forward(*inputs), inputs, dout)
+
+    timings = {}
+    if "fwd" in modes:
+        timings["fwd"] = timer.measure(fwd)
+    if "bwd" in modes:
+        out = prov.forward(*inputs)
+        timings["bwd"] = timer.measure(lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True))
+        del out
+    if "fwdbwd" in modes:
+        _sync(device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+        timings["fwdbwd"] = timer.measure(fwdbwd)
+        if device.type == "cuda":
+            result["peak_extra_gib"] = (torch.cuda.max_memory_allocated(device) - base) / 2**30
+    for mode, t in timings.items():
+        result[f"{mode}_ms"] = t.median_ms
+        result[f"{mode}_reps"] = t.reps
+        result[f"{mode}_tflops"] = attention_flops(cfg, mode) / (t.median_ms * 1e-3) / 1e12
+    return result
+
+
+# -------------------------------------------------------------------------------------- validation
+def dense_mask(layout: PackedLayout) -> torch.Tensor:
+    """(T, T) bool, True where query row i attends key column j (the DualKV rule, no window)."""
+    seg = layout.token_segment.long()
+    lo = layout.seg_ctx_start.long()[seg]
+    hi = lo + layout.seg_ctx_len.long()[seg]
+    idx = torch.arange(seg.numel(), device=seg.device)
+    own = (seg[:, None] == seg[None, :]) & (idx[None, :] <= idx[:, None])
+    ctx = (idx[None, :] >= lo[:, None]) & (idx[None, :] < hi[:, None])
+    return own | ctx
+
+
+def dense_attention(q, k, v, mask: torch.Tensor, scale: float, upcast: bool = True) -> torch.Tensor:
+    """Plain PyTorch attention over a dense (T, T) mask; ``upcast=False`` computes in q's dtype
+    (PyTorch's own low-precision error, the yardstick of the tolerances)."""
+    dtype = q.dtype
+    if upcast:
+        q, k, v = q.float(), k.float(), v.float()
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    probs = torch.softmax(scores.masked_fill(~mask, -math.inf), dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v).to(dtype)
+
+
+def validate_provider(provider: str, cfg: AttnConfig, device: torch.device, seed: int = 0) -> dict:
+    """Check a provider's output and dq, dk, dv against ``dualkv.core.reference_attention`` (fp32).
+
+    Tolerance (FlashAttention's tests): ``max|x - ref| <= 2 * max|x_pt - ref| + floor`` for the
+    output, 3x for gradients, where ``x_pt`` is plain PyTorch attention computed in the input dtype
+    and ``floor`` the rounding error of the reference values in that dtype.
+    """
+    from dualkv.core import reference_attention
+
+    cls = get_provider(provider)
+    reason = cls.unsupported(cfg, device)
+    if reason:
+        return dict(provider=provider, config=cfg.name, ok=None, status=f"unsupported: {reason}")
+    layout = cfg.layout(device)
+    prov = cls(cfg, layout, device)
+    try:
+        q, k, v = (t.requires_grad_() for t in _random_qkv(cfg, device, seed))
+        dout = torch.randn_like(q)
+        scale = prov.scale
+        q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+        ref = reference_attention(q32, k32, v32, layout, softmax_scale=scale)
+        ref_grads = torch.autograd.grad(ref, (q32, k32, v32), dout.float())
+        mask = dense_mask(layout)
+        pt = dense_attention(q, k, v, mask, scale, upcast=False)
+        pt_grads = torch.autograd.grad(pt, (q, k, v), dout)
+        out = prov.to_packed(prov.forward(*(prov.gather(t) for t in (q, k, v))))
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        report = dict(provider=provider, config=cfg.name, ok=True, status="ok")
+        for name, x, x_pt, x_ref, mult in [("out", out, pt, ref, 2)] + [
+            (n, g, gp, gr, 3) for n, g, gp, gr in zip(("dq", "dk", "dv"), grads, pt_grads, ref_grads)
+        ]:
+            x_ref = x_ref.float()
+            floor = (x_ref.to(cfg.torch_dtype).float() - x_ref).abs().max().item()
+            err = (x.float() - x_ref).abs().max().item()
+            err_pt = (x_pt.float() - x_ref).abs().max().item()
+            tol = mult * err_pt + floor + 1e-6
+            report[f"{name}_err"], report[f"{name}_tol"] = err, tol
+            if not err <= tol:  # NaN fails too
+                report["ok"], report["status"] = False, f"{name} error {err:.3g} > tolerance {tol:.3g}"
+        return report
+    except Exception as err:
+        return dict(provider=provider, config=cfg.name, ok=False, status=("OOM" if _is_oom(err) else f"error: {_short(err)}"))
+    finally:
+        prov.close()
+        _free(device)

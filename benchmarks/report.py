@@ -1,0 +1,308 @@
+"""Results of a benchmark: the environment record, JSON/CSV writers, markdown tables and plots.
+
+A results file holds ``{"meta": {...card, date, versions, command...}, "validation": [...], "rows": [...]}``;
+the CSV beside it repeats card, date and command on every row. Files are rewritten after every row,
+so an interrupted run keeps what it measured.
+
+Merge several results files into one table and plot::
+
+    python -m benchmarks.report benchmarks/results/a.json benchmarks/results/b.json --stem attention_h200
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+__all__ = ["environment", "ResultWriter", "load_results", "markdown_table", "detail_table", "plot_results", "PROVIDER_ORDER"]
+
+PROVIDER_ORDER = [
+    "dualkv-triton", "dualkv-cuda", "cudnn-cascade", "flex-packed", "fa2-cascade", "cudnn-replicated",
+    "fa2-replicated", "sdpa-efficient-replicated", "reference",
+]
+CSV_COLUMNS = [
+    "config", "label", "N", "P", "R", "H", "H_kv", "d", "dtype", "T", "T_rep", "rho", "pairs", "computed_pairs",
+    "provider", "status", "fwd_ms", "bwd_ms", "fwdbwd_ms", "fwd_tflops", "bwd_tflops", "fwdbwd_tflops",
+    "fwd_reps", "bwd_reps", "fwdbwd_reps", "peak_extra_gib", "input_gib", "bytes_fwd", "bytes_bwd", "warmup_s",
+]
+
+
+def _git_commit() -> str | None:
+    if os.environ.get("DUALKV_GIT_COMMIT"):
+        return os.environ["DUALKV_GIT_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=Path(__file__).resolve().parents[1])
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def environment(device: torch.device, module: str, argv: list[str] | None = None) -> dict:
+    """Card, date, library versions and the exact command (``python -m <module> <args>``)."""
+    argv = sys.argv[1:] if argv is None else argv
+    versions = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
+    try:
+        import triton
+
+        versions["triton"] = triton.__version__
+    except ImportError:
+        versions["triton"] = None
+    try:
+        from importlib.metadata import version
+
+        versions["dualkv"] = version("dualkv")
+    except Exception:
+        versions["dualkv"] = None
+    if device.type == "cuda":
+        versions["cudnn"] = torch.backends.cudnn.version()
+        props = torch.cuda.get_device_properties(device)
+        card = dict(name=props.name, memory_gib=round(props.total_memory / 2**30, 1), sms=props.multi_processor_count,
+                    capability=f"{props.major}.{props.minor}")
+    else:
+        card = dict(name=f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)")
+    return dict(
+        card=card, date=datetime.now(timezone.utc).isoformat(timespec="seconds"), versions=versions,
+        git_commit=_git_commit(), command=shlex.join(["python", "-m", module, *argv]), host=platform.node(),
+    )
+
+
+class ResultWriter:
+    """Writes ``<stem>.json`` and ``<stem>.csv`` after every row; ``finish`` adds the table and plots."""
+
+    def __init__(self, out_dir: str | Path, stem: str, meta: dict):
+        self.dir = Path(out_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.stem, self.meta = stem, meta
+        self.rows: list[dict] = []
+        self.validation: list[dict] = []
+
+    @property
+    def json_path(self) -> Path:
+        return self.dir / f"{self.stem}.json"
+
+    def add(self, row: dict) -> None:
+        self.rows.append(row)
+        self.flush()
+
+    def add_validation(self, report: dict) -> None:
+        self.validation.append(report)
+        self.flush()
+
+    def flush(self) -> None:
+        payload = dict(meta=self.meta, validation=self.validation, rows=self.rows)
+        tmp = self.json_path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(payload, indent=1, default=str))
+        tmp.replace(self.json_path)
+        write_csv(self.dir / f"{self.stem}.csv", self.rows, self.meta)
+
+    def finish(self, plots: bool = True) -> list[Path]:
+        self.flush()
+        results = dict(meta=self.meta, validation=self.validation, rows=self.rows)
+        paths = [self.json_path, self.dir / f"{self.stem}.csv", write_markdown(self.dir / f"{self.stem}.md", [results])]
+        if plots and self.rows:
+            paths += plot_results(self.rows, self.dir / self.stem, title=_card_name(self.meta))
+        return paths
+
+
+def write_csv(path: Path, rows: list[dict], meta: dict) -> None:
+    extra = sorted({k for r in rows for k in r} - set(CSV_COLUMNS))
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS + extra + ["card", "date", "command"])
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({**r, "card": _card_name(meta), "date": meta.get("date"), "command": meta.get("command")})
+
+
+def _card_name(meta: dict) -> str:
+    card = meta.get("card", {})
+    return card.get("name", "?") if isinstance(card, dict) else str(card)
+
+
+def load_results(paths) -> list[dict]:
+    return [json.loads(Path(p).read_text()) for p in paths]
+
+
+def merged_rows(results: list[dict]) -> list[dict]:
+    """Rows of several results, a later file replacing an earlier one's (config, provider) row
+    unless the later row was not measured (skipped/not run) and the earlier one was."""
+    table: dict[tuple, dict] = {}
+    for res in results:
+        for r in res["rows"]:
+            key = (r["config"], r["provider"])
+            old = table.get(key)
+            if old is None or _rank(r) >= _rank(old):
+                table[key] = {**r, "_date": res["meta"].get("date"), "_command": res["meta"].get("command")}
+    return list(table.values())
+
+
+def _rank(row: dict) -> int:
+    s = row["status"]
+    return 2 if s in ("ok", "OOM") else 1 if s.startswith(("error", "unsupported")) else 0
+
+
+def _cell(row: dict | None, mode: str = "fwdbwd") -> str:
+    if row is None:
+        return "—"
+    s = row["status"]
+    if s == "ok" and row.get(f"{mode}_ms") is not None:
+        return f"{row[f'{mode}_ms']:.1f} ({row[f'{mode}_tflops']:.0f})"
+    if s == "OOM":
+        return "OOM"
+    return s.split(":")[0]
+
+
+def _groups(rows: list[dict]) -> dict[tuple, list[dict]]:
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["d"], r["H"], r["H_kv"], r["dtype"]), []).append(r)
+    return groups
+
+
+def _providers(rows: list[dict]) -> list[str]:
+    present = {r["provider"] for r in rows}
+    return [p for p in PROVIDER_ORDER if p in present] + sorted(present - set(PROVIDER_ORDER))
+
+
+def markdown_table(rows: list[dict], mode: str = "fwdbwd") -> str:
+    """Configs x providers, cells ``ms (useful TFLOP/s)``, one table per (d, H, H_kv, dtype)."""
+    out = []
+    for (d, H, Hkv, dtype), grp in _groups(rows).items():
+        provs = _providers(grp)
+        configs = list(dict.fromkeys(r["config"] for r in grp))
+        by = {(r["config"], r["provider"]): r for r in grp}
+        out.append(f"{dtype}, H={H}, H_kv={Hkv}, d={d}; {_MODE_NAMES[mode]}, ms (useful TFLOP/s):\n")
+        out.append("| N, P, R | rho | " + " | ".join(provs) + " |")
+        out.append("| --- | --- | " + " | ".join("---" for _ in provs) + " |")
+        for c in configs:
+            first = next(r for r in grp if r["config"] == c)
+            cells = [_cell(by.get((c, p)), mode) for p in provs]
+            out.append(f"| {first['label']} | {first['rho']:.2f} | " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+_MODE_NAMES = {"fwd": "forward", "bwd": "backward", "fwdbwd": "forward+backward"}
+
+
+def detail_table(rows: list[dict]) -> str:
+    head = ("| config | provider | status | fwd ms | bwd ms | fwd+bwd ms | TFLOP/s fwd | bwd | fwd+bwd "
+            "| peak extra GiB | inputs GiB | reps (fwd/bwd/both) |")
+    out = [head, "|" + " --- |" * 12]
+
+    def num(r, k, fmt):
+        v = r.get(k)
+        return format(v, fmt) if isinstance(v, (int, float)) else ""
+
+    for r in rows:
+        reps = "/".join(str(r.get(f"{m}_reps", "")) for m in ("fwd", "bwd", "fwdbwd"))
+        status = r["status"].replace("|", "/")
+        out.append(
+            f"| {r['label']} d={r['d']} H={r['H']}/{r['H_kv']} | {r['provider']} | {status} | {num(r, 'fwd_ms', '.2f')} "
+            f"| {num(r, 'bwd_ms', '.2f')} | {num(r, 'fwdbwd_ms', '.2f')} | {num(r, 'fwd_tflops', '.0f')} "
+            f"| {num(r, 'bwd_tflops', '.0f')} | {num(r, 'fwdbwd_tflops', '.0f')} | {num(r, 'peak_extra_gib', '.2f')} "
+            f"| {num(r, 'input_gib', '.2f')} | {reps} |"
+        )
+    return "\n".join(out)
+
+
+def write_markdown(path: Path, results: list[dict], rows: list[dict] | None = None) -> Path:
+    rows = merged_rows(results) if rows is None else rows
+    lines = [f"# {path.stem}", ""]
+    for res in results:
+        m = res["meta"]
+        v = m.get("versions", {})
+        lines.append(f"- {_card_name(m)}, {m.get('date')}: `{m.get('command')}`  ")
+        lines.append(f"  torch {v.get('torch')}, CUDA {v.get('cuda')}, cuDNN {v.get('cudnn')}, Triton {v.get('triton')}, "
+                     f"dualkv {v.get('dualkv')} (commit {m.get('git_commit')})")
+    lines += ["", "Useful TFLOP/s = 3.5 * 4*d*H*(attended pairs of the packed layout) / time for forward+backward "
+              "(1x forward, 2.5x backward); the same FLOP count for every provider.", ""]
+    for mode in ("fwdbwd", "fwd", "bwd"):
+        lines += [markdown_table(rows, mode), ""]
+    lines += ["All rows:", "", detail_table(rows), ""]
+    failed = [r for res in results for r in res.get("validation", []) if r.get("ok") is False]
+    checked = [r for res in results for r in res.get("validation", []) if r.get("ok")]
+    if checked or failed:
+        lines.append(f"Validation against dualkv.core.reference_attention: {len(checked)} passed, {len(failed)} failed.")
+        lines += [f"- {r['provider']} {r['config']}: {r['status']}" for r in failed]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def plot_results(rows: list[dict], stem: Path, title: str = "") -> list[Path]:
+    """``<stem>_tflops.png`` (useful TFLOP/s, forward+backward) and ``<stem>_ms.png`` (time, log scale)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = _groups(rows)
+    paths = []
+    for metric, ylabel, log in (("fwdbwd_tflops", "useful TFLOP/s, forward+backward", False),
+                                ("fwdbwd_ms", "forward+backward ms (log scale)", True)):
+        fig, axes = plt.subplots(1, len(groups), figsize=(max(6, 3.2 * sum(len({r['config'] for r in g}) for g in groups.values())), 4.5),
+                                 squeeze=False, gridspec_kw=dict(width_ratios=[len({r["config"] for r in g}) for g in groups.values()]))
+        for ax, ((d, H, Hkv, dtype), grp) in zip(axes[0], groups.items()):
+            provs = _providers(grp)
+            configs = list(dict.fromkeys(r["config"] for r in grp))
+            by = {(r["config"], r["provider"]): r for r in grp}
+            width = 0.8 / max(1, len(provs))
+            for j, p in enumerate(provs):
+                xs, ys, notes = [], [], []
+                for i, c in enumerate(configs):
+                    r = by.get((c, p))
+                    x = i - 0.4 + width * (j + 0.5)
+                    if r is not None and r["status"] == "ok" and r.get(metric) is not None:
+                        xs.append(x)
+                        ys.append(r[metric])
+                    elif r is not None:
+                        notes.append((x, "OOM" if r["status"] == "OOM" else r["status"].split(":")[0]))
+                bars = ax.bar(xs, ys, width, label=p)
+                for x, text in notes:
+                    ax.text(x, 0.02, text, rotation=90, ha="center", va="bottom", fontsize=6,
+                            color=bars.patches[0].get_facecolor() if bars.patches else "gray", transform=ax.get_xaxis_transform())
+            labels = [next(r["label"] for r in grp if r["config"] == c) for c in configs]
+            ax.set_xticks(range(len(configs)), labels, rotation=30, fontsize=8)
+            ax.set_xlabel("N, P, R")
+            ax.set_title(f"{dtype} H={H} H_kv={Hkv} d={d}", fontsize=9)
+            if log:
+                ax.set_yscale("log")
+            ax.grid(axis="y", alpha=0.3)
+        axes[0][0].set_ylabel(ylabel)
+        axes[0][-1].legend(fontsize=7, loc="best")
+        fig.suptitle(f"Shared-prompt attention, {title}", fontsize=10)
+        fig.tight_layout()
+        path = Path(f"{stem}_{metric.split('_')[1]}.png")
+        fig.savefig(path, dpi=130)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description="Merge benchmark results files into one markdown table and plots.")
+    ap.add_argument("results", nargs="+", help="results .json files (later files win for the same config and provider)")
+    ap.add_argument("--stem", required=True, help="output name, e.g. attention_h200")
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args(argv)
+    results = load_results(args.results)
+    rows = merged_rows(results)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(write_markdown(out / f"{args.stem}.md", results, rows))
+    for p in plot_results(rows, out / args.stem, title=_card_name(results[-1]["meta"])):
+        print(p)
+
+
+if __name__ == "__main__":
+    main()

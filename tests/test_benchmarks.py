@@ -1,0 +1,272 @@
+"""CPU tests of the benchmark harness: formulas, config parsing, timing, the results writer and plots,
+the cascade's LSE merge and backward (with pure-PyTorch pieces), the replicated view, and the
+reference provider end to end at a tiny shape."""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: ``benchmarks``
+
+from benchmarks import bench_attention, peers, report  # noqa: E402
+from benchmarks.harness import (  # noqa: E402
+    AttnConfig, Provider, Timer, attended_pairs, attention_bytes, attention_flops, dense_attention, dense_mask,
+    fmt_size, parse_size, register, replicated_pairs, run_case, validate_provider,
+)
+from dualkv.core import PackedLayout, reference_attention  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+# ------------------------------------------------------------------------------- sizes and configs
+@pytest.mark.parametrize("text, n", [("4K", 4096), ("128k", 131072), ("512", 512), ("1.5K", 1536), (7, 7)])
+def test_parse_size(text, n):
+    assert parse_size(text) == n
+
+
+@pytest.mark.parametrize("bad", ["", "K", "1.3", "-2K", "abc"])
+def test_parse_size_rejects(bad):
+    with pytest.raises(ValueError, match="size"):
+        parse_size(bad)
+
+
+def test_fmt_size_round_trips():
+    for n in (512, 2048, 4096, 131072, 777):
+        assert parse_size(fmt_size(n)) == n
+
+
+def test_config_parse_both_forms():
+    a = AttnConfig.parse("28,4K,2K", H=32, H_kv=8, d=128)
+    assert (a.N, a.P, a.R, a.H, a.H_kv, a.d) == (28, 4096, 2048, 32, 8, 128)
+    b = AttnConfig.parse("N=16,P=32K,R=2K,H=16,hkv=8,d=256")
+    assert (b.N, b.P, b.R, b.H, b.H_kv, b.d) == (16, 32768, 2048, 16, 8, 256)
+    assert b.label == "16, 32K, 2K" and "d256" in b.name
+    assert a.tokens == 4096 + 28 * 2048 and a.replicated_tokens == 28 * (4096 + 2048)
+    assert a.rho == pytest.approx(a.layout(CPU).rho)
+
+
+@pytest.mark.parametrize("bad, match", [("1,2", "N,P,R"), ("N=1,P=2", "lacks"), ("N=1,P=2,R=3,Q=4", "unknown key"),
+                                         ("N=1,P=2,R=3,H=6,H_kv=4", "H_kv")])
+def test_config_parse_rejects(bad, match):
+    with pytest.raises(ValueError, match=match):
+        AttnConfig.parse(bad)
+
+
+def test_presets_are_the_issue_table():
+    got = [(c.N, c.P, c.R) for c in bench_attention.PRESETS["issue3"]]
+    K = 1024
+    assert got == [(28, 4 * K, 2 * K), (28, 16 * K, 2 * K), (16, 32 * K, 2 * K), (16, 64 * K, 2 * K), (32, 8 * K, 2 * K),
+                   (8, 16 * K, 512), (16, 128 * K, 2 * K)]
+    assert all((c.H, c.H_kv, c.d, c.dtype) == (32, 8, 128, "bfloat16") for c in bench_attention.PRESETS["issue3"])
+    assert {(c.H, c.H_kv, c.d) for c in bench_attention.PRESETS["d512"]} == {(16, 2, 512)}
+
+
+# ---------------------------------------------------------------------------------------- formulas
+@pytest.mark.parametrize("prompts, responses", [([5], [[3, 1, 4]]), ([1, 7], [[2], [1, 1, 9]]), ([13], [[1]])])
+def test_pairs_match_the_mask(prompts, responses):
+    layout = PackedLayout.from_lengths(prompts, responses)
+    assert attended_pairs(prompts, responses) == int(dense_mask(layout).sum())
+    brute = sum((p + r) * (p + r + 1) // 2 for p, rs in zip(prompts, responses) for r in rs)
+    assert replicated_pairs(prompts, responses) == brute
+
+
+def test_flops_and_bytes_formulas():
+    cfg = AttnConfig(N=2, P=4, R=3, H=4, H_kv=2, d=8)
+    pairs = 4 * 5 // 2 + 2 * (4 * 3 + 3 * 4 // 2)  # 10 + 2 * 18 = 46
+    assert attended_pairs(cfg.prompt_lens, cfg.response_lens) == pairs
+    assert attention_flops(cfg, "fwd") == 4 * 8 * 4 * pairs
+    assert attention_flops(cfg, "bwd") == 2.5 * attention_flops(cfg, "fwd")
+    assert attention_flops(cfg, "fwdbwd") == 3.5 * attention_flops(cfg, "fwd")
+    T = 10
+    q, kv = T * 4 * 8, T * 2 * 8
+    assert attention_bytes(cfg, "fwd") == 2 * (2 * q + 2 * kv) + 4 * 4 * T
+    assert attention_bytes(cfg, "bwd") == 2 * (4 * q + 4 * kv) + 4 * 4 * T
+    assert attention_bytes(cfg, "fwdbwd") == attention_bytes(cfg, "fwd") + attention_bytes(cfg, "bwd")
+
+
+def test_issue_table_useful_flops():
+    """(28, 4K, 2K), d=128, H=32: the count behind the peer table's TFLOP/s (e.g. 48 ms <-> ~362)."""
+    cfg = bench_attention.PRESETS["issue3"][0]
+    assert attention_flops(cfg, "fwdbwd") / 48e-3 / 1e12 == pytest.approx(362, rel=0.01)
+
+
+def test_dense_attention_matches_reference():
+    layout = PackedLayout.from_lengths([9, 4], [[3, 1], [5]])
+    q = torch.randn(layout.total_tokens, 4, 16)
+    k, v = torch.randn(2, layout.total_tokens, 2, 16)
+    ref = reference_attention(q, k, v, layout, softmax_scale=0.25)
+    torch.testing.assert_close(dense_attention(q, k, v, dense_mask(layout), 0.25), ref, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ timing
+def test_timer_cpu_median_and_budget():
+    calls = []
+    timer = Timer(CPU, budget_ms=5.0, max_reps=4)
+    t = timer.measure(lambda: calls.append(sum(range(20000))))
+    assert 1 <= len(calls) - 1 <= 3 and t.reps >= 1 and t.median_ms > 0
+    assert t.median_ms == pytest.approx(sorted(t.times_ms)[len(t.times_ms) // 2], rel=1) and len(t.times_ms) == t.reps
+
+
+# ------------------------------------------------------------------------------- cascade, on CPU
+class TorchPiece:
+    """A pure-PyTorch stand-in for one FA2/cuDNN piece (same fwd/bwd contract, lse (H, S_q) fp32),
+    varlen with bottom-right causal alignment, explicit backward from the out and lse given."""
+
+    def __init__(self, cu_q, cu_k, causal, scale):
+        self.cu_q, self.cu_k, self.causal, self.scale = list(cu_q), list(cu_k), causal, scale
+
+    def _mask(self):
+        m = torch.zeros(self.cu_q[-1], self.cu_k[-1], dtype=torch.bool)
+        for (qa, qe), (ka, ke) in zip(zip(self.cu_q, self.cu_q[1:]), zip(self.cu_k, self.cu_k[1:])):
+            block = torch.ones(qe - qa, ke - ka, dtype=torch.bool)
+            if self.causal:
+                i, j = torch.arange(qe - qa)[:, None], torch.arange(ke - ka)[None, :]
+                block = j <= i + (ke - ka) - (qe - qa)
+            m[qa:qe, ka:ke] = block
+        return m
+
+    def _scores(self, q, k):
+        rep = q.shape[1] // k.shape[1]
+        s = torch.einsum("qhd,khd->hqk", q.float(), k.float().repeat_interleave(rep, 1)) * self.scale
+        return s.masked_fill(~self._mask(), -math.inf), rep
+
+    def fwd(self, q, k, v):
+        s, rep = self._scores(q, k)
+        lse = torch.logsumexp(s, -1)
+        out = torch.einsum("hqk,khd->qhd", torch.exp(s - lse[..., None]), v.float().repeat_interleave(rep, 1))
+        return out.to(q.dtype), lse, None
+
+    def bwd(self, dout, q, k, v, out, lse, state):
+        s, rep = self._scores(q, k)
+        p = torch.exp(s - lse[..., None])
+        do = dout.float()
+        delta = (do * out.float()).sum(-1).t()  # (H, S_q)
+        vv = v.float().repeat_interleave(rep, 1)
+        dv = torch.einsum("hqk,qhd->khd", p, do)
+        ds = p * (torch.einsum("qhd,khd->hqk", do, vv) - delta[..., None]) * self.scale
+        dq = torch.einsum("hqk,khd->qhd", ds, k.float().repeat_interleave(rep, 1))
+        dk = torch.einsum("hqk,qhd->khd", ds, q.float())
+        fold = lambda x: x.view(x.shape[0], -1, rep, x.shape[2]).sum(2)  # noqa: E731
+        return dq.to(q.dtype), fold(dk).to(k.dtype), fold(dv).to(v.dtype)
+
+
+@pytest.mark.parametrize("expand", [False, True])
+def test_cascade_merge_and_backward_exact(expand):
+    P, rs, H, Hkv, d = 11, [5, 1, 7], 4, 2, 16
+    layout = PackedLayout.from_lengths([P], [rs])
+    T, NR, scale = layout.total_tokens, sum(rs), 0.3
+    cu_r = [0] + torch.tensor(rs).cumsum(0).tolist()
+    plan = peers.CascadePlan(P, H // Hkv, TorchPiece([0, P], [0, P], True, scale), TorchPiece([0, NR], [0, P], False, scale),
+                             TorchPiece(cu_r, cu_r, True, scale), expand=expand)
+    q = torch.randn(T, H, d, requires_grad=True)
+    k, v = (torch.randn(T, Hkv, d, requires_grad=True) for _ in range(2))
+    dout = torch.randn(T, H, d)
+    out = peers.cascade_attention(q, k, v, plan)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref = reference_attention(q, k, v, layout, softmax_scale=scale)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, atol=1e-4, rtol=1e-4)
+
+
+# ------------------------------------------------------------------------- replicated view, on CPU
+@register("test-torch-replicated")
+class TorchReplicated(peers._Replicated):
+    """Plain causal attention per replicated row (tests the gather / to_packed / gradient path)."""
+
+    def forward(self, q, k, v):
+        rep = self.cfg.H // self.cfg.H_kv
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        out = torch.nn.functional.scaled_dot_product_attention(self._rows(q), self._rows(k), self._rows(v), is_causal=True,
+                                                               scale=self.scale)
+        return out.transpose(1, 2).reshape(q.shape)
+
+
+def test_replicated_provider_validates():
+    cfg = AttnConfig(N=3, P=37, R=11, H=4, H_kv=2, d=16)
+    rep = validate_provider("test-torch-replicated", cfg, CPU)
+    assert rep["ok"] is True, rep
+    prov = TorchReplicated(cfg, cfg.layout(CPU), CPU)
+    assert prov.index.numel() == cfg.replicated_tokens and Provider.computed_pairs.__func__(TorchReplicated, cfg) == \
+        replicated_pairs(cfg.prompt_lens, cfg.response_lens)
+
+
+def test_flex_forward_mask_on_cpu():
+    """FlexAttention's shared-prompt block mask (forward only: no CPU backward) against the reference."""
+    cfg = AttnConfig(N=3, P=130, R=70, H=4, H_kv=2, d=16, dtype="float32")
+    layout = cfg.layout(CPU)
+    prov = peers.FlexPacked(cfg, layout, CPU)
+    q = torch.randn(cfg.tokens, 4, 16)
+    k, v = torch.randn(2, cfg.tokens, 2, 16)
+    with torch.no_grad():
+        out = prov.forward(q, k, v)
+    torch.testing.assert_close(out, reference_attention(q, k, v, layout), atol=2e-5, rtol=2e-5)
+    prov.close()
+
+
+# -------------------------------------------------------------------------------- results, plots
+def _fake_rows():
+    cfg = bench_attention.PRESETS["quick"][0]
+    base = dict(config=cfg.name, label=cfg.label, N=cfg.N, P=cfg.P, R=cfg.R, H=cfg.H, H_kv=cfg.H_kv, d=cfg.d,
+                dtype=cfg.dtype, T=cfg.tokens, T_rep=cfg.replicated_tokens, rho=cfg.rho, pairs=1)
+    ok = dict(base, provider="dualkv-triton", status="ok", fwd_ms=10.0, bwd_ms=25.0, fwdbwd_ms=35.0, fwd_tflops=400.0,
+              bwd_tflops=400.0, fwdbwd_tflops=400.0, fwd_reps=5, bwd_reps=5, fwdbwd_reps=5, peak_extra_gib=1.5)
+    oom = dict(base, provider="fa2-replicated", status="OOM")
+    skip = dict(base, provider="cudnn-replicated", status="skipped: planned 30 s per fwd+bwd call > --max-est-s 10")
+    return [ok, oom, skip]
+
+
+def test_writer_tables_and_plots(tmp_path):
+    meta = report.environment(CPU, "benchmarks.bench_attention", ["--preset", "quick"])
+    assert meta["command"] == "python -m benchmarks.bench_attention --preset quick"
+    assert meta["versions"]["torch"] == torch.__version__ and meta["date"] and meta["card"]["name"]
+    writer = report.ResultWriter(tmp_path, "fake", meta)
+    for row in _fake_rows():
+        writer.add(row)
+    paths = writer.finish()
+    assert {p.suffix for p in paths} == {".json", ".csv", ".md", ".png"} and all(p.exists() for p in paths)
+    data = json.loads((tmp_path / "fake.json").read_text())
+    assert data["meta"]["command"] == meta["command"] and len(data["rows"]) == 3
+    md = (tmp_path / "fake.md").read_text()
+    assert "| 28, 4K, 2K |" in md and "35.0 (400)" in md and "OOM" in md and "skipped" in md
+    csv_text = (tmp_path / "fake.csv").read_text().splitlines()
+    assert csv_text[0].startswith("config,label") and csv_text[0].endswith("card,date,command") and len(csv_text) == 4
+
+
+def test_merge_prefers_measured_rows(tmp_path):
+    rows = _fake_rows()
+    first = dict(meta=dict(date="a", command="x"), rows=[rows[0]])
+    later = dict(meta=dict(date="b", command="y"), rows=[dict(rows[0], status="not run: --deadline-s reached"), rows[1]])
+    merged = {r["provider"]: r for r in report.merged_rows([first, later])}
+    assert merged["dualkv-triton"]["status"] == "ok" and merged["dualkv-triton"]["_date"] == "a"
+    assert merged["fa2-replicated"]["status"] == "OOM"
+
+
+# ------------------------------------------------------------------------ end to end, reference
+def test_reference_provider_end_to_end(tmp_path):
+    path = bench_attention.main(["--preset", "tiny", "--device", "cpu", "--providers", "reference,fa2-cascade",
+                                 "--validate", "--out", str(tmp_path), "--stem", "tiny", "--budget-ms", "5", "--max-reps", "2"])
+    data = json.loads(Path(path).read_text())
+    rows = {r["provider"]: r for r in data["rows"]}
+    ref = rows["reference"]
+    assert ref["status"] == "ok", ref
+    for mode in ("fwd", "bwd", "fwdbwd"):
+        assert ref[f"{mode}_ms"] > 0 and ref[f"{mode}_tflops"] > 0
+    assert rows["fa2-cascade"]["status"].startswith("unsupported")
+    assert [v["ok"] for v in data["validation"]] == [True, None]
+    assert (tmp_path / "tiny_tflops.png").exists() and (tmp_path / "tiny.md").exists()
+
+
+def test_run_case_records_errors():
+    @register("test-broken")
+    class Broken(Provider):
+        def forward(self, q, k, v):
+            raise RuntimeError("kernel exploded\nsecond line")
+
+    row = run_case(AttnConfig(N=1, P=3, R=2, H=2, H_kv=1, d=8), "test-broken", CPU, Timer(CPU))
+    assert row["status"] == "error: RuntimeError: kernel exploded"
