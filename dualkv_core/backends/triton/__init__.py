@@ -1,0 +1,87 @@
+"""Triton backend: fused DualKV attention kernels, forward and backward, one launch each.
+
+Forward: one launch over (query tiles of every segment, heaviest first) x heads; a response tile
+reads its group's prompt blocks (no mask but a window edge or the ragged tail) then its own blocks
+(causal only near the diagonal); online softmax in fp32 with exp2; LSE saved for backward. GQA/MQA
+read K/V of the shared kv head directly (never expanded); a tile's heads are neighbours in the
+launch, so they read the same K/V through L2.
+
+Backward: ``delta = rowsum(dO * O)``; a key-parallel dK/dV kernel (a prompt key block takes its own
+prompt queries causally plus every reader query of its group, the long reader range split over
+several programs whose fp32 partials are summed in a fixed order and cast once); dQ either from
+fp32 atomics inside that kernel (the default) or from a separate query-parallel kernel.
+
+Determinism: dK, dV (and the context gradients) are bit-identical run to run in both modes. dQ with
+``deterministic=False`` (the default) is accumulated with fp32 atomics, so its last bits can change
+between runs; ``deterministic=True`` computes dQ in its own kernel without atomics (bit-identical),
+which recomputes the scores once more: roughly +40% matmul work in the backward.
+
+Supported: fp16 and bf16 on CUDA (fp32 too, exact IEEE dots, slow); head dims 16..512 (96 and 192
+run padded to 128 and 256); any GQA ratio; sliding windows; tanh softcap. Without a GPU the
+kernels run under the Triton interpreter (``TRITON_INTERPRET=1``, fp32/fp16), which is what the
+CPU tests use.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+NAME = "triton"
+HEAD_DIMS = (16, 32, 64, 96, 128, 192, 256, 512)
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+try:
+    import triton  # noqa: F401
+
+    _IMPORT_ERROR = None
+except ImportError as err:  # pragma: no cover - triton is a test dependency
+    _IMPORT_ERROR = err
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def is_available() -> bool:
+    return _IMPORT_ERROR is None and (torch.cuda.is_available() or _interpret())
+
+
+def unavailable_reason() -> str:
+    if _IMPORT_ERROR is not None:
+        return f"triton is not importable ({_IMPORT_ERROR}); install dualkv[triton]"
+    if not is_available():
+        return "no CUDA device (set TRITON_INTERPRET=1 to run the kernels in the CPU interpreter)"
+    return ""
+
+
+def check_supported(q, k, v, window, softcap) -> None:
+    """Raise ValueError, naming the argument, for inputs these kernels do not handle."""
+    if q.dtype not in _DTYPES:
+        raise ValueError(f"q: expected dtype float16, bfloat16 or float32 for the triton backend, got {q.dtype}")
+    if q.shape[2] not in HEAD_DIMS:
+        raise ValueError(f"q: expected headdim in {HEAD_DIMS} for the triton backend, got {q.shape[2]}")
+    if q.is_cuda:
+        if q.dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+            raise ValueError("q: bfloat16 needs a GPU with bf16 support (compute capability >= 8.0)")
+    elif not _interpret():
+        raise ValueError(f"q: expected a CUDA tensor for the triton backend, got device {q.device} "
+                         "(TRITON_INTERPRET=1 runs the kernels on CPU)")
+    elif q.dtype == torch.bfloat16:
+        raise ValueError("q: bfloat16 is not supported by the Triton CPU interpreter; use float16 or float32")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}: expected a contiguous last dimension, got strides {t.stride()}")
+
+
+def forward(q, k, v, k_ctx, v_ctx, meta, softmax_scale, window, softcap):
+    from .launcher import forward as _forward
+
+    return _forward(q, k, v, k_ctx, v_ctx, meta, softmax_scale, window, softcap)
+
+
+def backward(dout, q, k, v, k_ctx, v_ctx, out, lse, meta, softmax_scale, window, softcap, deterministic):
+    from .launcher import backward as _backward
+
+    return _backward(dout, q, k, v, k_ctx, v_ctx, out, lse, meta, softmax_scale, window, softcap, deterministic)

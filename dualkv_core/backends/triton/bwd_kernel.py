@@ -1,0 +1,375 @@
+"""Backward kernels: preprocess, dK/dV (key-parallel, optional atomic dQ), dQ (query-parallel),
+the fixed-order reduction of split context partials, and the fp32 -> dtype conversion of dQ.
+
+Shapes: Q, DO: (total_q, nheads, headdim); K, V, DK, DV: (total_q, nheads_k, headdim); KC, VC,
+DKC, DVC: (total_ctx, nheads_k, headdim) (the same tensors as K, V, DK, DV in the packed layout);
+LSE, DELTA: (nheads, total_q) float32; DQ_ACC: (total_q, nheads, headdim) float32; WSK, WSV:
+(ws_rows, nheads_k, headdim) float32 partials of split context blocks; ITEMS: the key-item table of
+``schedule.key_items``; TILES: the query tiles of ``schedule.query_tiles``.
+
+Scores are recomputed in the log2 domain, ``p = exp2(s - lse * log2(e))``; with a softcap the
+chain rule adds ``(1 - tanh^2)``; the softmax scale is applied once to each accumulator.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import key_blocks, load_rows, query_blocks, scores_log2, store_rows, visible
+from .schedule import BLOCK as I_BLOCK
+from .schedule import NSPLIT as I_NSPLIT
+from .schedule import R0 as I_R0
+from .schedule import R1 as I_R1
+from .schedule import REGION as I_REGION
+from .schedule import SEG0 as I_SEG0
+from .schedule import SPLIT as I_SPLIT
+from .schedule import WS_BASE as I_WS_BASE
+
+
+@triton.jit
+def preprocess_kernel(O, DO, DELTA, DQ_ACC, total_q, nheads, stride_ot, stride_oh, stride_dot, stride_doh,
+                      DIM: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, ZERO_DQ: tl.constexpr):
+    """delta[h, t] = sum_d O * dO in fp32; zeroes the dQ accumulator rows when atomics will fill it."""
+    pid = tl.program_id(0)
+    h = pid % nheads
+    rows = (pid // nheads) * BLOCK + tl.arange(0, BLOCK)
+    ok = rows < total_q
+    offs_d = tl.arange(0, HEAD_DIM)
+    r64 = rows.to(tl.int64)[:, None]
+    o = load_rows(O + r64 * stride_ot + h * stride_oh + offs_d[None, :], ok, offs_d, DIM, HEAD_DIM, True)
+    do = load_rows(DO + r64 * stride_dot + h * stride_doh + offs_d[None, :], ok, offs_d, DIM, HEAD_DIM, True)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + h.to(tl.int64) * total_q + rows, delta, mask=ok)
+    if ZERO_DQ:
+        zero = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+        store_rows(DQ_ACC + r64 * (nheads * DIM) + h * DIM + offs_d[None, :], zero, ok, offs_d, DIM, HEAD_DIM)
+
+
+@triton.jit
+def _dkdv_steps(
+    dk, dv, k, v, kpos, Q, DO, LSE, DELTA, DQ_ACC, stride_qt, stride_dot, stride_dqt,
+    q_row0, i_lo, i_hi, n_blocks, off_q, window, qk_scale, cap_log2, pre_cap,
+    BLOCK_M: tl.constexpr, DIM: tl.constexpr, HEAD_DIM: tl.constexpr, MASK: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """Accumulate dK, dV (BLOCK_N, HEAD_DIM) fp32 over ``n_blocks`` query blocks of one segment.
+
+    Q/DO/LSE/DELTA/DQ_ACC point at the query head; queries i start at ``i_lo`` (rows
+    ``q_row0 + i``, logical positions ``off_q + i``), valid while ``i < i_hi``.
+    """
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_tile = offs_m[:, None] * stride_qt + offs_d[None, :]
+    do_tile = offs_m[:, None] * stride_dot + offs_d[None, :]
+    dq_tile = offs_m[:, None] * stride_dqt + offs_d[None, :]
+    for b in range(n_blocks):
+        i = i_lo + b * BLOCK_M
+        row = (q_row0 + i).to(tl.int64)
+        ok = (i + offs_m) < i_hi
+        q = load_rows(Q + row * stride_qt + q_tile, ok, offs_d, DIM, HEAD_DIM, MASK)
+        do = load_rows(DO + row * stride_dot + do_tile, ok, offs_d, DIM, HEAD_DIM, MASK)
+        if MASK:
+            lse = tl.load(LSE + row + offs_m, mask=ok, other=0.0)
+            delta = tl.load(DELTA + row + offs_m, mask=ok, other=0.0)
+        else:
+            lse = tl.load(LSE + row + offs_m)
+            delta = tl.load(DELTA + row + offs_m)
+        qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)  # (BLOCK_N, BLOCK_M)
+        s_t, t_t = scores_log2(qk_t, qk_scale, cap_log2, pre_cap, HAS_SOFTCAP)
+        p_t = tl.math.exp2(s_t - (lse * 1.4426950408889634)[None, :])
+        if MASK:
+            vis = visible((off_q + i + offs_m)[None, :], kpos[:, None], window, HAS_WINDOW) & ok[None, :]
+            p_t = tl.where(vis, p_t, 0.0)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+        ds_t = p_t * (dp_t - delta[None, :])
+        if HAS_SOFTCAP:
+            ds_t = ds_t * (1.0 - t_t * t_t)
+        ds_t = ds_t.to(q.dtype)
+        dk = tl.dot(ds_t, q, dk, input_precision=DOT_PREC)
+        if ATOMIC_DQ:
+            dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PREC)  # (BLOCK_M, HEAD_DIM), unscaled
+            dq_ptr = DQ_ACC + row * stride_dqt + dq_tile
+            if MASK or DIM != HEAD_DIM:  # in unmasked blocks ``ok`` is all true
+                tl.atomic_add(dq_ptr, dq, mask=ok[:, None] & (offs_d < DIM)[None, :], sem="relaxed")
+            else:
+                tl.atomic_add(dq_ptr, dq, sem="relaxed")
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_segment(
+    dk, dv, k, v, kpos, kmin, kmax, Q, DO, LSE, DELTA, DQ_ACC, stride_qt, stride_dot, stride_dqt,
+    q_row0, i_lo, i_hi, off_q, window, qk_scale, cap_log2, pre_cap,
+    BLOCK_M: tl.constexpr, DIM: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """Every query block of one segment slice that sees the key block: masked, unmasked, masked."""
+    lo, n_front, n_full, n_back = query_blocks(i_lo, i_hi, off_q, kmin, kmax, window, BLOCK_M, HAS_WINDOW)
+    dk, dv = _dkdv_steps(dk, dv, k, v, kpos, Q, DO, LSE, DELTA, DQ_ACC, stride_qt, stride_dot, stride_dqt,
+                         q_row0, lo, i_hi, n_front, off_q, window, qk_scale, cap_log2, pre_cap,
+                         BLOCK_M, DIM, HEAD_DIM, True, HAS_WINDOW, HAS_SOFTCAP, ATOMIC_DQ, DOT_PREC)
+    lo = lo + n_front * BLOCK_M
+    dk, dv = _dkdv_steps(dk, dv, k, v, kpos, Q, DO, LSE, DELTA, DQ_ACC, stride_qt, stride_dot, stride_dqt,
+                         q_row0, lo, i_hi, n_full, off_q, window, qk_scale, cap_log2, pre_cap,
+                         BLOCK_M, DIM, HEAD_DIM, False, HAS_WINDOW, HAS_SOFTCAP, ATOMIC_DQ, DOT_PREC)
+    lo = lo + n_full * BLOCK_M
+    dk, dv = _dkdv_steps(dk, dv, k, v, kpos, Q, DO, LSE, DELTA, DQ_ACC, stride_qt, stride_dot, stride_dqt,
+                         q_row0, lo, i_hi, n_back, off_q, window, qk_scale, cap_log2, pre_cap,
+                         BLOCK_M, DIM, HEAD_DIM, True, HAS_WINDOW, HAS_SOFTCAP, ATOMIC_DQ, DOT_PREC)
+    return dk, dv
+
+
+@triton.jit
+def _key_unit(unit, n_seg, CU, CTX_LEN, CTX_KEY_START, CTX_KEY_LEN):
+    """(first key row, key count, logical offset) of a unit: a segment's own keys or a context region."""
+    if unit < n_seg:
+        row0 = tl.load(CU + unit)
+        n_keys = tl.load(CU + unit + 1) - row0
+        off = tl.load(CTX_LEN + unit)
+    else:
+        row0 = tl.load(CTX_KEY_START + unit - n_seg)
+        n_keys = tl.load(CTX_KEY_LEN + unit - n_seg)
+        off = n_keys * 0
+    return row0, n_keys, off
+
+
+@triton.jit
+def _store_block(DK, DV, DKC, DVC, own, off, dk, dv, kok, offs_d, DIM: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Cast once and store a key block's dK/dV into the packed (own) or the context outputs."""
+    if own:
+        store_rows(DK + off, dk.to(DK.dtype.element_ty), kok, offs_d, DIM, HEAD_DIM)
+        store_rows(DV + off, dv.to(DV.dtype.element_ty), kok, offs_d, DIM, HEAD_DIM)
+    else:
+        store_rows(DKC + off, dk.to(DKC.dtype.element_ty), kok, offs_d, DIM, HEAD_DIM)
+        store_rows(DVC + off, dv.to(DVC.dtype.element_ty), kok, offs_d, DIM, HEAD_DIM)
+
+
+@triton.jit
+def dkdv_kernel(
+    Q, K, V, KC, VC, DO, LSE, DELTA, DQ_ACC, DK, DV, DKC, DVC, WSK, WSV,
+    ITEMS, CU, CTX_LEN, CTX_KEY_START, CTX_KEY_LEN,
+    n_items, n_seg, total_q, nheads_k, qk_scale, cap_log2, pre_cap, sm_scale, window,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kct, stride_kch, stride_vct, stride_vch, stride_dot, stride_doh,
+    REP: tl.constexpr, DIM: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """One program per (key item, kv head): the item's key block summed over the REP query heads of
+    the kv head, its own queries (split 0) and the reader queries of its split. DK/DV/DKC/DVC/WS*
+    are contiguous (rows, nheads_k, DIM); DQ_ACC contiguous (total_q, nheads, DIM)."""
+    pid = tl.program_id(0)
+    item = pid // nheads_k
+    hk = pid % nheads_k
+    unit = tl.load(ITEMS + item)
+    if unit < 0:
+        return
+    blk = tl.load(ITEMS + I_BLOCK * n_items + item)
+    z = tl.load(ITEMS + I_SPLIT * n_items + item)
+    nz = tl.load(ITEMS + I_NSPLIT * n_items + item)
+    region = tl.load(ITEMS + I_REGION * n_items + item)
+    r0 = tl.load(ITEMS + I_R0 * n_items + item)
+    r1 = tl.load(ITEMS + I_R1 * n_items + item)
+    seg0 = tl.load(ITEMS + I_SEG0 * n_items + item)
+    row0, n_keys, koff = _key_unit(unit, n_seg, CU, CTX_LEN, CTX_KEY_START, CTX_KEY_LEN)
+    own = unit < n_seg
+    if own:
+        kp = K + hk * stride_kh
+        vp = V + hk * stride_vh
+        skt = stride_kt
+        svt = stride_vt
+    else:
+        kp = KC + hk * stride_kch
+        vp = VC + hk * stride_vch
+        skt = stride_kct
+        svt = stride_vct
+
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    x = blk * BLOCK_N + offs_n
+    kok = x < n_keys
+    krow = (row0 + blk * BLOCK_N).to(tl.int64)
+    k = load_rows(kp + krow * skt + offs_n[:, None] * skt + offs_d[None, :], kok, offs_d, DIM, HEAD_DIM, True)
+    v = load_rows(vp + krow * svt + offs_n[:, None] * svt + offs_d[None, :], kok, offs_d, DIM, HEAD_DIM, True)
+    kpos = koff + x
+    kmin = koff + blk * BLOCK_N
+    kmax = koff + tl.minimum(n_keys, blk * BLOCK_N + BLOCK_N) - 1
+    stride_dqt = REP * nheads_k * DIM
+
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    for r in range(REP):
+        hq = hk * REP + r
+        qh = Q + hq * stride_qh
+        doh = DO + hq * stride_doh
+        lseh = LSE + hq.to(tl.int64) * total_q
+        deltah = DELTA + hq.to(tl.int64) * total_q
+        dqh = DQ_ACC + hq * DIM
+        if own & (z == 0):  # the segment's own queries, causally
+            dk, dv = _dkdv_segment(dk, dv, k, v, kpos, kmin, kmax, qh, doh, lseh, deltah, dqh,
+                                   stride_qt, stride_dot, stride_dqt, row0, 0, n_keys, koff, window,
+                                   qk_scale, cap_log2, pre_cap, BLOCK_M, DIM, HEAD_DIM, HAS_WINDOW, HAS_SOFTCAP,
+                                   ATOMIC_DQ, DOT_PREC)
+        if region >= 0:  # readers of this context block: the query rows [r0, r1) of this split
+            s = seg0
+            seg_a = tl.load(CU + s)
+            while seg_a < r1:
+                seg_b = tl.load(CU + s + 1)
+                i_lo = tl.maximum(r0, seg_a) - seg_a
+                i_hi = tl.minimum(r1, seg_b) - seg_a
+                dk, dv = _dkdv_segment(dk, dv, k, v, kpos, kmin, kmax, qh, doh, lseh, deltah, dqh,
+                                       stride_qt, stride_dot, stride_dqt, seg_a, i_lo, i_hi,
+                                       tl.load(CTX_LEN + s), window, qk_scale, cap_log2, pre_cap,
+                                       BLOCK_M, DIM, HEAD_DIM, HAS_WINDOW, HAS_SOFTCAP, ATOMIC_DQ, DOT_PREC)
+                s += 1
+                seg_a = seg_b
+
+    dk = dk * sm_scale
+    row_stride = nheads_k * DIM
+    tile = offs_n[:, None] * row_stride + hk * DIM + offs_d[None, :]
+    if nz > 1:  # one fp32 partial per split; ``reduce_kernel`` sums them in split order
+        ws_row = (tl.load(ITEMS + I_WS_BASE * n_items + item) + z * n_keys + blk * BLOCK_N).to(tl.int64)
+        store_rows(WSK + ws_row * row_stride + tile, dk, kok, offs_d, DIM, HEAD_DIM)
+        store_rows(WSV + ws_row * row_stride + tile, dv, kok, offs_d, DIM, HEAD_DIM)
+    else:
+        _store_block(DK, DV, DKC, DVC, own, krow * row_stride + tile, dk, dv, kok, offs_d, DIM, HEAD_DIM)
+
+
+@triton.jit
+def reduce_kernel(WSK, WSV, DK, DV, DKC, DVC, ITEMS, CU, CTX_LEN, CTX_KEY_START, CTX_KEY_LEN,
+                  n_items, n_seg, nheads_k, DIM: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Sum the split partials of one context key block in split order (deterministic), cast once."""
+    pid = tl.program_id(0)
+    item = pid // nheads_k
+    hk = pid % nheads_k
+    unit = tl.load(ITEMS + item)
+    if unit < 0:
+        return
+    z = tl.load(ITEMS + I_SPLIT * n_items + item)
+    nz = tl.load(ITEMS + I_NSPLIT * n_items + item)
+    if (z != 0) | (nz <= 1):
+        return
+    blk = tl.load(ITEMS + I_BLOCK * n_items + item)
+    row0, n_keys, _ = _key_unit(unit, n_seg, CU, CTX_LEN, CTX_KEY_START, CTX_KEY_LEN)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    kok = (blk * BLOCK_N + offs_n) < n_keys
+    row_stride = nheads_k * DIM
+    tile = offs_n[:, None] * row_stride + hk * DIM + offs_d[None, :]
+    base = tl.load(ITEMS + I_WS_BASE * n_items + item) + blk * BLOCK_N
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    for zz in range(nz):
+        off = (base + zz * n_keys).to(tl.int64) * row_stride + tile
+        dk += load_rows(WSK + off, kok, offs_d, DIM, HEAD_DIM, True)
+        dv += load_rows(WSV + off, kok, offs_d, DIM, HEAD_DIM, True)
+    out_off = (row0 + blk * BLOCK_N).to(tl.int64) * row_stride + tile
+    _store_block(DK, DV, DKC, DVC, unit < n_seg, out_off, dk, dv, kok, offs_d, DIM, HEAD_DIM)
+
+
+@triton.jit
+def _dq_steps(
+    dq, q, do, lse2, delta, K, V, stride_kt, stride_vt, row0, n_keys, off, x_lo, n_blocks, qpos, window,
+    qk_scale, cap_log2, pre_cap, BLOCK_N: tl.constexpr, DIM: tl.constexpr, HEAD_DIM: tl.constexpr,
+    MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """Accumulate dQ (BLOCK_M, HEAD_DIM) fp32 over ``n_blocks`` key blocks of one region."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    k_tile = offs_n[:, None] * stride_kt + offs_d[None, :]
+    v_tile = offs_n[:, None] * stride_vt + offs_d[None, :]
+    for b in range(n_blocks):
+        x = x_lo + b * BLOCK_N
+        row = (row0 + x).to(tl.int64)
+        inb = (x + offs_n) < n_keys
+        k = load_rows(K + row * stride_kt + k_tile, inb, offs_d, DIM, HEAD_DIM, MASK)
+        v = load_rows(V + row * stride_vt + v_tile, inb, offs_d, DIM, HEAD_DIM, MASK)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        s, t = scores_log2(qk, qk_scale, cap_log2, pre_cap, HAS_SOFTCAP)
+        p = tl.math.exp2(s - lse2[:, None])
+        if MASK:
+            vis = visible(qpos[:, None], (off + x + offs_n)[None, :], window, HAS_WINDOW) & inb[None, :]
+            p = tl.where(vis, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+        ds = p * (dp - delta[:, None])
+        if HAS_SOFTCAP:
+            ds = ds * (1.0 - t * t)
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
+    return dq
+
+
+@triton.jit
+def _dq_region(
+    dq, q, do, lse2, delta, K, V, stride_kt, stride_vt, row0, n_keys, off, qpos, qmin, qmax, window,
+    qk_scale, cap_log2, pre_cap, BLOCK_N: tl.constexpr, DIM: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    lo, n_front, n_full, n_back = key_blocks(n_keys, off, qmin, qmax, window, BLOCK_N, HAS_WINDOW)
+    if HAS_WINDOW:
+        dq = _dq_steps(dq, q, do, lse2, delta, K, V, stride_kt, stride_vt, row0, n_keys, off, lo, n_front, qpos,
+                       window, qk_scale, cap_log2, pre_cap, BLOCK_N, DIM, HEAD_DIM, True, HAS_WINDOW, HAS_SOFTCAP,
+                       DOT_PREC)
+    lo = lo + n_front * BLOCK_N
+    dq = _dq_steps(dq, q, do, lse2, delta, K, V, stride_kt, stride_vt, row0, n_keys, off, lo, n_full, qpos,
+                   window, qk_scale, cap_log2, pre_cap, BLOCK_N, DIM, HEAD_DIM, False, HAS_WINDOW, HAS_SOFTCAP,
+                   DOT_PREC)
+    lo = lo + n_full * BLOCK_N
+    dq = _dq_steps(dq, q, do, lse2, delta, K, V, stride_kt, stride_vt, row0, n_keys, off, lo, n_back, qpos,
+                   window, qk_scale, cap_log2, pre_cap, BLOCK_N, DIM, HEAD_DIM, True, HAS_WINDOW, HAS_SOFTCAP,
+                   DOT_PREC)
+    return dq
+
+
+@triton.jit
+def dq_kernel(
+    Q, K, V, KC, VC, DO, LSE, DELTA, DQ, TILES, CU, CTX_START, CTX_LEN,
+    n_tiles, total_q, nheads, qk_scale, cap_log2, pre_cap, sm_scale, window,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kct, stride_kch, stride_vct, stride_vch, stride_dot, stride_doh, stride_dqt, stride_dqh,
+    REP: tl.constexpr, DIM: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """dQ without atomics (deterministic): one program per (query tile, head), like the forward."""
+    pid = tl.program_id(0)
+    tile = pid // nheads
+    h = pid % nheads
+    seg = tl.load(TILES + tile)
+    if seg < 0:
+        return
+    mb = tl.load(TILES + n_tiles + tile)
+    seg_start = tl.load(CU + seg)
+    seg_len = tl.load(CU + seg + 1) - seg_start
+    ctx_start = tl.load(CTX_START + seg)
+    ctx_len = tl.load(CTX_LEN + seg)
+    hk = h // REP
+    offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    ok = offs_m < seg_len
+    rows = (seg_start + offs_m).to(tl.int64)
+    q = load_rows(Q + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], ok, offs_d, DIM, HEAD_DIM, True)
+    do = load_rows(DO + rows[:, None] * stride_dot + h * stride_doh + offs_d[None, :], ok, offs_d, DIM, HEAD_DIM, True)
+    lse2 = tl.load(LSE + h.to(tl.int64) * total_q + rows, mask=ok, other=0.0) * 1.4426950408889634
+    delta = tl.load(DELTA + h.to(tl.int64) * total_q + rows, mask=ok, other=0.0)
+    qpos = ctx_len + offs_m
+    qmin = ctx_len + mb * BLOCK_M
+    qmax = ctx_len + tl.minimum(seg_len, mb * BLOCK_M + BLOCK_M) - 1
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    if ctx_len > 0:
+        dq = _dq_region(dq, q, do, lse2, delta, KC + hk * stride_kch, VC + hk * stride_vch, stride_kct, stride_vct,
+                        ctx_start, ctx_len, 0, qpos, qmin, qmax, window, qk_scale, cap_log2, pre_cap,
+                        BLOCK_N, DIM, HEAD_DIM, HAS_WINDOW, HAS_SOFTCAP, DOT_PREC)
+    dq = _dq_region(dq, q, do, lse2, delta, K + hk * stride_kh, V + hk * stride_vh, stride_kt, stride_vt,
+                    seg_start, seg_len, ctx_len, qpos, qmin, qmax, window, qk_scale, cap_log2, pre_cap,
+                    BLOCK_N, DIM, HEAD_DIM, HAS_WINDOW, HAS_SOFTCAP, DOT_PREC)
+    dq = dq * sm_scale
+    store_rows(DQ + rows[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+               ok, offs_d, DIM, HEAD_DIM)
+
+
+@triton.jit
+def scale_cast_kernel(X, Y, n, scale, BLOCK: tl.constexpr):
+    """Y = (X * scale).to(Y.dtype) over n contiguous elements (the one cast of the dQ accumulator)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    tl.store(Y + offs, (tl.load(X + offs, mask=ok, other=0.0) * scale).to(Y.dtype.element_ty), mask=ok)

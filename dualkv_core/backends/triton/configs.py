@@ -1,0 +1,144 @@
+"""Kernel configurations: candidates per head dim, a shared-memory/register pruning filter, the
+defaults, and a small tuner keyed on what changes the best choice (kernel, head dim, dtype, GQA
+ratio, the P/R regime, window, softcap).
+
+The tile schedules depend on the block sizes, so tuning times the whole launch (schedule + kernel)
+for each candidate instead of using ``triton.autotune`` inside one launch. Tuning runs on CUDA
+tensors when ``DUALKV_TRITON_AUTOTUNE=1`` (each key once per process); otherwise, and always under
+the interpreter, the per-head-dim default below is used.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+SMEM_LIMIT = 227 * 1024  # bytes per block on H100/H200
+MAX_ACC_REGS = 128  # fp32 accumulator registers per thread we allow before a config is pruned
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    block_m: int  # queries per tile
+    block_n: int  # keys per tile
+    num_warps: int
+    num_stages: int
+
+    def __str__(self) -> str:
+        return f"M{self.block_m}-N{self.block_n}-w{self.num_warps}-s{self.num_stages}"
+
+
+def _bucket(d: int) -> int:
+    return 64 if d <= 64 else 128 if d <= 128 else 256 if d <= 256 else 512
+
+
+# Candidates per kernel and head-dim bucket: (block_m, block_n, warps, stages).
+_CANDIDATES = {
+    "fwd": {
+        64: [(128, 128, 8, 3), (128, 64, 4, 3), (128, 64, 8, 4), (64, 64, 4, 3)],
+        128: [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 4)],
+        256: [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 3)],
+        512: [(64, 32, 8, 2), (64, 32, 4, 1), (32, 32, 4, 2), (64, 16, 4, 2)],
+    },
+    "dkdv": {  # block_m = queries per step, block_n = keys held by the program
+        64: [(64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)],
+        128: [(64, 128, 8, 2), (32, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 3)],
+        256: [(64, 64, 8, 2), (32, 64, 8, 2), (32, 32, 4, 2), (64, 32, 4, 2)],
+        512: [(32, 32, 8, 1), (16, 32, 8, 2), (32, 16, 4, 1), (16, 16, 4, 2)],
+    },
+    "dq": {
+        64: [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2)],
+        128: [(128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3), (64, 128, 8, 2)],
+        256: [(64, 64, 8, 2), (64, 32, 4, 2), (128, 32, 8, 2)],
+        512: [(32, 32, 8, 1), (64, 16, 8, 1), (32, 16, 4, 2)],
+    },
+}
+
+# Small tiles for the CPU interpreter: few programs, few loop trips, every mask path still taken.
+INTERPRET_CONFIG = KernelConfig(32, 32, 4, 1)
+
+
+def smem_bytes(kind: str, cfg: KernelConfig, head_dim: int, elem: int) -> int:
+    """Estimate of the shared memory one program needs (pipelined tiles plus resident tiles)."""
+    m, n, st = cfg.block_m, cfg.block_n, max(cfg.num_stages, 1)
+    if kind == "dkdv":  # Q and dO stream in; K and V stay
+        return (2 * m * head_dim * st + 2 * n * head_dim) * elem
+    # fwd / dq: K and V stream in, Q (and dO) stay
+    resident = (2 if kind == "dq" else 1) * m * head_dim
+    return (2 * n * head_dim * st + resident) * elem
+
+
+def acc_regs(kind: str, cfg: KernelConfig, head_dim: int) -> int:
+    """fp32 accumulator registers per thread (two tiles for dK/dV, one otherwise)."""
+    rows = cfg.block_n if kind == "dkdv" else cfg.block_m
+    tiles = 2 if kind == "dkdv" else 1
+    return tiles * rows * head_dim // (32 * cfg.num_warps)
+
+
+def keep(kind: str, cfg: KernelConfig, head_dim: int, elem: int) -> bool:
+    """Pruning filter: fits the shared memory of a Hopper block and keeps accumulators in registers."""
+    return smem_bytes(kind, cfg, head_dim, elem) <= SMEM_LIMIT and acc_regs(kind, cfg, head_dim) <= MAX_ACC_REGS
+
+
+def candidates(kind: str, head_dim: int, elem: int) -> list[KernelConfig]:
+    """Candidates for a kernel ("fwd", "dkdv", "dq") at a head dim, pruned."""
+    padded = padded_head_dim(head_dim)
+    cands = [KernelConfig(*c) for c in _CANDIDATES[kind][_bucket(padded)]]
+    kept = [c for c in cands if keep(kind, c, padded, elem)]
+    return kept or cands[-1:]
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """Head dims are padded to a power of two inside the kernels (tl.arange needs one)."""
+    return 1 << max(4, math.ceil(math.log2(head_dim)))
+
+
+def regime(total_q: int, n_segments: int, n_regions: int) -> tuple[int, int]:
+    """Coarse P/R regime from shapes alone: log2 of tokens per segment and per group."""
+    per_seg = max(total_q // max(n_segments, 1), 1)
+    per_group = max(total_q // max(n_regions, 1), 1)
+    return int(math.log2(per_seg)), int(math.log2(per_group))
+
+
+def autotune_enabled() -> bool:
+    return os.environ.get("DUALKV_TRITON_AUTOTUNE", "0") == "1" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+
+
+_TUNED: dict[tuple, KernelConfig] = {}
+
+
+def choose(kind: str, key: tuple, head_dim: int, elem: int, on_cuda: bool,
+           run: Callable[[KernelConfig], None] | None = None) -> KernelConfig:
+    """The config for a launch: the interpreter's, a tuned one (once per key), or the default."""
+    if not on_cuda:
+        return INTERPRET_CONFIG
+    cands = candidates(kind, head_dim, elem)
+    if run is None or not autotune_enabled():
+        return cands[0]
+    full_key = (kind, head_dim, elem, *key)
+    if full_key not in _TUNED:
+        _TUNED[full_key] = _tune(cands, run)
+    return _TUNED[full_key]
+
+
+def _tune(cands: list[KernelConfig], run: Callable[[KernelConfig], None]) -> KernelConfig:
+    from triton.testing import do_bench
+
+    best, best_ms = cands[0], math.inf
+    for cfg in cands:
+        try:
+            ms = do_bench(lambda: run(cfg), warmup=5, rep=20, return_mode="median")
+        except Exception as err:  # noqa: BLE001 - a config that does not compile is skipped
+            if "OutOfResources" not in type(err).__name__ and "out of resource" not in str(err):
+                raise
+            continue
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+    return best
+
+
+def tuned_table() -> dict[tuple, KernelConfig]:
+    """What the tuner picked so far in this process (for reports)."""
+    return dict(_TUNED)

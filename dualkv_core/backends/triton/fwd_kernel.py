@@ -1,0 +1,137 @@
+"""Forward kernel: one launch over (query tiles of every segment) x heads.
+
+Program = (tile, head). A tile is BLOCK_M consecutive queries of one segment (a prompt or a
+response); tiles come from ``schedule.query_tiles``, heaviest first, padded with ``seg = -1``
+entries that exit at once. A response tile reads its context (its group's prompt, rows of ``KC``)
+then its own keys causally; a prompt tile has an empty context and reads its own keys causally.
+Online softmax in fp32 in the log2 domain; LSE is written as a natural log.
+
+Shapes: Q, O: (total_q, nheads, headdim); K, V: (total_q, nheads_k, headdim); KC, VC: context keys
+(total_ctx, nheads_k, headdim), the same tensors as K, V in the packed layout; LSE: (nheads, total_q)
+float32; TILES: (2, n_tiles) int32, rows (segment, query block).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import key_blocks, load_rows, scores_log2, store_rows, visible
+
+
+@triton.jit
+def _attend(
+    acc, m_i, l_i, q, K, V, stride_kt, stride_vt,
+    row0, n_keys, off, x_lo, n_blocks, qpos, window, qk_scale, cap_log2, pre_cap,
+    BLOCK_N: tl.constexpr, DIM: tl.constexpr, HEAD_DIM: tl.constexpr, MASK: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """Online-softmax update over ``n_blocks`` key blocks of one region starting at key ``x_lo``.
+
+    acc: (BLOCK_M, HEAD_DIM) fp32; m_i, l_i: (BLOCK_M,) fp32 running max (log2) and sum;
+    q: (BLOCK_M, HEAD_DIM); qpos: (BLOCK_M,) logical query positions. K/V point at the kv head.
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    k_tile = offs_n[:, None] * stride_kt + offs_d[None, :]
+    v_tile = offs_n[:, None] * stride_vt + offs_d[None, :]
+    for b in range(n_blocks):
+        x = x_lo + b * BLOCK_N
+        row = (row0 + x).to(tl.int64)
+        inb = (x + offs_n) < n_keys
+        k = load_rows(K + row * stride_kt + k_tile, inb, offs_d, DIM, HEAD_DIM, MASK)
+        v = load_rows(V + row * stride_vt + v_tile, inb, offs_d, DIM, HEAD_DIM, MASK)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        s, _ = scores_log2(qk, qk_scale, cap_log2, pre_cap, HAS_SOFTCAP)
+        if MASK:
+            kpos = off + x + offs_n
+            vis = visible(qpos[:, None], kpos[None, :], window, HAS_WINDOW) & inb[None, :]
+            s = tl.where(vis, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = m_new
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _attend_region(
+    acc, m_i, l_i, q, K, V, stride_kt, stride_vt,
+    row0, n_keys, off, qpos, qmin, qmax, window, qk_scale, cap_log2, pre_cap,
+    BLOCK_N: tl.constexpr, DIM: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """All visible key blocks of one region: masked front, unmasked middle, masked back."""
+    lo, n_front, n_full, n_back = key_blocks(n_keys, off, qmin, qmax, window, BLOCK_N, HAS_WINDOW)
+    if HAS_WINDOW:
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, K, V, stride_kt, stride_vt, row0, n_keys, off, lo, n_front,
+                                qpos, window, qk_scale, cap_log2, pre_cap,
+                                BLOCK_N, DIM, HEAD_DIM, True, HAS_WINDOW, HAS_SOFTCAP, DOT_PREC)
+    lo = lo + n_front * BLOCK_N
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q, K, V, stride_kt, stride_vt, row0, n_keys, off, lo, n_full,
+                            qpos, window, qk_scale, cap_log2, pre_cap,
+                            BLOCK_N, DIM, HEAD_DIM, False, HAS_WINDOW, HAS_SOFTCAP, DOT_PREC)
+    lo = lo + n_full * BLOCK_N
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q, K, V, stride_kt, stride_vt, row0, n_keys, off, lo, n_back,
+                            qpos, window, qk_scale, cap_log2, pre_cap,
+                            BLOCK_N, DIM, HEAD_DIM, True, HAS_WINDOW, HAS_SOFTCAP, DOT_PREC)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def fwd_kernel(
+    Q, K, V, KC, VC, O, LSE, TILES, CU, CTX_START, CTX_LEN,
+    n_tiles, total_q, nheads, qk_scale, cap_log2, pre_cap, window,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kct, stride_kch, stride_vct, stride_vch, stride_ot, stride_oh,
+    REP: tl.constexpr, DIM: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tile = pid // nheads
+    h = pid % nheads  # heads are the fast axis: a tile's heads run together and share K/V in L2
+    seg = tl.load(TILES + tile)
+    if seg < 0:
+        return
+    mb = tl.load(TILES + n_tiles + tile)
+    seg_start = tl.load(CU + seg)
+    seg_len = tl.load(CU + seg + 1) - seg_start
+    ctx_start = tl.load(CTX_START + seg)
+    ctx_len = tl.load(CTX_LEN + seg)
+    hk = h // REP
+
+    offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # query index inside the segment
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < seg_len
+    rows = (seg_start + offs_m).to(tl.int64)
+    q = load_rows(Q + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], row_ok, offs_d, DIM, HEAD_DIM, True)
+    qpos = ctx_len + offs_m
+    qmin = ctx_len + mb * BLOCK_M
+    qmax = ctx_len + tl.minimum(seg_len, mb * BLOCK_M + BLOCK_M) - 1
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    if ctx_len > 0:
+        acc, m_i, l_i = _attend_region(
+            acc, m_i, l_i, q, KC + hk * stride_kch, VC + hk * stride_vch, stride_kct, stride_vct,
+            ctx_start, ctx_len, 0, qpos, qmin, qmax, window, qk_scale, cap_log2, pre_cap,
+            BLOCK_N, DIM, HEAD_DIM, HAS_WINDOW, HAS_SOFTCAP, DOT_PREC)
+    acc, m_i, l_i = _attend_region(
+        acc, m_i, l_i, q, K + hk * stride_kh, V + hk * stride_vh, stride_kt, stride_vt,
+        seg_start, seg_len, ctx_len, qpos, qmin, qmax, window, qk_scale, cap_log2, pre_cap,
+        BLOCK_N, DIM, HEAD_DIM, HAS_WINDOW, HAS_SOFTCAP, DOT_PREC)
+
+    l_safe = tl.where(row_ok, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    store_rows(O + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty),
+               row_ok, offs_d, DIM, HEAD_DIM)
+    lse = (m_i + tl.math.log2(l_safe)) * 0.6931471805599453
+    tl.store(LSE + h.to(tl.int64) * total_q + seg_start + offs_m, lse, mask=row_ok)

@@ -1,0 +1,163 @@
+"""Thin launchers: argument preparation, allocation, schedules and grids for the Triton kernels.
+
+No host synchronisation: schedules are built on the device with sizes bounded from shapes
+(``schedule.py``); nothing reads device metadata back.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from . import configs, schedule
+from .bwd_kernel import dkdv_kernel, dq_kernel, preprocess_kernel, reduce_kernel, scale_cast_kernel
+from .common import LOG2E
+from .configs import KernelConfig
+from .fwd_kernel import fwd_kernel
+
+MAX_WINDOW = 1 << 30  # logical positions stay below this; a wider window is no window
+
+
+class _Opts:
+    """Scalars and compile-time switches shared by every kernel of one call."""
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, scale: float, window, softcap):
+        self.rep = q.shape[1] // k.shape[1]
+        self.dim = q.shape[2]
+        self.head_dim = configs.padded_head_dim(self.dim)
+        self.elem = q.element_size()
+        self.has_window = window is not None and window < MAX_WINDOW
+        self.window = int(window) if self.has_window else 0
+        self.has_softcap = softcap is not None
+        self.scale = float(scale)
+        self.qk_scale = self.scale * LOG2E
+        self.cap_log2 = float(softcap) * LOG2E if softcap else 0.0
+        self.pre_cap = self.scale / float(softcap) if softcap else 0.0
+        self.dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
+        self.on_cuda = q.is_cuda
+
+    def constexprs(self) -> dict:
+        return dict(REP=self.rep, DIM=self.dim, HEAD_DIM=self.head_dim, HAS_WINDOW=self.has_window,
+                    HAS_SOFTCAP=self.has_softcap, DOT_PREC=self.dot_prec)
+
+    def key(self, meta, total_q: int, extra=()) -> tuple:
+        S = meta.cu_seqlens.numel() - 1
+        C = meta.ctx_key_start.numel()
+        return (str(self.dot_prec), self.rep, configs.regime(total_q, S, C), self.has_window, self.has_softcap, *extra)
+
+
+def _kv_strides(k, v, kc, vc) -> list[int]:
+    return [k.stride(0), k.stride(1), v.stride(0), v.stride(1), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1)]
+
+
+def forward(q, k, v, k_ctx, v_ctx, meta, softmax_scale, window, softcap, config: KernelConfig | None = None):
+    """out (total_q, nheads, headdim) in q's dtype, lse (nheads, total_q) float32.
+
+    q: (total_q, nheads, headdim); k, v: (total_q, nheads_k, headdim); k_ctx, v_ctx:
+    (total_ctx, nheads_k, headdim) or None (context keys are rows of k, v).
+    """
+    T, H, _ = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty((H, T), dtype=torch.float32, device=q.device)
+    if T == 0:
+        return out, lse
+    o = _Opts(q, k, softmax_scale, window, softcap)
+    kc = k if k_ctx is None else k_ctx
+    vc = v if v_ctx is None else v_ctx
+
+    def run(cfg: KernelConfig):
+        tiles = schedule.query_tiles(meta, T, cfg.block_m, window if o.has_window else None)
+        n_tiles = tiles.shape[1]
+        fwd_kernel[(n_tiles * H,)](
+            q, k, v, kc, vc, out, lse, tiles, meta.cu_seqlens, meta.seg_ctx_start, meta.seg_ctx_len,
+            n_tiles, T, H, o.qk_scale, o.cap_log2, o.pre_cap, o.window,
+            q.stride(0), q.stride(1), *_kv_strides(k, v, kc, vc), out.stride(0), out.stride(1),
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **o.constexprs(),
+        )
+
+    cfg = config or configs.choose("fwd", o.key(meta, T), o.dim, o.elem, o.on_cuda, run)
+    run(cfg)
+    return out, lse
+
+
+def backward(dout, q, k, v, k_ctx, v_ctx, out, lse, meta, softmax_scale, window, softcap, deterministic,
+             dkdv_config: KernelConfig | None = None, dq_config: KernelConfig | None = None):
+    """dq (like q), dk, dv (like k, v), dk_ctx, dv_ctx (like k_ctx, v_ctx; None when k_ctx is None).
+
+    Context gradients are summed over every reading query in fp32 and cast once. With
+    ``deterministic`` dQ comes from a query-parallel kernel instead of fp32 atomics.
+    """
+    T, H, d = q.shape
+    Hkv = k.shape[1]
+    o = _Opts(q, k, softmax_scale, window, softcap)
+    separate = k_ctx is not None
+    kc = k if k_ctx is None else k_ctx
+    vc = v if v_ctx is None else v_ctx
+    dev = q.device
+    dk = torch.empty((T, Hkv, d), dtype=k.dtype, device=dev)
+    dv = torch.empty((T, Hkv, d), dtype=v.dtype, device=dev)
+    dkc = torch.empty(kc.shape, dtype=kc.dtype, device=dev) if separate else dk
+    dvc = torch.empty(vc.shape, dtype=vc.dtype, device=dev) if separate else dv
+    dq = torch.empty((T, H, d), dtype=q.dtype, device=dev)
+    if T == 0:
+        dkc.zero_(), dvc.zero_()
+        return dq, dk, dv, (dkc if separate else None), (dvc if separate else None)
+    atomic = not deterministic
+    delta = torch.empty((H, T), dtype=torch.float32, device=dev)
+    dq_acc = torch.empty((T, H, d), dtype=torch.float32, device=dev) if atomic else delta
+    n_ctx_rows = kc.shape[0] if separate else 0
+
+    def run_dkdv(cfg: KernelConfig):
+        _preprocess(out, dout, delta, dq_acc, o, atomic)
+        items = schedule.key_items(meta, T, n_ctx_rows, separate, cfg.block_n, window if o.has_window else None)
+        n_items = items.table.shape[1]
+        wsk = torch.empty((items.ws_rows, Hkv, d), dtype=torch.float32, device=dev)
+        wsv = torch.empty_like(wsk)
+        grid = (n_items * Hkv,)
+        dkdv_kernel[grid](
+            q, k, v, kc, vc, dout, lse, delta, dq_acc, dk, dv, dkc, dvc, wsk, wsv,
+            items.table, meta.cu_seqlens, meta.seg_ctx_len, meta.ctx_key_start, meta.ctx_key_len,
+            n_items, meta.cu_seqlens.numel() - 1, T, Hkv, o.qk_scale, o.cap_log2, o.pre_cap, o.scale, o.window,
+            q.stride(0), q.stride(1), *_kv_strides(k, v, kc, vc), dout.stride(0), dout.stride(1),
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ATOMIC_DQ=atomic,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **o.constexprs(),
+        )
+        reduce_kernel[grid](
+            wsk, wsv, dk, dv, dkc, dvc, items.table, meta.cu_seqlens, meta.seg_ctx_len, meta.ctx_key_start,
+            meta.ctx_key_len, n_items, meta.cu_seqlens.numel() - 1, Hkv,
+            DIM=o.dim, HEAD_DIM=o.head_dim, BLOCK_N=cfg.block_n, num_warps=4,
+        )
+        if atomic:
+            n = dq.numel()
+            scale_cast_kernel[(triton.cdiv(n, 4096),)](dq_acc, dq, n, o.scale, BLOCK=4096, num_warps=4)
+
+    def run_dq(cfg: KernelConfig):
+        tiles = schedule.query_tiles(meta, T, cfg.block_m, window if o.has_window else None)
+        n_tiles = tiles.shape[1]
+        dq_kernel[(n_tiles * H,)](
+            q, k, v, kc, vc, dout, lse, delta, dq, tiles, meta.cu_seqlens, meta.seg_ctx_start, meta.seg_ctx_len,
+            n_tiles, T, H, o.qk_scale, o.cap_log2, o.pre_cap, o.scale, o.window,
+            q.stride(0), q.stride(1), *_kv_strides(k, v, kc, vc), dout.stride(0), dout.stride(1),
+            dq.stride(0), dq.stride(1),
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **o.constexprs(),
+        )
+
+    key = o.key(meta, T, (atomic, separate))
+    cfg = dkdv_config or configs.choose("dkdv", key, o.dim, o.elem, o.on_cuda, run_dkdv)
+    run_dkdv(cfg)
+    if not atomic:
+        cfg_dq = dq_config or configs.choose("dq", key, o.dim, o.elem, o.on_cuda, run_dq)
+        run_dq(cfg_dq)
+    return dq, dk, dv, (dkc if separate else None), (dvc if separate else None)
+
+
+def _preprocess(out, dout, delta, dq_acc, o: _Opts, zero_dq: bool, block: int = 64):
+    T, H, _ = out.shape
+    preprocess_kernel[(math.ceil(T / block) * H,)](
+        out, dout, delta, dq_acc, T, H, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1),
+        DIM=o.dim, HEAD_DIM=o.head_dim, BLOCK=block, ZERO_DQ=zero_dq, num_warps=4,
+    )
