@@ -71,6 +71,8 @@ def parse_args(argv=None):
     ap.add_argument("--modes", default="fwd,bwd,fwdbwd", help="comma-separated subset of fwd,bwd,fwdbwd")
     ap.add_argument("--validate", action="store_true", help="check providers against the reference first")
     ap.add_argument("--validate-only", action="store_true")
+    ap.add_argument("--validate-configs", default="",
+                    help="';'-separated extra configs whose head dims are validated (not timed)")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--stem", default=None, help="output file name (default attention_<card>_<date>)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -106,7 +108,7 @@ def _progress(total: int):
     try:
         from tqdm import tqdm
 
-        return tqdm(total=total, dynamic_ncols=True, file=sys.stdout)
+        return tqdm(total=total, dynamic_ncols=True, file=sys.stdout, mininterval=5.0, ascii=True)
     except ImportError:
         return None
 
@@ -148,7 +150,8 @@ def main(argv=None) -> Path:
     start = time.monotonic()
     cases = [(cfg, p) for cfg in configs for p in providers_for(cfg, requested)]
     bar = _progress(len(cases))
-    failed = validate(configs, requested, device, writer, bar) if (args.validate or args.validate_only) else set()
+    extra = [AttnConfig.parse(s, **D128) for s in args.validate_configs.split(";") if s.strip()]
+    failed = validate(configs + extra, requested, device, writer, bar) if (args.validate or args.validate_only) else set()
     timer = Timer(device, budget_ms=args.budget_ms, max_reps=args.max_reps)
     for cfg, p in ([] if args.validate_only else cases):
         if (p, cfg.d, cfg.H, cfg.H_kv) in failed:
