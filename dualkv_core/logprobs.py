@@ -1,14 +1,28 @@
-"""Log-probs of response tokens from packed logits.
+"""Log-probs of response tokens from packed logits, and a memory-lean path straight from hidden states.
 
 The first token of every response is predicted by its group's LAST PROMPT token; the rest by the
 previous response token (``PackedLayout.logprob_index``). Results come back as (B, R_max) rows.
+
+``linear_logprobs`` fuses the LM head with the log-softmax: logits are formed ``chunk_size`` rows at
+a time (LM-head matmul in the weights' dtype, then fp32), reduced to the target log-prob, the
+log-sum-exp and optionally the entropy, and dropped; backward recomputes each chunk. Peak memory is
+O(chunk_size * V) fp32 instead of O(n * V). Per row, with l = h W^T, c = cap * tanh(l / cap) (or
+c = l without a cap), z = c / temperature and p = softmax(z)::
+
+    logprob = z[target] - logsumexp(z)           d/dz = onehot(target) - p
+    entropy = logsumexp(z) - sum(p * z)          d/dz = -p * (z - sum(p * z))
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-__all__ = ["gather_logprobs", "response_logprobs_from_logits"]
+__all__ = ["gather_logprobs", "response_logprobs_from_logits", "logprobs_from_logits", "linear_logprobs"]
+
+# Rows per chunk so that one fp32 (chunk, V) temporary stays near 256 MiB.
+_CHUNK_ELEMENTS = 1 << 26
 
 
 def gather_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -19,6 +33,15 @@ def gather_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: fl
     return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
+def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0):
+    """logits (n, V), targets (n,) -> (log p(target), entropy), both (n,) float32 (the plain path)."""
+    z = logits.float()
+    if temperature != 1.0:
+        z = z / temperature
+    logp = torch.log_softmax(z, dim=-1)
+    return logp.gather(-1, targets[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+
 def response_logprobs_from_logits(logits: torch.Tensor, layout, temperature: float = 1.0) -> torch.Tensor:
     """logits (T, V) over the packed layout -> (B, R_max) float32 log-probs, zero-padded."""
     if layout.input_ids is None:
@@ -27,3 +50,116 @@ def response_logprobs_from_logits(logits: torch.Tensor, layout, temperature: flo
         raise ValueError(f"logits: expected shape ({layout.total_tokens}, vocab), got {tuple(logits.shape)}")
     src, tgt = layout.logprob_index()
     return layout.unpack_logprobs(gather_logprobs(logits[src], layout.input_ids[tgt], temperature))
+
+
+# --------------------------------------------------------------------------------------- lean path
+
+def _scaled_logits(h_cD, weight_VD, temperature, softcap):
+    """z (c, V) fp32 and the capped logits' tanh (for the softcap derivative), or None."""
+    z = torch.nn.functional.linear(h_cD, weight_VD).float()
+    t = None
+    if softcap is not None:
+        t = torch.tanh(z / softcap)
+        z = t * softcap
+    if temperature != 1.0:
+        z = z / temperature
+    return z, t
+
+
+class _LinearLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden_nD, weight_VD, targets_n, temperature, softcap, chunk, want_entropy):
+        n = hidden_nD.shape[0]
+        lp_n = hidden_nD.new_empty(n, dtype=torch.float32)
+        ent_n = hidden_nD.new_empty(n, dtype=torch.float32) if want_entropy else None
+        for s in range(0, n, chunk):
+            z, _ = _scaled_logits(hidden_nD[s:s + chunk], weight_VD, temperature, softcap)
+            lse = torch.logsumexp(z, dim=-1)
+            lp_n[s:s + chunk] = z.gather(-1, targets_n[s:s + chunk, None]).squeeze(-1) - lse
+            if want_entropy:
+                ent_n[s:s + chunk] = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+        ctx.save_for_backward(hidden_nD, weight_VD, targets_n)
+        ctx.options = (temperature, softcap, chunk)
+        ctx.set_materialize_grads(False)
+        return lp_n, ent_n
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        hidden_nD, weight_VD, targets_n = ctx.saved_tensors
+        temperature, softcap, chunk = ctx.options
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(hidden_nD) if need_h else None
+        grad_w = torch.zeros(weight_VD.shape, dtype=torch.float32, device=weight_VD.device) if need_w else None
+        for s in range(0, hidden_nD.shape[0], chunk):
+            h_cD = hidden_nD[s:s + chunk]
+            z, t = _scaled_logits(h_cD, weight_VD, temperature, softcap)
+            p = torch.softmax(z, dim=-1)
+            dz = torch.zeros_like(z)
+            if g_lp is not None:
+                g = g_lp[s:s + chunk].float()
+                dz = dz - p * g[:, None]
+                dz.scatter_add_(-1, targets_n[s:s + chunk, None], g[:, None])
+            if g_ent is not None:
+                mean_z = (p * z).sum(-1, keepdim=True)
+                dz = dz - g_ent[s:s + chunk].float()[:, None] * p * (z - mean_z)
+            if temperature != 1.0:
+                dz = dz / temperature
+            if t is not None:
+                dz = dz * (1.0 - t * t)
+            dl = dz.to(weight_VD.dtype)
+            if need_h:
+                grad_h[s:s + chunk] = dl @ weight_VD
+            if need_w:
+                grad_w += dl.t() @ h_cD
+        if need_w:
+            grad_w = grad_w.to(weight_VD.dtype)
+        return grad_h, grad_w, None, None, None, None, None
+
+
+def _check_lean_inputs(hidden, weight, targets, temperature, softcap, chunk_size):
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2:
+        raise ValueError(f"hidden: expected a (n, D) tensor, got {getattr(hidden, 'shape', type(hidden).__name__)}")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"weight: expected a (V, D={hidden.shape[1]}) tensor, got {getattr(weight, 'shape', type(weight).__name__)}")
+    if weight.dtype != hidden.dtype or weight.device != hidden.device:
+        raise ValueError(f"weight: expected hidden's dtype/device ({hidden.dtype}, {hidden.device}), got ({weight.dtype}, {weight.device})")
+    if not isinstance(targets, torch.Tensor) or targets.shape != hidden.shape[:1] or targets.is_floating_point():
+        raise ValueError(f"targets: expected ({hidden.shape[0]},) integer token ids, got {getattr(targets, 'shape', type(targets).__name__)}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature: expected a finite positive number, got {temperature!r}")
+    if softcap is not None and not (isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap: expected None or a finite positive number, got {softcap!r}")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size: expected None or an int >= 1, got {chunk_size!r}")
+
+
+def linear_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    softcap: float | None = None,
+    return_entropy: bool = False,
+    chunk_size: int | None = None,
+):
+    """Log-probs (and entropies) of ``targets`` under ``softmax(cap(hidden @ weight.T) / temperature)``.
+
+    Args:
+        hidden: (n, D) final hidden states of the predicting tokens.
+        weight: (V, D) LM-head weight (same dtype and device as hidden).
+        targets: (n,) token ids.
+        temperature: logits are divided by it after the softcap.
+        softcap: final-logit softcap ``cap * tanh(l / cap)`` or None.
+        return_entropy: also return the entropy of each row's distribution.
+        chunk_size: rows per chunk; default keeps one fp32 (chunk, V) block near 256 MiB.
+    Returns ``(logprobs (n,), entropy (n,) or None)``, float32, differentiable with respect to
+    hidden and weight (the weight gradient is accumulated in fp32 and cast once).
+    """
+    _check_lean_inputs(hidden, weight, targets, temperature, softcap, chunk_size)
+    chunk = chunk_size or max(1, _CHUNK_ELEMENTS // weight.shape[0])
+    if hidden.shape[0] == 0:
+        empty = hidden.new_zeros(0, dtype=torch.float32) + hidden.sum() * 0  # keeps the graph connected
+        return empty, (empty.clone() if return_entropy else None)
+    return _LinearLogProbs.apply(hidden, weight, targets.long(), float(temperature),
+                                 None if softcap is None else float(softcap), chunk, return_entropy)

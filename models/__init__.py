@@ -1,1 +1,122 @@
-"""dualkv.models: decoder layers and causal-LM models on the packed layout."""
+"""dualkv.models: decoder layers and causal-LM models on the packed layout.
+
+Families: dense Qwen3, Qwen3-MoE (Qwen3-30B-A3B), hybrid sliding/global Gemma-4 (head dims 256/512).
+Every model runs on the packed P + N*R tokens of a ``dualkv.core.PackedLayout`` and gives the same
+log-probs and gradients as transformers on the N-replicated batch::
+
+    model = dualkv.models.from_pretrained("/ckpt/Qwen3-8B", dtype=torch.bfloat16, device="cuda")
+    layout = PackedLayout.from_groups([(prompt_ids, [resp_1, resp_2, ...]), ...], device="cuda")
+    logprobs = model.response_logprobs(layout)              # (B, R_max), rows in build order
+    (-(advantages * logprobs) * layout.response_mask()).sum().backward()
+
+Importing this package also registers the "dualkv" attention implementation with transformers
+(``dualkv.models.integrations.hf``), where that integration is installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from .checkpoint import from_pretrained, read_hf_config, save_pretrained
+from .config import (
+    AttentionConfig,
+    LayerConfig,
+    MLPConfig,
+    ModelConfig,
+    MoEConfig,
+    PerLayerInputConfig,
+    RopeConfig,
+    from_hf_config,
+    to_hf_config,
+)
+from .model import CausalLM
+from .moe import RouterStats, load_balancing_loss
+from .presets import PRESETS, get_preset, list_presets, preset_hf_config
+
+__all__ = [
+    "CausalLM",
+    "ModelConfig",
+    "LayerConfig",
+    "AttentionConfig",
+    "MLPConfig",
+    "MoEConfig",
+    "RopeConfig",
+    "PerLayerInputConfig",
+    "RouterStats",
+    "PRESETS",
+    "build_model",
+    "from_pretrained",
+    "save_pretrained",
+    "from_hf_config",
+    "to_hf_config",
+    "get_preset",
+    "list_presets",
+    "preset_hf_config",
+    "read_hf_config",
+    "load_balancing_loss",
+    "init_weights",
+]
+
+
+def init_weights(model: CausalLM, std: float = 0.02, generator: torch.Generator | None = None) -> CausalLM:
+    """transformers' initialisation: normal(0, std) for linear/embedding/expert/router weights, zero
+    biases and padding rows, ones for norm weights, router scales and layer scalars."""
+    if not isinstance(model, CausalLM):
+        raise ValueError(f"model: expected a dualkv.models.CausalLM, got {type(model).__name__}")
+    pad = model.config.pad_token_id
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if name.endswith("norm.weight") or leaf in ("scale", "per_expert_scale"):
+                p.fill_(1.0)
+            elif leaf == "bias":
+                p.zero_()
+            else:
+                p.normal_(0.0, std, generator=generator)
+                if pad is not None and "embed_tokens" in name:
+                    p[pad].zero_()
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.fill_(1.0)
+    return model
+
+
+def build_model(preset_or_config, *, dtype: torch.dtype = torch.float32, device=None, seed: int | None = None,
+                init_std: float = 0.02) -> CausalLM:
+    """A randomly initialised model from a preset name, a ModelConfig or a config.json dict.
+
+    ``device="meta"`` builds the structure without allocating (e.g. to count parameters of a preset).
+    """
+    if isinstance(preset_or_config, str):
+        cfg = get_preset(preset_or_config)
+    elif isinstance(preset_or_config, dict):
+        cfg = from_hf_config(preset_or_config)
+    elif isinstance(preset_or_config, ModelConfig):
+        cfg = preset_or_config
+    else:
+        raise ValueError(f"preset_or_config: expected a preset name, a ModelConfig or a config.json dict, "
+                         f"got {type(preset_or_config).__name__}")
+    device = torch.device(device if device is not None else "cpu")
+    with torch.device(device):
+        model = CausalLM(cfg).to(dtype)
+    if device.type != "meta":
+        gen = None
+        if seed is not None:
+            gen = torch.Generator(device=device).manual_seed(seed)
+        init_weights(model, init_std, gen)
+    return model
+
+
+def _register_hf_attention() -> None:
+    """Import ``dualkv.models.integrations.hf`` (it registers the "dualkv" attention) if installed."""
+    try:
+        spec = importlib.util.find_spec("dualkv.models.integrations.hf")
+    except ModuleNotFoundError:
+        spec = None
+    if spec is not None:
+        importlib.import_module("dualkv.models.integrations.hf")
+
+
+_register_hf_attention()
