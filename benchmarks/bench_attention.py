@@ -81,6 +81,8 @@ def parse_args(argv=None):
     ap.add_argument("--max-est-s", type=float, default=10.0, help="skip a run planned to take longer per fwd+bwd call")
     ap.add_argument("--deadline-s", type=float, default=None, help="start no new run after this many seconds")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--order", choices=("config", "provider"), default="config",
+                    help="run config by config, or provider by provider (PROVIDER_ORDER) under a deadline")
     ap.add_argument("--no-plots", action="store_true")
     return ap.parse_args(argv)
 
@@ -117,9 +119,10 @@ def _say(bar, text: str) -> None:
     (bar.write if bar is not None else print)(text)
 
 
-def validate(configs, requested, device, writer, bar=None) -> set[str]:
-    """Validate every provider at a small shape of each (H, H_kv, d); returns the (provider, d) keys that failed."""
-    failed = set()
+def validate(configs, requested, device, writer, bar=None) -> dict[tuple, str]:
+    """Validate every provider at a small shape of each (H, H_kv, d); returns {(provider, d, H, H_kv):
+    the status to record instead of timing} for those that failed."""
+    failed = {}
     seen = set()
     for cfg in configs:
         small = AttnConfig(**VALIDATION_SHAPE, H=cfg.H, H_kv=cfg.H_kv, d=cfg.d, dtype=cfg.dtype)
@@ -131,7 +134,10 @@ def validate(configs, requested, device, writer, bar=None) -> set[str]:
             writer.add_validation(rep)
             _say(bar, f"validate {p:28s} {small.name}: {rep['status']}")
             if rep["ok"] is False:
-                failed.add((p, cfg.d, cfg.H, cfg.H_kv))
+                status = rep["status"]
+                failed[(p, cfg.d, cfg.H, cfg.H_kv)] = (
+                    f"{status} (at validation)" if status == "OOM" or status.startswith("error")
+                    else f"skipped: failed validation ({status})")
     return failed
 
 
@@ -149,13 +155,16 @@ def main(argv=None) -> Path:
     writer = ResultWriter(args.out, stem, meta)
     start = time.monotonic()
     cases = [(cfg, p) for cfg in configs for p in providers_for(cfg, requested)]
+    if args.order == "provider":  # every config of the first provider, then the next provider, ...
+        rank = {p: i for i, p in enumerate(PROVIDER_ORDER)}
+        cases.sort(key=lambda c: rank.get(c[1], len(rank)))
     bar = _progress(len(cases))
     extra = [AttnConfig.parse(s, **D128) for s in args.validate_configs.split(";") if s.strip()]
-    failed = validate(configs + extra, requested, device, writer, bar) if (args.validate or args.validate_only) else set()
+    failed = validate(configs + extra, requested, device, writer, bar) if (args.validate or args.validate_only) else {}
     timer = Timer(device, budget_ms=args.budget_ms, max_reps=args.max_reps)
     for cfg, p in ([] if args.validate_only else cases):
         if (p, cfg.d, cfg.H, cfg.H_kv) in failed:
-            row = dict(base_row(cfg, p), status="skipped: failed validation")
+            row = dict(base_row(cfg, p), status=failed[(p, cfg.d, cfg.H, cfg.H_kv)])
         elif args.deadline_s is not None and time.monotonic() - start > args.deadline_s:
             row = dict(base_row(cfg, p), status="not run: --deadline-s reached")
         else:

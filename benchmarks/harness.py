@@ -22,7 +22,8 @@ Bytes are the least HBM traffic of an exact fused kernel on the packed tensors (
     bytes_bwd = e * (4*T*H*d + 4*T*H_kv*d) + 4*H*T                    q, k, v, out, dout, lse in; dq, dk, dv out
 
 Timing: the median of CUDA-event-timed repeats, the L2 cache flushed (a 256 MiB buffer zeroed)
-before every repeat, after one untimed warm-up (which absorbs compilation and autotuning). The
+before every repeat, after one untimed warm-up (which absorbs compilation and autotuning); the
+backward is timed alone, each repeat on a fresh (untimed) forward. The
 number of repeats follows a time budget per measurement (``budget_ms``), at least 1: a provider
 that needs seconds per call is timed once per mode, a fast one up to ``max_reps`` times. Inputs are
 fresh random tensors per case; every config's q alone is larger than the 60 MB L2 of an H100/H200.
@@ -303,24 +304,29 @@ class Timer:
         self.cuda = device.type == "cuda"
         self._flush = torch.empty(flush_mib * 2**20 // 4, dtype=torch.int32, device=device) if self.cuda else None
 
-    def _once(self, fn: Callable) -> float:
+    def _once(self, fn: Callable, setup: Callable | None) -> float:
+        arg = setup() if setup is not None else None  # untimed: enqueued before the start event
+        call = (lambda: fn(arg)) if setup is not None else fn
         if not self.cuda:
             t0 = time.perf_counter()
-            fn()
+            call()
             return (time.perf_counter() - t0) * 1e3
         self._flush.zero_()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        call()
         end.record()
         end.synchronize()
         return start.elapsed_time(end)
 
-    def measure(self, fn: Callable) -> Timing:
-        """One timed call estimates the cost; then repeats up to the budget (at least one more)."""
-        first = self._once(fn)
+    def measure(self, fn: Callable, setup: Callable | None = None) -> Timing:
+        """One timed call estimates the cost; then repeats up to the budget (at least one more).
+
+        ``setup`` (optional) runs untimed before every call and its result is passed to ``fn``
+        (the backward is timed on a fresh forward each time, never on a retained graph)."""
+        first = self._once(fn, setup)
         reps = int(max(1, min(self.max_reps - 1, self.budget_ms // max(first, 1e-3))))
-        times = [self._once(fn) for _ in range(reps)]
+        times = [self._once(fn, setup) for _ in range(reps)]
         if reps < 3:  # too few for a median of the later calls alone: keep the estimate too
             times.append(first)
         return Timing(statistics.median(times), len(times), times)
@@ -406,6 +412,9 @@ def _measure(prov: Provider, cfg: AttnConfig, device, timer: Timer, modes, seed:
     def fwd():
         prov.forward(*inputs)
 
+    def fwd_out():
+        return prov.forward(*inputs)
+
     def fwdbwd():
         torch.autograd.grad(prov.forward(*inputs), inputs, dout)
 
@@ -413,9 +422,7 @@ def _measure(prov: Provider, cfg: AttnConfig, device, timer: Timer, modes, seed:
     if "fwd" in modes:
         timings["fwd"] = timer.measure(fwd)
     if "bwd" in modes:
-        out = prov.forward(*inputs)
-        timings["bwd"] = timer.measure(lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True))
-        del out
+        timings["bwd"] = timer.measure(lambda out: torch.autograd.grad(out, inputs, dout), setup=fwd_out)
     if "fwdbwd" in modes:
         _sync(device)
         if device.type == "cuda":

@@ -239,6 +239,13 @@ def write_markdown(path: Path, results: list[dict], rows: list[dict] | None = No
     return path
 
 
+def _color(provider: str):
+    import matplotlib
+
+    order = PROVIDER_ORDER + sorted({provider} - set(PROVIDER_ORDER))
+    return matplotlib.colormaps["tab10"](order.index(provider) % 10)
+
+
 def plot_results(rows: list[dict], stem: Path, title: str = "") -> list[Path]:
     """``<stem>_tflops.png`` (useful TFLOP/s, forward+backward) and ``<stem>_ms.png`` (time, log scale)."""
     import matplotlib
@@ -253,7 +260,8 @@ def plot_results(rows: list[dict], stem: Path, title: str = "") -> list[Path]:
         fig, axes = plt.subplots(1, len(groups), figsize=(max(6, 3.2 * sum(len({r['config'] for r in g}) for g in groups.values())), 4.5),
                                  squeeze=False, gridspec_kw=dict(width_ratios=[len({r["config"] for r in g}) for g in groups.values()]))
         for ax, ((d, H, Hkv, dtype), grp) in zip(axes[0], groups.items()):
-            provs = _providers(grp)
+            provs = [p for p in _providers(grp)  # providers that cannot run this head dim at all are left out
+                     if not all(r["status"].startswith("unsupported") for r in grp if r["provider"] == p)]
             configs = list(dict.fromkeys(r["config"] for r in grp))
             by = {(r["config"], r["provider"]): r for r in grp}
             width = 0.8 / max(1, len(provs))
@@ -267,10 +275,12 @@ def plot_results(rows: list[dict], stem: Path, title: str = "") -> list[Path]:
                         ys.append(r[metric])
                     elif r is not None:
                         notes.append((x, "OOM" if r["status"] == "OOM" else r["status"].split(":")[0]))
-                bars = ax.bar(xs, ys, width, label=p)
+                color = _color(p)
+                ax.bar(xs, ys, width, label=p, color=color)
                 for x, text in notes:
-                    ax.text(x, 0.02, text, rotation=90, ha="center", va="bottom", fontsize=6,
-                            color=bars.patches[0].get_facecolor() if bars.patches else "gray", transform=ax.get_xaxis_transform())
+                    ax.text(x, 0.02, text, rotation=90, ha="center", va="bottom", fontsize=7, color=color,
+                            transform=ax.get_xaxis_transform())
+            ax.set_xlim(-0.5, len(configs) - 0.5)
             labels = [next(r["label"] for r in grp if r["config"] == c) for c in configs]
             ax.set_xticks(range(len(configs)), labels, rotation=30, fontsize=8)
             ax.set_xlabel("N, P, R")
@@ -279,7 +289,10 @@ def plot_results(rows: list[dict], stem: Path, title: str = "") -> list[Path]:
                 ax.set_yscale("log")
             ax.grid(axis="y", alpha=0.3)
         axes[0][0].set_ylabel(ylabel)
-        axes[0][-1].legend(fontsize=7, loc="best")
+        from matplotlib.patches import Patch
+
+        shown = _providers([r for r in rows if not r["status"].startswith("unsupported")])
+        axes[0][-1].legend(handles=[Patch(color=_color(p), label=p) for p in shown], fontsize=7, loc="best")
         fig.suptitle(f"Shared-prompt attention, {title}", fontsize=10)
         fig.tight_layout()
         path = Path(f"{stem}_{metric.split('_')[1]}.png")
