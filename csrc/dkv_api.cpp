@@ -1,0 +1,355 @@
+// Torch binding of the DualKV CUDA kernels: ops torch.ops.dualkv_cuda.fwd / bwd.
+//
+// Thin launcher layer: checks (clear errors naming the argument), allocation, the work decomposition
+// (tile prefix sums computed on the device, never a host sync of the metadata), then the kernels.
+// The Python backend (dualkv.core.backends.cuda) is the only caller.
+#include <Python.h>
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <limits>
+#include <optional>
+#include <tuple>
+
+#ifndef DKV_EMULATE
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#endif
+
+#include "dkv_launch.h"
+
+#ifdef DKV_EMULATE
+#define DKV_OPS_NAMESPACE dualkv_cuda_emu
+#define DKV_DISPATCH_KEY CPU
+#else
+#define DKV_OPS_NAMESPACE dualkv_cuda
+#define DKV_DISPATCH_KEY CUDA
+#endif
+
+namespace dkv {
+namespace {
+
+using at::Tensor;
+
+constexpr const char* kOps = "torch.ops.dualkv_cuda";
+
+void check_qkv_like(const Tensor& t, const char* name, const Tensor& q, int64_t heads, int64_t rows) {
+  TORCH_CHECK(t.dim() == 3, kOps, ": ", name, ": expected a 3-D tensor (tokens, heads, headdim), got shape ", t.sizes());
+  TORCH_CHECK(t.scalar_type() == q.scalar_type(), kOps, ": ", name, ": expected dtype ", q.scalar_type(), " like q, got ",
+              t.scalar_type());
+  TORCH_CHECK(t.device() == q.device(), kOps, ": ", name, ": expected device ", q.device(), " like q, got ", t.device());
+  TORCH_CHECK(t.size(2) == q.size(2), kOps, ": ", name, ": expected headdim ", q.size(2), ", got ", t.size(2));
+  if (heads >= 0) TORCH_CHECK(t.size(1) == heads, kOps, ": ", name, ": expected ", heads, " heads, got ", t.size(1));
+  if (rows >= 0) TORCH_CHECK(t.size(0) == rows, kOps, ": ", name, ": expected ", rows, " rows, got ", t.size(0));
+  TORCH_CHECK(t.stride(2) == 1, kOps, ": ", name, ": expected a contiguous last (headdim) dimension, got strides ", t.strides());
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(0) % 8 == 0 && t.stride(1) % 8 == 0, kOps,
+              ": ", name, ": expected 16-byte aligned rows (data pointer and row/head strides multiples of 8 elements), got "
+              "strides ", t.strides(), "; pass a .contiguous() tensor");
+}
+
+TensorRef ref(const Tensor& t) { return TensorRef{t.data_ptr(), t.stride(0), t.stride(1)}; }
+
+void check_meta(const Tensor& t, const char* name, const Tensor& q, int64_t n) {
+  TORCH_CHECK(t.scalar_type() == at::kInt && t.dim() == 1 && t.is_contiguous(), kOps, ": ", name,
+              ": expected a contiguous 1-D int32 tensor, got ", t.scalar_type(), " of shape ", t.sizes());
+  TORCH_CHECK(t.device() == q.device(), kOps, ": ", name, ": expected device ", q.device(), ", got ", t.device());
+  if (n >= 0) TORCH_CHECK(t.size(0) == n, kOps, ": ", name, ": expected ", n, " entries, got ", t.size(0));
+}
+
+// Shared checks and the kernel-facing view of the inputs.
+AttnArgs make_args(const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& k_ctx,
+                   const std::optional<Tensor>& v_ctx, const Tensor& cu, const Tensor& seg_ctx_start,
+                   const Tensor& seg_ctx_len, const Tensor& ctx_key_start, const Tensor& ctx_key_len,
+                   const Tensor& ctx_reader_start, const Tensor& ctx_reader_end, double scale, int64_t window,
+                   double softcap) {
+  TORCH_CHECK(q.dim() == 3, kOps, ": q: expected a 3-D tensor (tokens, heads, headdim), got shape ", q.sizes());
+  TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16, kOps,
+              ": q: expected float16 or bfloat16, got ", q.scalar_type());
+#ifdef DKV_EMULATE
+  TORCH_CHECK(q.device().is_cpu(), kOps, ": q: the emulation build runs on CPU tensors");
+#else
+  TORCH_CHECK(q.is_cuda(), kOps, ": q: expected a CUDA tensor, got device ", q.device());
+#endif
+  const int64_t T = q.size(0), H = q.size(1), d = q.size(2);
+  TORCH_CHECK(supported_head_dim(static_cast<int>(d)), kOps, ": q: headdim ", d,
+              " is not supported; expected one of 64, 96, 128, 192, 256, 512");
+  check_qkv_like(q, "q", q, -1, -1);
+  check_qkv_like(k, "k", q, -1, T);
+  const int64_t Hkv = k.size(1);
+  TORCH_CHECK(Hkv >= 1 && H % Hkv == 0, kOps, ": k: expected nheads_k to divide nheads, got ", H, " and ", Hkv);
+  check_qkv_like(v, "v", q, Hkv, T);
+  TORCH_CHECK(k_ctx.has_value() == v_ctx.has_value(), kOps, ": k_ctx/v_ctx: expected both or neither");
+  int64_t total_ctx = T;
+  if (k_ctx.has_value()) {
+    check_qkv_like(*k_ctx, "k_ctx", q, Hkv, -1);
+    check_qkv_like(*v_ctx, "v_ctx", q, Hkv, k_ctx->size(0));
+    total_ctx = k_ctx->size(0);
+  }
+  TORCH_CHECK(T + total_ctx < (int64_t{1} << 29), kOps, ": q: expected fewer than 2^29 tokens (with the context), got ",
+              T + total_ctx);
+  check_meta(cu, "cu_seqlens", q, -1);
+  TORCH_CHECK(cu.size(0) >= 1, kOps, ": cu_seqlens: expected at least one entry");
+  const int64_t S = cu.size(0) - 1;
+  check_meta(seg_ctx_start, "seg_ctx_start", q, S);
+  check_meta(seg_ctx_len, "seg_ctx_len", q, S);
+  check_meta(ctx_key_start, "ctx_key_start", q, -1);
+  const int64_t C = ctx_key_start.size(0);
+  check_meta(ctx_key_len, "ctx_key_len", q, C);
+  check_meta(ctx_reader_start, "ctx_reader_start", q, C);
+  check_meta(ctx_reader_end, "ctx_reader_end", q, C);
+  TORCH_CHECK(scale > 0, kOps, ": softmax_scale: expected a positive number, got ", scale);
+
+  AttnArgs a;
+  a.q = ref(q);
+  a.k = ref(k);
+  a.v = ref(v);
+  a.ctx_separate = k_ctx.has_value();
+  a.k_ctx = a.ctx_separate ? ref(*k_ctx) : a.k;
+  a.v_ctx = a.ctx_separate ? ref(*v_ctx) : a.v;
+  a.layout.cu_seqlens = cu.data_ptr<int>();
+  a.layout.seg_ctx_start = seg_ctx_start.data_ptr<int>();
+  a.layout.seg_ctx_len = seg_ctx_len.data_ptr<int>();
+  a.layout.ctx_key_start = ctx_key_start.data_ptr<int>();
+  a.layout.ctx_key_len = ctx_key_len.data_ptr<int>();
+  a.layout.ctx_reader_start = ctx_reader_start.data_ptr<int>();
+  a.layout.ctx_reader_end = ctx_reader_end.data_ptr<int>();
+  a.layout.num_segments = static_cast<int>(S);
+  a.layout.num_ctx = static_cast<int>(C);
+  a.total_q = static_cast<int>(T);
+  a.total_ctx = static_cast<int>(total_ctx);
+  a.nheads = static_cast<int>(H);
+  a.nheads_kv = static_cast<int>(Hkv);
+  a.head_dim = static_cast<int>(d);
+  a.scale = static_cast<float>(scale);
+  a.softcap = softcap > 0 ? static_cast<float>(softcap) : 0.f;
+  a.window = (window <= 0 || window >= kNoWindow) ? kNoWindow : static_cast<int>(window);
+  return a;
+}
+
+// (S+1,) int32 prefix sums of ceil(count / block), computed on the device.
+Tensor prefix_of(const Tensor& counts, int block) {
+  Tensor prefix = at::zeros({counts.size(0) + 1}, counts.options().dtype(at::kInt));
+  if (counts.size(0) > 0) {
+    Tensor tiles = at::div(counts + (block - 1), block, "floor");
+    prefix.slice(0, 1).copy_(at::cumsum(tiles, 0, at::kInt));
+  }
+  return prefix;
+}
+
+Tensor segment_lengths(const Tensor& cu) { return cu.slice(0, 1) - cu.slice(0, 0, -1); }
+
+int grid_tiles_bound(int64_t T, int64_t S, int block) {
+  const int64_t bound = (T + S * (block - 1)) / block;
+  TORCH_CHECK(bound < std::numeric_limits<int>::max(), kOps, ": too many query tiles (", bound, ")");
+  return static_cast<int>(bound);
+}
+
+cudaStream_t current_stream() {
+#ifdef DKV_EMULATE
+  return nullptr;
+#else
+  return at::cuda::getCurrentCUDAStream().stream();
+#endif
+}
+
+void check_launch(cudaError_t err, const char* what) {
+#ifdef DKV_EMULATE
+  TORCH_CHECK(err == cudaSuccess, kOps, ": ", what, " failed");
+#else
+  TORCH_CHECK(err == cudaSuccess, kOps, ": ", what, " launch failed: ", cudaGetErrorString(err));
+#endif
+}
+
+template <class E>
+cudaError_t dispatch_fwd(const FwdParams& p, cudaStream_t st) {
+  switch (p.head_dim) {
+    case 64: return run_fwd<E, 64>(p, st);
+    case 96: return run_fwd<E, 96>(p, st);
+    case 128: return run_fwd<E, 128>(p, st);
+    case 192: return run_fwd<E, 192>(p, st);
+    case 256: return run_fwd<E, 256>(p, st);
+    case 512: return run_fwd<E, 512>(p, st);
+    default: TORCH_CHECK(false, kOps, ": q: unsupported headdim ", p.head_dim);
+  }
+}
+
+template <class E>
+cudaError_t dispatch_dq(const BwdParams& p, cudaStream_t st) {
+  switch (p.head_dim) {
+    case 64: return run_dq<E, 64>(p, st);
+    case 96: return run_dq<E, 96>(p, st);
+    case 128: return run_dq<E, 128>(p, st);
+    case 192: return run_dq<E, 192>(p, st);
+    case 256: return run_dq<E, 256>(p, st);
+    case 512: return run_dq<E, 512>(p, st);
+    default: TORCH_CHECK(false, kOps, ": q: unsupported headdim ", p.head_dim);
+  }
+}
+
+template <class E>
+cudaError_t dispatch_dkdv(const BwdParams& p, cudaStream_t st) {
+  switch (p.head_dim) {
+    case 64: return run_dkdv<E, 64>(p, st);
+    case 96: return run_dkdv<E, 96>(p, st);
+    case 128: return run_dkdv<E, 128>(p, st);
+    case 192: return run_dkdv<E, 192>(p, st);
+    case 256: return run_dkdv<E, 256>(p, st);
+    case 512: return run_dkdv<E, 512>(p, st);
+    default: TORCH_CHECK(false, kOps, ": q: unsupported headdim ", p.head_dim);
+  }
+}
+
+std::tuple<Tensor, Tensor> fwd(const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& k_ctx,
+                               const std::optional<Tensor>& v_ctx, const Tensor& cu_seqlens, const Tensor& seg_ctx_start,
+                               const Tensor& seg_ctx_len, const Tensor& ctx_key_start, const Tensor& ctx_key_len,
+                               const Tensor& ctx_reader_start, const Tensor& ctx_reader_end, double softmax_scale,
+                               int64_t window, double softcap) {
+  const AttnArgs args = make_args(q, k, v, k_ctx, v_ctx, cu_seqlens, seg_ctx_start, seg_ctx_len, ctx_key_start,
+                                  ctx_key_len, ctx_reader_start, ctx_reader_end, softmax_scale, window, softcap);
+#ifndef DKV_EMULATE
+  const c10::cuda::CUDAGuard guard(q.device());
+#endif
+  Tensor out = at::empty(q.sizes(), q.options());
+  Tensor lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
+  const int block_m = fwd_config(args.head_dim).block_m;
+  Tensor tile_prefix = prefix_of(segment_lengths(cu_seqlens), block_m);
+
+  FwdParams p;
+  static_cast<AttnArgs&>(p) = args;
+  p.out = ref(out);
+  p.lse = lse.data_ptr<float>();
+  p.q_tile_prefix = tile_prefix.data_ptr<int>();
+  p.grid_tiles = grid_tiles_bound(args.total_q, args.layout.num_segments, block_m);
+  const cudaStream_t st = current_stream();
+  const bool bf16 = q.scalar_type() == at::kBFloat16;
+  check_launch(bf16 ? dispatch_fwd<Bf16>(p, st) : dispatch_fwd<Fp16>(p, st), "forward kernel");
+  return {out, lse};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
+    const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& k_ctx,
+    const std::optional<Tensor>& v_ctx, const Tensor& out, const Tensor& lse, const Tensor& cu_seqlens,
+    const Tensor& seg_ctx_start, const Tensor& seg_ctx_len, const Tensor& ctx_key_start, const Tensor& ctx_key_len,
+    const Tensor& ctx_reader_start, const Tensor& ctx_reader_end, double softmax_scale, int64_t window, double softcap,
+    bool deterministic) {
+  const AttnArgs args = make_args(q, k, v, k_ctx, v_ctx, cu_seqlens, seg_ctx_start, seg_ctx_len, ctx_key_start,
+                                  ctx_key_len, ctx_reader_start, ctx_reader_end, softmax_scale, window, softcap);
+  const int64_t T = q.size(0), H = q.size(1);
+  check_qkv_like(out, "out", q, H, T);
+  check_qkv_like(dout, "dout", q, H, T);
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.dim() == 2 && lse.size(0) == H && lse.size(1) == T &&
+                  lse.is_contiguous() && lse.device() == q.device(),
+              kOps, ": lse: expected a contiguous float32 (nheads, total_q) = (", H, ", ", T, ") tensor on ", q.device(),
+              ", got ", lse.scalar_type(), " of shape ", lse.sizes());
+#ifndef DKV_EMULATE
+  const c10::cuda::CUDAGuard guard(q.device());
+#endif
+  const auto f32 = q.options().dtype(at::kFloat);
+  Tensor dq = at::empty(q.sizes(), q.options());
+  Tensor dk = at::empty(k.sizes(), k.options());
+  Tensor dv = at::empty(v.sizes(), v.options());
+  Tensor dk_ctx, dv_ctx;
+  if (args.ctx_separate) {
+    // Deterministic mode writes only rows inside a context region: rows read by nobody stay zero.
+    dk_ctx = deterministic ? at::zeros(k_ctx->sizes(), k.options()) : at::empty(k_ctx->sizes(), k.options());
+    dv_ctx = deterministic ? at::zeros(v_ctx->sizes(), v.options()) : at::empty(v_ctx->sizes(), v.options());
+  } else {
+    dk_ctx = at::empty({0}, q.options());
+    dv_ctx = at::empty({0}, q.options());
+  }
+  Tensor lse_log2 = at::empty({H, T}, f32);
+  Tensor dsum = at::empty({H, T}, f32);
+  Tensor dk_accum, dv_accum;
+  const int accum_rows = deterministic ? 0 : args.total_ctx;
+  if (accum_rows > 0) {
+    dk_accum = at::zeros({accum_rows, args.nheads_kv, args.head_dim}, f32);
+    dv_accum = at::zeros({accum_rows, args.nheads_kv, args.head_dim}, f32);
+  }
+
+  const TileConfig dqc = dq_config(args.head_dim), kvc = dkdv_config(args.head_dim);
+  const Tensor seg_len = segment_lengths(cu_seqlens);
+  Tensor q_tile_prefix = prefix_of(seg_len, dqc.block_m);
+  // dkdv items per segment: its own key tiles (+ its context tiles, by default); deterministic with
+  // a separate context adds one group per context region.
+  Tensor per_seg = at::div(seg_len + (kvc.block_n - 1), kvc.block_n, "floor");
+  if (!deterministic) per_seg = per_seg + at::div(seg_ctx_len + (kvc.block_n - 1), kvc.block_n, "floor");
+  Tensor groups = per_seg;
+  if (deterministic && args.ctx_separate) {
+    groups = at::cat({per_seg, at::div(ctx_key_len + (kvc.block_n - 1), kvc.block_n, "floor")});
+  }
+  Tensor kv_item_prefix = prefix_of(groups, 1);
+  Tensor work_counter = at::zeros({1}, q.options().dtype(at::kInt));
+
+  BwdParams p;
+  static_cast<AttnArgs&>(p) = args;
+  p.out = ref(out);
+  p.dout = ref(dout);
+  p.lse = lse.data_ptr<float>();
+  p.lse_log2 = lse_log2.data_ptr<float>();
+  p.dsum = dsum.data_ptr<float>();
+  p.dq = ref(dq);
+  p.dk = ref(dk);
+  p.dv = ref(dv);
+  if (args.ctx_separate) {
+    p.dk_ctx = ref(dk_ctx);
+    p.dv_ctx = ref(dv_ctx);
+  } else {
+    p.dk_ctx = p.dk;
+    p.dv_ctx = p.dv;
+  }
+  p.dk_accum = accum_rows > 0 ? dk_accum.data_ptr<float>() : nullptr;
+  p.dv_accum = accum_rows > 0 ? dv_accum.data_ptr<float>() : nullptr;
+  p.accum_rows = accum_rows;
+  p.q_tile_prefix = q_tile_prefix.data_ptr<int>();
+  p.grid_tiles = grid_tiles_bound(T, args.layout.num_segments, dqc.block_m);
+  p.kv_item_prefix = kv_item_prefix.data_ptr<int>();
+  p.num_item_groups = static_cast<int>(groups.size(0));
+  p.work_counter = work_counter.data_ptr<int>();
+  p.deterministic = deterministic;
+
+  const cudaStream_t st = current_stream();
+  const bool bf16 = q.scalar_type() == at::kBFloat16;
+  check_launch(bf16 ? run_bwd_prep<Bf16>(p, st) : run_bwd_prep<Fp16>(p, st), "backward preprocessing kernel");
+  check_launch(bf16 ? dispatch_dq<Bf16>(p, st) : dispatch_dq<Fp16>(p, st), "dq kernel");
+  check_launch(bf16 ? dispatch_dkdv<Bf16>(p, st) : dispatch_dkdv<Fp16>(p, st), "dk/dv kernel");
+  if (accum_rows > 0) {
+    check_launch(bf16 ? run_bwd_convert<Bf16>(p, st) : run_bwd_convert<Fp16>(p, st), "context-gradient convert kernel");
+  }
+  return {dq, dk, dv, dk_ctx, dv_ctx};
+}
+
+}  // namespace
+}  // namespace dkv
+
+TORCH_LIBRARY(DKV_OPS_NAMESPACE, m) {
+  m.def(
+      "fwd(Tensor q, Tensor k, Tensor v, Tensor? k_ctx, Tensor? v_ctx, Tensor cu_seqlens, Tensor seg_ctx_start, "
+      "Tensor seg_ctx_len, Tensor ctx_key_start, Tensor ctx_key_len, Tensor ctx_reader_start, Tensor ctx_reader_end, "
+      "float softmax_scale, int window, float softcap) -> (Tensor, Tensor)");
+  m.def(
+      "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor? k_ctx, Tensor? v_ctx, Tensor out, Tensor lse, "
+      "Tensor cu_seqlens, Tensor seg_ctx_start, Tensor seg_ctx_len, Tensor ctx_key_start, Tensor ctx_key_len, "
+      "Tensor ctx_reader_start, Tensor ctx_reader_end, float softmax_scale, int window, float softcap, "
+      "bool deterministic) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(DKV_OPS_NAMESPACE, DKV_DISPATCH_KEY, m) {
+  m.impl("fwd", &dkv::fwd);
+  m.impl("bwd", &dkv::bwd);
+}
+
+// Importable as a Python module (setup.py builds dualkv._C); importing it registers the ops.
+#ifndef TORCH_EXTENSION_NAME
+#define TORCH_EXTENSION_NAME _C
+#endif
+#define DKV_STR_(x) #x
+#define DKV_STR(x) DKV_STR_(x)
+#define DKV_CONCAT_(a, b) a##b
+#define DKV_CONCAT(a, b) DKV_CONCAT_(a, b)
+
+PyMODINIT_FUNC DKV_CONCAT(PyInit_, TORCH_EXTENSION_NAME)(void) {
+  static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, DKV_STR(TORCH_EXTENSION_NAME),
+                                      "DualKV CUDA kernels; the ops live in torch.ops.dualkv_cuda", -1, nullptr};
+  return PyModule_Create(&module);
+}

@@ -1,0 +1,596 @@
+// Backward kernels.
+//
+//   dkv_bwd_prep_kernel   dsum = rowsum(dout * out), lse_log2 = lse * log2(e)        (H, T) fp32
+//   dkv_dq_kernel         query-parallel, the forward's two-region walk: dQ accumulated in
+//                         registers over every visible key, written directly (no atomics)
+//   dkv_dkdv_kernel       key-parallel, persistent with a dynamic work counter: an item is a key
+//                         tile (BLOCK_N keys of one kv head) and the query tiles that read it, for
+//                         every query head of the GQA group; dK/dV accumulate in registers
+//   dkv_convert_kernel    casts the fp32 context accumulators to the input dtype, once
+//
+// Context (shared prompt) keys are read by the N responses of the group. Default mode: one item per
+// (reader segment, context tile), partial dK/dV added with fp32 atomics into a workspace, then the
+// convert kernel casts once; response keys (read by their own segment only) are written directly.
+// Deterministic mode: one item per key tile walks the owner segment AND every reader segment of the
+// region, so each key row has one writer and no atomics are needed.
+#pragma once
+
+#include "dkv_fwd.cuh"
+
+namespace dkv {
+
+// ----------------------------------------------------------------------------------------------
+template <class E>
+DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_bwd_prep_kernel(const DKV_GRID_CONSTANT BwdParams p) {
+  const int tid = thread_idx(), lane = tid & 31, warp = tid >> 5;
+  const int64_t idx = static_cast<int64_t>(block_idx_x()) * 8 + warp;  // (t, h) pair
+  if (idx >= static_cast<int64_t>(p.total_q) * p.nheads) return;
+  const int t = static_cast<int>(idx / p.nheads), h = static_cast<int>(idx % p.nheads);
+  const uint16_t* o = static_cast<const uint16_t*>(p.out.ptr) + t * p.out.row_stride + h * p.out.head_stride;
+  const uint16_t* d = static_cast<const uint16_t*>(p.dout.ptr) + t * p.dout.row_stride + h * p.dout.head_stride;
+  float acc = 0.f;
+  for (int c = lane; c < p.head_dim / 8; c += 32) {
+    uint32_t a[4], b[4];
+    load_16B(a, o + c * 8);
+    load_16B(b, d + c * 8);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) acc += lo_f<E>(a[j]) * lo_f<E>(b[j]) + hi_f<E>(a[j]) * hi_f<E>(b[j]);
+  }
+#pragma unroll
+  for (int m = 16; m >= 1; m >>= 1) acc += shfl_xor(acc, m);
+  if (lane == 0) {
+    const int64_t i = static_cast<int64_t>(h) * p.total_q + t;
+    p.dsum[i] = acc;
+    p.lse_log2[i] = p.lse[i] * kLog2e;
+  }
+}
+
+// ----------------------------------------------------------------------------------------------
+// dq: one block per (query tile, head), same grid and two-region walk as the forward.
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kDSplit_>
+struct DqTraits : FwdTraits<kHeadDim_, kBlockM_, kBlockN_, kDSplit_> {
+  using Base = FwdTraits<kHeadDim_, kBlockM_, kBlockN_, kDSplit_>;
+  static constexpr int kSmemBytes = (2 * kBlockM_ + 4 * kBlockN_) * Base::kStride * 2;
+};
+
+template <class E, class K>
+DKV_GLOBAL void DKV_LAUNCH_BOUNDS(K::kThreads) dkv_dq_kernel(const DKV_GRID_CONSTANT BwdParams p) {
+  constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kStride = K::kStride, kDSlice = K::kDSlice;
+  const int S = p.layout.num_segments;
+  const int item = block_idx_x();
+  if (item >= p.q_tile_prefix[S]) return;
+  const int s = find_bucket(p.q_tile_prefix, S, item);
+  const int t = p.q_tile_prefix[s + 1] - 1 - item;
+  const int row0 = p.layout.cu_seqlens[s];
+  const int n = p.layout.cu_seqlens[s + 1] - row0;
+  const int ctx_len = p.layout.seg_ctx_len[s];
+  const int ctx_row0 = p.layout.seg_ctx_start[s];
+  const int q0 = t * kBlockM;
+  const int m_valid = imin(kBlockM, n - q0);
+  const int h = block_idx_y();
+  const int hk = h / (p.nheads / p.nheads_kv);
+  const int W = p.window;
+
+  const int tid = thread_idx(), lane = tid & 31, warp = tid >> 5;
+  const int rw = warp % K::kRowWarps, dsl = warp / K::kRowWarps;
+  const int g = lane >> 2, tq = lane & 3;
+
+  uint16_t* sQ = reinterpret_cast<uint16_t*>(dynamic_smem());
+  uint16_t* sdO = sQ + kBlockM * kStride;
+  uint16_t* sK0 = sdO + kBlockM * kStride;
+  uint16_t* sV0 = sK0 + 2 * kBlockN * kStride;
+
+  const TwoRegionWalk walk = make_walk<kBlockN>(q0, m_valid, ctx_len, ctx_row0, row0, W);
+  const int n_tiles = walk.n_ctx_tiles + walk.n_own_tiles;
+  const int qpos_lo = ctx_len + q0, qpos_hi = qpos_lo + m_valid - 1;
+
+  const uint16_t* q_ptr = static_cast<const uint16_t*>(p.q.ptr);
+  const uint16_t* do_ptr = static_cast<const uint16_t*>(p.dout.ptr);
+  const uint16_t* k_ptr = static_cast<const uint16_t*>(p.k.ptr);
+  const uint16_t* v_ptr = static_cast<const uint16_t*>(p.v.ptr);
+  const uint16_t* kc_ptr = static_cast<const uint16_t*>(p.k_ctx.ptr);
+  const uint16_t* vc_ptr = static_cast<const uint16_t*>(p.v_ctx.ptr);
+
+  auto issue_kv = [&](int ti) {
+    const KvTile kt = walk.tile<kBlockN>(ti, p, hk);
+    const int b = ti & 1;
+    load_rows_async<kBlockN, K::kHeadDim, K::kThreads>(sK0 + b * kBlockN * kStride, (kt.ctx ? kc_ptr : k_ptr) + kt.k_off,
+                                                        kt.ctx ? p.k_ctx.row_stride : p.k.row_stride, kt.valid, k_ptr, tid);
+    load_rows_async<kBlockN, K::kHeadDim, K::kThreads>(sV0 + b * kBlockN * kStride, (kt.ctx ? vc_ptr : v_ptr) + kt.v_off,
+                                                        kt.ctx ? p.v_ctx.row_stride : p.v.row_stride, kt.valid, v_ptr, tid);
+  };
+
+  const int64_t q_off = static_cast<int64_t>(row0 + q0) * p.q.row_stride + static_cast<int64_t>(h) * p.q.head_stride;
+  const int64_t do_off = static_cast<int64_t>(row0 + q0) * p.dout.row_stride + static_cast<int64_t>(h) * p.dout.head_stride;
+  load_rows_async<kBlockM, K::kHeadDim, K::kThreads>(sQ, q_ptr + q_off, p.q.row_stride, m_valid, q_ptr, tid);
+  load_rows_async<kBlockM, K::kHeadDim, K::kThreads>(sdO, do_ptr + do_off, p.dout.row_stride, m_valid, do_ptr, tid);
+  issue_kv(0);
+  cp_async_commit();
+
+  // Row statistics of rows g and g + 8 of this warp.
+  float lse2[2], dsum[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = rw * 16 + g + r * 8;
+    const int64_t i = static_cast<int64_t>(h) * p.total_q + row0 + q0 + row;
+    lse2[r] = row < m_valid ? p.lse_log2[i] : 0.f;
+    dsum[r] = row < m_valid ? p.dsum[i] : 0.f;
+  }
+
+  const ScoreFn score = make_score_fn(p.scale, p.softcap);
+  float dq[kDSlice / 8][4];
+  zero(dq);
+
+  for (int ti = 0; ti < n_tiles; ++ti) {
+    if (ti + 1 < n_tiles) issue_kv(ti + 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    block_sync();
+
+    const KvTile kt = walk.tile<kBlockN>(ti, p, hk);
+    const uint16_t* sK = sK0 + (ti & 1) * kBlockN * kStride;
+    const uint16_t* sV = sV0 + (ti & 1) * kBlockN * kStride;
+
+    float sc[kBlockN / 8][4], dp[kBlockN / 8][4];
+    zero(sc);
+    zero(dp);
+    gemm_ss<E, kBlockN, K::kHeadDim, kStride>(sc, sQ + rw * 16 * kStride, sK, lane);
+    gemm_ss<E, kBlockN, K::kHeadDim, kStride>(dp, sdO + rw * 16 * kStride, sV, lane);
+
+    const bool need_mask =
+        kt.valid < kBlockN || kt.kpos0 + kt.valid - 1 > qpos_lo || qpos_hi - kt.kpos0 >= W;
+#pragma unroll
+    for (int nt = 0; nt < kBlockN / 8; ++nt) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int r = i >> 1;
+        bool masked = false;
+        if (need_mask) {
+          const int col = nt * 8 + 2 * tq + (i & 1);
+          const int qpos = qpos_lo + rw * 16 + g + r * 8;
+          const int kpos = kt.kpos0 + col;
+          masked = col >= kt.valid || kpos > qpos || qpos - kpos >= W;
+        }
+        float ds = 0.f;
+        if (!masked) {
+          const float raw = sc[nt][i];
+          const float pr = fast_exp2(score(raw) - lse2[r]);
+          ds = pr * (dp[nt][i] - dsum[r]);
+          if (score.softcap) {
+            const float th = tanh_f(raw * score.cap_inv_scale);
+            ds *= 1.f - th * th;
+          }
+        }
+        dp[nt][i] = ds;
+      }
+    }
+    uint32_t dsa[kBlockN / 16][4];
+    c_to_a<E, kBlockN>(dsa, dp);
+    gemm_rs<E, kDSlice, kBlockN, kStride>(dq, dsa, sK + dsl * kDSlice, lane);
+    block_sync();
+  }
+
+  uint16_t* dq_ptr = static_cast<uint16_t*>(p.dq.ptr);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = rw * 16 + g + r * 8;
+    if (row < m_valid) {
+      uint16_t* dst = dq_ptr + static_cast<int64_t>(row0 + q0 + row) * p.dq.row_stride +
+                      static_cast<int64_t>(h) * p.dq.head_stride + dsl * kDSlice;
+#pragma unroll
+      for (int nt = 0; nt < kDSlice / 8; ++nt) {
+        store_u32(dst + nt * 8 + 2 * tq, pack2<E>(dq[nt][2 * r] * p.scale, dq[nt][2 * r + 1] * p.scale));
+      }
+    }
+  }
+}
+
+// ----------------------------------------------------------------------------------------------
+// dkdv
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kDSplit_>
+struct DkdvTraits {
+  static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kDSplit = kDSplit_;
+  static constexpr int kKeyWarps = kBlockN / 16;
+  static constexpr int kWarps = kKeyWarps * kDSplit;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kDSlice = kHeadDim / kDSplit;
+  static constexpr int kStride = kHeadDim + 8;
+  static constexpr int kTileElems = kStride;  // per row
+  // K, V tiles; Q, dO double-buffered; lse_log2, dsum double-buffered; the item slot.
+  static constexpr int kSmemBytes = (2 * kBlockN + 4 * kBlockM) * kStride * 2 + 4 * kBlockM * 4 + 16;
+  static_assert(kDSlice % 16 == 0, "head-dim slice must be a multiple of 16");
+};
+
+enum OutMode : int { kOutDirect = 0, kOutAtomic = 1, kOutPerRow = 2 };
+
+// A key tile and who reads it.
+struct KvItem {
+  int key_row0;   // first row of the tile in its tensor (k or k_ctx)
+  int nk;         // rows of the tile
+  bool ctx_tensor;  // keys are rows of k_ctx / v_ctx (separate context)
+  int owner;      // segment whose own keys these are (-1: none)
+  int rd_begin, rd_end;  // reader segments that see the tile as context
+  int out_mode;
+  int hk;
+};
+
+// How one segment r sees the key tile: query rows [i_lo, i_hi) of r can see some key of it.
+struct SegView {
+  int row0;   // first packed row of segment r
+  int i_lo, i_hi, n_tiles;
+  int ctx_len;
+  int kpos0;  // logical position of key 0 of the tile for r
+  int klo, khi;  // keys of the tile that belong to r's view (context range restriction)
+};
+
+template <int kBlockM>
+DKV_DEV bool make_view(const BwdParams& p, int r, bool own, const KvItem& it, SegView& v) {
+  const int row0 = p.layout.cu_seqlens[r];
+  const int n = p.layout.cu_seqlens[r + 1] - row0;
+  const int c = p.layout.seg_ctx_len[r];
+  const int kpos0 = own ? c + (it.key_row0 - row0) : it.key_row0 - p.layout.seg_ctx_start[r];
+  const int klo = own ? 0 : imax(0, -kpos0);
+  const int khi = own ? it.nk : imin(it.nk, c - kpos0);
+  if (khi <= klo || n <= 0) return false;
+  const int kfirst = kpos0 + klo;
+  const int64_t klast = kpos0 + khi - 1;
+  // query i (position c + i) sees some key iff c + i >= kfirst and c + i - klast < W.
+  const int i_lo = imax(0, kfirst - c);
+  const int64_t hi = klast + static_cast<int64_t>(p.window) - c;
+  const int i_hi = static_cast<int>(hi < n ? hi : n);
+  if (i_hi <= i_lo) return false;
+  v.row0 = row0;
+  v.i_lo = i_lo;
+  v.i_hi = i_hi;
+  v.n_tiles = ceil_div(i_hi - i_lo, kBlockM);
+  v.ctx_len = c;
+  v.kpos0 = kpos0;
+  v.klo = klo;
+  v.khi = khi;
+  return true;
+}
+
+// Walks (owner segment, then reader segments) x (query heads of the group) x (query tiles).
+template <int kBlockM>
+struct ReaderCursor {
+  int stage;  // 0: owner, 1: readers, 2: done
+  int r;      // current segment
+  int hl;     // query head within the group
+  int t;      // tile within the view
+  SegView v;
+
+  // Moves to the first non-empty view at or after (stage, r).
+  DKV_DEV bool seek(const BwdParams& p, const KvItem& it) {
+    for (;;) {
+      if (stage == 0) {
+        if (it.owner >= 0 && make_view<kBlockM>(p, it.owner, true, it, v)) return true;
+        stage = 1;
+        r = it.rd_begin;
+        continue;
+      }
+      if (stage == 1) {
+        if (r >= it.rd_end) {
+          stage = 2;
+          return false;
+        }
+        if (make_view<kBlockM>(p, r, false, it, v)) return true;
+        ++r;
+        continue;
+      }
+      return false;
+    }
+  }
+  DKV_DEV bool begin(const BwdParams& p, const KvItem& it) {
+    stage = 0;
+    r = it.owner;
+    hl = 0;
+    t = 0;
+    return seek(p, it);
+  }
+  DKV_DEV bool advance(const BwdParams& p, const KvItem& it, int rep) {
+    if (++t < v.n_tiles) return true;
+    t = 0;
+    if (++hl < rep) return true;
+    hl = 0;
+    if (stage == 0) {
+      stage = 1;
+      r = it.rd_begin;
+    } else {
+      ++r;
+    }
+    return seek(p, it);
+  }
+};
+
+// Everything the compute step needs to know about a loaded query tile.
+struct QTileDesc {
+  int qpos0;    // logical position of the tile's first query
+  int m_valid;  // query rows of the tile
+  int kpos0, klo, khi;
+};
+
+DKV_DEV int segment_of_row(const BwdParams& p, int row) {
+  // Largest s with cu_seqlens[s] <= row (empty segments share a start; take the last, non-empty one).
+  return find_bucket(p.layout.cu_seqlens, p.layout.num_segments, row);
+}
+
+// Context region containing key row `row` of k (packed layout), or -1.
+DKV_DEV int region_of_row(const BwdParams& p, int row) {
+  const int C = p.layout.num_ctx;
+  if (C == 0 || row < p.layout.ctx_key_start[0]) return -1;
+  int lo = 0, hi = C;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) >> 1;
+    if (p.layout.ctx_key_start[mid] <= row) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  return row < p.layout.ctx_key_start[lo] + p.layout.ctx_key_len[lo] ? lo : -1;
+}
+
+// Segments [begin, end) holding the reader query rows of region c.
+DKV_DEV void reader_segments(const BwdParams& p, int c, int& begin, int& end) {
+  const int a = p.layout.ctx_reader_start[c], b = p.layout.ctx_reader_end[c];
+  if (b <= a) {
+    begin = end = 0;
+    return;
+  }
+  begin = segment_of_row(p, a);
+  end = segment_of_row(p, b - 1) + 1;
+}
+
+template <int kBlockN>
+DKV_DEV KvItem decode_item(const BwdParams& p, int item) {
+  KvItem it;
+  it.hk = item % p.nheads_kv;
+  const int tile_item = item / p.nheads_kv;
+  const int grp = find_bucket(p.kv_item_prefix, p.num_item_groups, tile_item);
+  const int li = tile_item - p.kv_item_prefix[grp];
+  const int S = p.layout.num_segments;
+  it.rd_begin = it.rd_end = 0;
+  it.owner = -1;
+  if (grp >= S) {  // deterministic, separate context: tile of region c, walked by all its readers
+    const int c = grp - S;
+    const int j0 = li * kBlockN;
+    it.key_row0 = p.layout.ctx_key_start[c] + j0;
+    it.nk = imin(kBlockN, p.layout.ctx_key_len[c] - j0);
+    it.ctx_tensor = true;
+    reader_segments(p, c, it.rd_begin, it.rd_end);
+    it.out_mode = kOutDirect;
+    return it;
+  }
+  const int s = grp;
+  const int row0 = p.layout.cu_seqlens[s];
+  const int n = p.layout.cu_seqlens[s + 1] - row0;
+  const int c_len = p.layout.seg_ctx_len[s];
+  const int n_ctx_tiles = p.deterministic ? 0 : ceil_div(c_len, kBlockN);
+  if (li < n_ctx_tiles) {  // context tile of segment s, read by s alone: atomic partial sums
+    const int j0 = li * kBlockN;
+    it.key_row0 = p.layout.seg_ctx_start[s] + j0;
+    it.nk = imin(kBlockN, c_len - j0);
+    it.ctx_tensor = p.ctx_separate;
+    it.rd_begin = s;
+    it.rd_end = s + 1;
+    it.out_mode = kOutAtomic;
+    return it;
+  }
+  const int i0 = (li - n_ctx_tiles) * kBlockN;
+  it.key_row0 = row0 + i0;
+  it.nk = imin(kBlockN, n - i0);
+  it.ctx_tensor = false;
+  it.owner = s;
+  if (p.ctx_separate) {
+    it.out_mode = kOutDirect;
+  } else if (p.deterministic) {
+    const int c = region_of_row(p, it.key_row0);
+    if (c >= 0) reader_segments(p, c, it.rd_begin, it.rd_end);
+    it.out_mode = kOutDirect;
+  } else {
+    it.out_mode = kOutPerRow;
+  }
+  return it;
+}
+
+template <class E, class K>
+DKV_GLOBAL void DKV_LAUNCH_BOUNDS(K::kThreads) dkv_dkdv_kernel(const DKV_GRID_CONSTANT BwdParams p) {
+  constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kStride = K::kStride, kDSlice = K::kDSlice;
+  const int tid = thread_idx(), lane = tid & 31, warp = tid >> 5;
+  const int kw = warp % K::kKeyWarps, dsl = warp / K::kKeyWarps;
+  const int g = lane >> 2, tq = lane & 3;
+  const int rep = p.nheads / p.nheads_kv;
+  const int W = p.window;
+  const int total_items = p.kv_item_prefix[p.num_item_groups] * p.nheads_kv;
+
+  uint16_t* sK = reinterpret_cast<uint16_t*>(dynamic_smem());
+  uint16_t* sV = sK + kBlockN * kStride;
+  uint16_t* sQ0 = sV + kBlockN * kStride;
+  uint16_t* sdO0 = sQ0 + 2 * kBlockM * kStride;
+  float* sL0 = reinterpret_cast<float*>(sdO0 + 2 * kBlockM * kStride);
+  float* sD0 = sL0 + 2 * kBlockM;
+  int* s_item = reinterpret_cast<int*>(sD0 + 2 * kBlockM);
+
+  const uint16_t* q_ptr = static_cast<const uint16_t*>(p.q.ptr);
+  const uint16_t* do_ptr = static_cast<const uint16_t*>(p.dout.ptr);
+  const ScoreFn score = make_score_fn(p.scale, p.softcap);
+
+  for (;;) {
+    if (tid == 0) *s_item = atomic_add_i32(p.work_counter, 1);
+    block_sync();
+    const int item = *s_item;
+    block_sync();
+    if (item >= total_items) break;
+    const KvItem it = decode_item<kBlockN>(p, item);
+    const TensorRef kref = it.ctx_tensor ? p.k_ctx : p.k;
+    const TensorRef vref = it.ctx_tensor ? p.v_ctx : p.v;
+    const uint16_t* kbase = static_cast<const uint16_t*>(kref.ptr);
+    const uint16_t* vbase = static_cast<const uint16_t*>(vref.ptr);
+    load_rows_async<kBlockN, K::kHeadDim, K::kThreads>(
+        sK, kbase + static_cast<int64_t>(it.key_row0) * kref.row_stride + static_cast<int64_t>(it.hk) * kref.head_stride,
+        kref.row_stride, it.nk, kbase, tid);
+    load_rows_async<kBlockN, K::kHeadDim, K::kThreads>(
+        sV, vbase + static_cast<int64_t>(it.key_row0) * vref.row_stride + static_cast<int64_t>(it.hk) * vref.head_stride,
+        vref.row_stride, it.nk, vbase, tid);
+
+    auto issue_q = [&](const ReaderCursor<kBlockM>& cur, int b) -> QTileDesc {
+      const int i0 = cur.v.i_lo + cur.t * kBlockM;
+      QTileDesc d;
+      d.m_valid = imin(kBlockM, cur.v.i_hi - i0);
+      d.qpos0 = cur.v.ctx_len + i0;
+      d.kpos0 = cur.v.kpos0;
+      d.klo = cur.v.klo;
+      d.khi = cur.v.khi;
+      const int hq = it.hk * rep + cur.hl;
+      const int row = cur.v.row0 + i0;
+      load_rows_async<kBlockM, K::kHeadDim, K::kThreads>(
+          sQ0 + b * kBlockM * kStride,
+          q_ptr + static_cast<int64_t>(row) * p.q.row_stride + static_cast<int64_t>(hq) * p.q.head_stride, p.q.row_stride,
+          d.m_valid, q_ptr, tid);
+      load_rows_async<kBlockM, K::kHeadDim, K::kThreads>(
+          sdO0 + b * kBlockM * kStride,
+          do_ptr + static_cast<int64_t>(row) * p.dout.row_stride + static_cast<int64_t>(hq) * p.dout.head_stride,
+          p.dout.row_stride, d.m_valid, do_ptr, tid);
+      const int64_t si = static_cast<int64_t>(hq) * p.total_q + row;
+      load_vec_async<kBlockM, K::kThreads>(sL0 + b * kBlockM, p.lse_log2 + si, d.m_valid, p.lse_log2, tid);
+      load_vec_async<kBlockM, K::kThreads>(sD0 + b * kBlockM, p.dsum + si, d.m_valid, p.dsum, tid);
+      return d;
+    };
+
+    float dk[kDSlice / 8][4], dv[kDSlice / 8][4];
+    zero(dk);
+    zero(dv);
+
+    ReaderCursor<kBlockM> cur;
+    bool have = cur.begin(p, it);
+    QTileDesc desc{};
+    if (have) desc = issue_q(cur, 0);
+    cp_async_commit();
+    int b = 0;
+    while (have) {
+      ReaderCursor<kBlockM> nxt = cur;
+      const bool have_next = nxt.advance(p, it, rep);
+      QTileDesc next_desc{};
+      if (have_next) next_desc = issue_q(nxt, b ^ 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+      block_sync();
+
+      const uint16_t* sQ = sQ0 + b * kBlockM * kStride;
+      const uint16_t* sdO = sdO0 + b * kBlockM * kStride;
+      const float* sL = sL0 + b * kBlockM;
+      const float* sD = sD0 + b * kBlockM;
+
+      // S^T (keys x queries) = K Q^T and dP^T = V dO^T for this warp's 16 keys.
+      float st[kBlockM / 8][4], dpt[kBlockM / 8][4];
+      zero(st);
+      zero(dpt);
+      gemm_ss<E, kBlockM, K::kHeadDim, kStride>(st, sK + kw * 16 * kStride, sQ, lane);
+      gemm_ss<E, kBlockM, K::kHeadDim, kStride>(dpt, sV + kw * 16 * kStride, sdO, lane);
+
+      const int kpos_first = desc.kpos0 + desc.klo, kpos_last = desc.kpos0 + desc.khi - 1;
+      const bool need_mask = desc.m_valid < kBlockM || desc.klo > 0 || desc.khi < kBlockN ||
+                             kpos_last > desc.qpos0 || desc.qpos0 + desc.m_valid - 1 - kpos_first >= W;
+#pragma unroll
+      for (int nt = 0; nt < kBlockM / 8; ++nt) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int col = nt * 8 + 2 * tq + (i & 1);
+          const int key = kw * 16 + g + (i >> 1) * 8;
+          bool masked = false;
+          if (need_mask) {
+            const int qpos = desc.qpos0 + col;
+            const int kpos = desc.kpos0 + key;
+            masked = col >= desc.m_valid || key < desc.klo || key >= desc.khi || kpos > qpos || qpos - kpos >= W;
+          }
+          float pr = 0.f, ds = 0.f;
+          if (!masked) {
+            const float raw = st[nt][i];
+            pr = fast_exp2(score(raw) - sL[col]);
+            ds = pr * (dpt[nt][i] - sD[col]);
+            if (score.softcap) {
+              const float th = tanh_f(raw * score.cap_inv_scale);
+              ds *= 1.f - th * th;
+            }
+          }
+          st[nt][i] = pr;
+          dpt[nt][i] = ds;
+        }
+      }
+      uint32_t pa[kBlockM / 16][4], dsa[kBlockM / 16][4];
+      c_to_a<E, kBlockM>(pa, st);
+      c_to_a<E, kBlockM>(dsa, dpt);
+      gemm_rs<E, kDSlice, kBlockM, kStride>(dv, pa, sdO + dsl * kDSlice, lane);
+      gemm_rs<E, kDSlice, kBlockM, kStride>(dk, dsa, sQ + dsl * kDSlice, lane);
+      block_sync();
+
+      cur = nxt;
+      have = have_next;
+      desc = next_desc;
+      b ^= 1;
+    }
+    cp_async_wait<0>();  // an item with no reader still has its K/V load in flight
+
+    // Write this warp's 16 keys x kDSlice columns of dK (scaled) and dV.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int key = kw * 16 + g + r * 8;
+      if (key < it.nk) {
+        const int row = it.key_row0 + key;
+        bool atomic = it.out_mode == kOutAtomic;
+        if (it.out_mode == kOutPerRow) atomic = region_of_row(p, row) >= 0;
+        const int col0 = dsl * kDSlice + 2 * tq;
+        if (atomic) {
+          float* dka = p.dk_accum + (static_cast<int64_t>(row) * p.nheads_kv + it.hk) * p.head_dim + col0;
+          float* dva = p.dv_accum + (static_cast<int64_t>(row) * p.nheads_kv + it.hk) * p.head_dim + col0;
+#pragma unroll
+          for (int nt = 0; nt < kDSlice / 8; ++nt) {
+            atomic_add_f32(dka + nt * 8, dk[nt][2 * r] * p.scale);
+            atomic_add_f32(dka + nt * 8 + 1, dk[nt][2 * r + 1] * p.scale);
+            atomic_add_f32(dva + nt * 8, dv[nt][2 * r]);
+            atomic_add_f32(dva + nt * 8 + 1, dv[nt][2 * r + 1]);
+          }
+        } else {
+          const TensorRef dkr = it.ctx_tensor ? p.dk_ctx : p.dk;
+          const TensorRef dvr = it.ctx_tensor ? p.dv_ctx : p.dv;
+          uint16_t* dkp = static_cast<uint16_t*>(dkr.ptr) + static_cast<int64_t>(row) * dkr.row_stride +
+                          static_cast<int64_t>(it.hk) * dkr.head_stride + col0;
+          uint16_t* dvp = static_cast<uint16_t*>(dvr.ptr) + static_cast<int64_t>(row) * dvr.row_stride +
+                          static_cast<int64_t>(it.hk) * dvr.head_stride + col0;
+#pragma unroll
+          for (int nt = 0; nt < kDSlice / 8; ++nt) {
+            store_u32(dkp + nt * 8, pack2<E>(dk[nt][2 * r] * p.scale, dk[nt][2 * r + 1] * p.scale));
+            store_u32(dvp + nt * 8, pack2<E>(dv[nt][2 * r], dv[nt][2 * r + 1]));
+          }
+        }
+      }
+    }
+    block_sync();  // shared K/V are reloaded by the next item
+  }
+}
+
+// ----------------------------------------------------------------------------------------------
+// Casts the fp32 context accumulators once. Separate context: every row of dk_ctx / dv_ctx.
+// Packed layout: the rows of k that lie in a context region (the others were written directly).
+template <class E>
+DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_convert_kernel(const DKV_GRID_CONSTANT BwdParams p) {
+  const int row = block_idx_x();
+  if (row >= p.accum_rows) return;
+  if (!p.ctx_separate && region_of_row(p, row) < 0) return;
+  const TensorRef dkr = p.ctx_separate ? p.dk_ctx : p.dk;
+  const TensorRef dvr = p.ctx_separate ? p.dv_ctx : p.dv;
+  const int per_row = p.nheads_kv * p.head_dim;
+  const float* dka = p.dk_accum + static_cast<int64_t>(row) * per_row;
+  const float* dva = p.dv_accum + static_cast<int64_t>(row) * per_row;
+  for (int e = 2 * thread_idx(); e < per_row; e += 2 * 256) {
+    const int hk = e / p.head_dim, col = e % p.head_dim;
+    uint16_t* dk = static_cast<uint16_t*>(dkr.ptr) + static_cast<int64_t>(row) * dkr.row_stride +
+                   static_cast<int64_t>(hk) * dkr.head_stride + col;
+    uint16_t* dv = static_cast<uint16_t*>(dvr.ptr) + static_cast<int64_t>(row) * dvr.row_stride +
+                   static_cast<int64_t>(hk) * dvr.head_stride + col;
+    store_u32(dk, pack2<E>(dka[e], dka[e + 1]));
+    store_u32(dv, pack2<E>(dva[e], dva[e + 1]));
+  }
+}
+
+}  // namespace dkv

@@ -1,0 +1,207 @@
+// Host emulation of the few warp-level instructions the DualKV kernels use, so that the kernel
+// sources can be compiled as plain C++ (-DDKV_EMULATE) and run on a CPU, one OS thread per CUDA
+// thread, to check fragment layouts, masking and index arithmetic against the PyTorch reference.
+//
+// Semantics follow the PTX ISA: mma.sync.m16n8k16 (row.col), ldmatrix.m8n8.x4 (.trans), cp.async
+// with zero fill (copies are deferred until cp.async.wait_group, as on the hardware, so a missing
+// wait reads stale shared memory), shfl.sync.bfly, bar.sync. Every warp collective waits for all 32
+// lanes (a divergent collective deadlocks instead of silently passing). Slow by design: a debugging
+// tool for small shapes, never a product path.
+#pragma once
+
+#include <atomic>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+struct dim3 {
+  unsigned x = 1, y = 1, z = 1;
+  dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+typedef void* cudaStream_t;
+typedef int cudaError_t;
+#define cudaSuccess 0
+
+namespace dkv_emu {
+
+struct Warp {
+  std::unique_ptr<std::barrier<>> bar;
+  const void* ptr[32];
+  uint32_t reg[32][6];
+  float val[32];
+};
+
+struct PendingCopy {
+  void* dst;
+  const void* src;
+  int bytes;
+  int src_bytes;
+};
+
+struct Thread {
+  int tid = 0, lane = 0;
+  dim3 block, grid, bdim;
+  Warp* warp = nullptr;
+  std::barrier<>* block_bar = nullptr;
+  unsigned char* smem = nullptr;
+  std::vector<std::vector<PendingCopy>> groups;  // committed groups, oldest first
+  std::vector<PendingCopy> open;                 // copies not yet committed
+};
+
+inline thread_local Thread self;
+
+inline void warp_sync() { self.warp->bar->arrive_and_wait(); }
+inline void block_sync() { self.block_bar->arrive_and_wait(); }
+
+inline void run_copy(const PendingCopy& c) {
+  if (c.src_bytes > 0) std::memcpy(c.dst, c.src, c.src_bytes);
+  if (c.bytes > c.src_bytes) std::memset(static_cast<char*>(c.dst) + c.src_bytes, 0, c.bytes - c.src_bytes);
+}
+inline void cp_async(void* dst, const void* src, int bytes, int src_bytes) {
+  self.open.push_back({dst, src, bytes, src_bytes});
+}
+inline void cp_commit() {
+  self.groups.push_back(std::move(self.open));
+  self.open.clear();
+}
+inline void cp_wait(int n) {
+  while (static_cast<int>(self.groups.size()) > n) {
+    for (const auto& c : self.groups.front()) run_copy(c);
+    self.groups.erase(self.groups.begin());
+  }
+}
+
+// ldmatrix.sync.aligned.m8n8.x4(.trans).shared.b16: lane l supplies the address of row (l % 8) of
+// matrix l / 8; lane l receives, from matrix i, row l / 4, columns 2(l % 4), 2(l % 4) + 1
+// (transposed: column l / 4, rows 2(l % 4), 2(l % 4) + 1), the lower column/row in the low half.
+inline void ldmatrix_x4(uint32_t (&r)[4], const void* addr, bool trans) {
+  Warp& w = *self.warp;
+  const int l = self.lane;
+  w.ptr[l] = addr;
+  warp_sync();
+  for (int i = 0; i < 4; ++i) {
+    uint16_t lo, hi;
+    if (!trans) {
+      const uint16_t* row = static_cast<const uint16_t*>(w.ptr[8 * i + l / 4]);
+      lo = row[2 * (l % 4)];
+      hi = row[2 * (l % 4) + 1];
+    } else {
+      const uint16_t* r0 = static_cast<const uint16_t*>(w.ptr[8 * i + 2 * (l % 4)]);
+      const uint16_t* r1 = static_cast<const uint16_t*>(w.ptr[8 * i + 2 * (l % 4) + 1]);
+      lo = r0[l / 4];
+      hi = r1[l / 4];
+    }
+    r[i] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+  }
+  warp_sync();
+}
+
+inline float bf16_to_float(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+inline uint16_t float_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+inline float fp16_to_float(uint16_t h) {
+  _Float16 v;
+  std::memcpy(&v, &h, 2);
+  return static_cast<float>(v);
+}
+inline uint16_t float_to_fp16(float f) {
+  _Float16 v = static_cast<_Float16>(f);
+  uint16_t h;
+  std::memcpy(&h, &v, 2);
+  return h;
+}
+
+// mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}: g = lane / 4, t = lane % 4.
+// A: a0 (g, 2t..2t+1), a1 (g+8, 2t..), a2 (g, 2t+8..), a3 (g+8, 2t+8..);
+// B: b0 (k = 2t..2t+1, n = g), b1 (k = 2t+8.., n = g); C/D: c0,c1 (g, 2t..), c2,c3 (g+8, 2t..).
+inline void mma_16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], bool bf16) {
+  Warp& w = *self.warp;
+  const int l = self.lane;
+  for (int i = 0; i < 4; ++i) w.reg[l][i] = a[i];
+  w.reg[l][4] = b[0];
+  w.reg[l][5] = b[1];
+  warp_sync();
+  auto half_of = [&](uint32_t reg, int hi) -> float {
+    uint16_t h = static_cast<uint16_t>(hi ? reg >> 16 : reg & 0xffffu);
+    return bf16 ? bf16_to_float(h) : fp16_to_float(h);
+  };
+  auto A = [&](int row, int k) {
+    int lane = (row % 8) * 4 + (k % 8) / 2;
+    int reg = (row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0);
+    return half_of(w.reg[lane][reg], k % 2);
+  };
+  auto B = [&](int k, int n) {
+    int lane = n * 4 + (k % 8) / 2;
+    return half_of(w.reg[lane][4 + (k >= 8 ? 1 : 0)], k % 2);
+  };
+  const int g = l / 4, t = l % 4;
+  float out[4];
+  for (int i = 0; i < 4; ++i) {
+    int row = g + (i >= 2 ? 8 : 0), col = 2 * t + (i % 2);
+    float acc = d[i];
+    for (int k = 0; k < 16; ++k) acc += A(row, k) * B(k, col);
+    out[i] = acc;
+  }
+  warp_sync();
+  for (int i = 0; i < 4; ++i) d[i] = out[i];
+}
+
+inline float shfl_xor(float v, int mask) {
+  Warp& w = *self.warp;
+  w.val[self.lane] = v;
+  warp_sync();
+  float r = w.val[self.lane ^ mask];
+  warp_sync();
+  return r;
+}
+
+// Runs every block of the grid in turn, each with one OS thread per CUDA thread.
+inline void launch(dim3 grid, dim3 block, size_t smem_bytes, const std::function<void()>& body) {
+  const int nthreads = static_cast<int>(block.x * block.y * block.z);
+  if (nthreads % 32 != 0) throw std::runtime_error("emulated launch: block size must be a multiple of 32");
+  for (unsigned bz = 0; bz < grid.z; ++bz)
+    for (unsigned by = 0; by < grid.y; ++by)
+      for (unsigned bx = 0; bx < grid.x; ++bx) {
+        std::vector<unsigned char> smem(smem_bytes + 16, 0xCD);  // garbage, as on the device
+        std::barrier<> block_bar(nthreads);
+        std::vector<Warp> warps(nthreads / 32);
+        for (auto& w : warps) w.bar = std::make_unique<std::barrier<>>(32);
+        std::vector<std::thread> threads;
+        threads.reserve(nthreads);
+        for (int t = 0; t < nthreads; ++t) {
+          threads.emplace_back([&, t] {
+            self = Thread{};
+            self.tid = t;
+            self.lane = t % 32;
+            self.block = dim3(bx, by, bz);
+            self.grid = grid;
+            self.bdim = block;
+            self.warp = &warps[t / 32];
+            self.block_bar = &block_bar;
+            self.smem = smem.data();
+            body();
+            cp_commit();
+            cp_wait(0);
+          });
+        }
+        for (auto& th : threads) th.join();
+      }
+}
+
+}  // namespace dkv_emu

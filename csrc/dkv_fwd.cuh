@@ -1,0 +1,233 @@
+// Forward kernel: one block per (query tile of a segment, head). Each block walks TWO physically
+// disjoint KV regions in one launch -- the segment's context keys (the group's shared prompt, rows
+// of k_ctx or of k) and then the segment's own keys -- with an online softmax carried across both.
+// Each region ends with its own partial tile. Masks use logical positions:
+//
+//     context key j          -> position j            (always causal-visible: j < ctx_len <= qpos)
+//     own key i' / query i   -> position ctx_len + i'  (visible iff i' <= i)
+//     window W: visible iff qpos - kpos < W
+//
+// A query tile of segment s = one response (ctx_len = P), BLOCK_N = 4, x = visible:
+//
+//          context (prompt rows)   own rows
+//     i0  [ x x x x | x x x x | x x x . ]  ...  [ x . . . ]
+//     i1  [ x x x x | x x x x | x x x . ]  ...  [ x x . . ]
+//            tile 0    tile 1   partial          own tile (diagonal)
+//
+// Grid: x = query tiles of all segments (an upper bound from shapes: ceil((T + S (BM-1)) / BM));
+// blocks past the device-side tile count exit. y = query heads; GQA reads kv head h / (H / Hkv).
+#pragma once
+
+#include "dkv_params.h"
+#include "dkv_tile.cuh"
+
+namespace dkv {
+
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kDSplit_>
+struct FwdTraits {
+  static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kDSplit = kDSplit_;
+  static constexpr int kRowWarps = kBlockM / 16;
+  static constexpr int kWarps = kRowWarps * kDSplit;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kDSlice = kHeadDim / kDSplit;
+  static constexpr int kStride = kHeadDim + 8;
+  static constexpr int kSmemBytes = (kBlockM + 4 * kBlockN) * kStride * 2;
+  static_assert(kDSlice % 16 == 0, "head-dim slice must be a multiple of 16");
+};
+
+// Where the keys of tile `ti` live, for one query tile. Context tiles first, then own tiles.
+struct KvTile {
+  int64_t k_off, v_off;  // element offsets of the tile's first row (head applied)
+  int valid;             // rows of the tile that exist in the region
+  int kpos0;             // logical position of the tile's first key
+  bool ctx;              // true: rows of k_ctx / v_ctx
+};
+
+struct TwoRegionWalk {
+  int ctx_lo, ctx_len, ctx_row0, n_ctx_tiles;
+  int own_lo, own_hi, own_row0, n_own_tiles;
+
+  template <int kBlockN>
+  DKV_DEV KvTile tile(int ti, const AttnArgs& p, int hk) const {
+    KvTile t;
+    if (ti < n_ctx_tiles) {
+      const int j0 = ctx_lo + ti * kBlockN;
+      t.valid = imin(kBlockN, ctx_len - j0);
+      t.kpos0 = j0;
+      t.ctx = true;
+      t.k_off = static_cast<int64_t>(ctx_row0 + j0) * p.k_ctx.row_stride + static_cast<int64_t>(hk) * p.k_ctx.head_stride;
+      t.v_off = static_cast<int64_t>(ctx_row0 + j0) * p.v_ctx.row_stride + static_cast<int64_t>(hk) * p.v_ctx.head_stride;
+    } else {
+      const int i0 = own_lo + (ti - n_ctx_tiles) * kBlockN;
+      t.valid = imin(kBlockN, own_hi - i0);
+      t.kpos0 = ctx_len + i0;
+      t.ctx = false;
+      t.k_off = static_cast<int64_t>(own_row0 + i0) * p.k.row_stride + static_cast<int64_t>(hk) * p.k.head_stride;
+      t.v_off = static_cast<int64_t>(own_row0 + i0) * p.v.row_stride + static_cast<int64_t>(hk) * p.v.head_stride;
+    }
+    return t;
+  }
+};
+
+// The KV tiles a query tile [q0, q0 + m_valid) of a segment (row0, ctx_len, ctx_row0) must visit.
+template <int kBlockN>
+DKV_DEV TwoRegionWalk make_walk(int q0, int m_valid, int ctx_len, int ctx_row0, int row0, int window) {
+  TwoRegionWalk w;
+  const int qpos_lo = ctx_len + q0;
+  w.ctx_lo = imax(0, qpos_lo - window + 1);
+  w.ctx_len = ctx_len;
+  w.ctx_row0 = ctx_row0;
+  w.n_ctx_tiles = ctx_len > w.ctx_lo ? ceil_div(ctx_len - w.ctx_lo, kBlockN) : 0;
+  w.own_lo = imax(0, q0 - window + 1);
+  w.own_hi = q0 + m_valid;
+  w.own_row0 = row0;
+  w.n_own_tiles = ceil_div(w.own_hi - w.own_lo, kBlockN);
+  return w;
+}
+
+template <class E, class K>
+DKV_GLOBAL void DKV_LAUNCH_BOUNDS(K::kThreads) dkv_fwd_kernel(const DKV_GRID_CONSTANT FwdParams p) {
+  constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kStride = K::kStride, kDSlice = K::kDSlice;
+  const int S = p.layout.num_segments;
+  const int item = block_idx_x();
+  if (item >= p.q_tile_prefix[S]) return;
+  const int s = find_bucket(p.q_tile_prefix, S, item);
+  // Later tiles of a segment see more keys: start them first.
+  const int t = p.q_tile_prefix[s + 1] - 1 - item;
+  const int row0 = p.layout.cu_seqlens[s];
+  const int n = p.layout.cu_seqlens[s + 1] - row0;
+  const int ctx_len = p.layout.seg_ctx_len[s];
+  const int ctx_row0 = p.layout.seg_ctx_start[s];
+  const int q0 = t * kBlockM;
+  const int m_valid = imin(kBlockM, n - q0);
+  const int h = block_idx_y();
+  const int hk = h / (p.nheads / p.nheads_kv);
+  const int W = p.window;
+
+  const int tid = thread_idx(), lane = tid & 31, warp = tid >> 5;
+  const int rw = warp % K::kRowWarps, dsl = warp / K::kRowWarps;
+  const int g = lane >> 2, tq = lane & 3;
+
+  uint16_t* sQ = reinterpret_cast<uint16_t*>(dynamic_smem());
+  uint16_t* sK0 = sQ + kBlockM * kStride;
+  uint16_t* sV0 = sK0 + 2 * kBlockN * kStride;
+
+  const TwoRegionWalk walk = make_walk<kBlockN>(q0, m_valid, ctx_len, ctx_row0, row0, W);
+  const int n_tiles = walk.n_ctx_tiles + walk.n_own_tiles;
+  const int qpos_lo = ctx_len + q0, qpos_hi = qpos_lo + m_valid - 1;
+
+  const uint16_t* q_ptr = static_cast<const uint16_t*>(p.q.ptr);
+  const uint16_t* k_ptr = static_cast<const uint16_t*>(p.k.ptr);
+  const uint16_t* v_ptr = static_cast<const uint16_t*>(p.v.ptr);
+  const uint16_t* kc_ptr = static_cast<const uint16_t*>(p.k_ctx.ptr);
+  const uint16_t* vc_ptr = static_cast<const uint16_t*>(p.v_ctx.ptr);
+
+  auto issue_kv = [&](int ti) {
+    const KvTile kt = walk.tile<kBlockN>(ti, p, hk);
+    const int b = ti & 1;
+    const uint16_t* ks = (kt.ctx ? kc_ptr : k_ptr) + kt.k_off;
+    const uint16_t* vs = (kt.ctx ? vc_ptr : v_ptr) + kt.v_off;
+    load_rows_async<kBlockN, K::kHeadDim, K::kThreads>(sK0 + b * kBlockN * kStride, ks,
+                                                        kt.ctx ? p.k_ctx.row_stride : p.k.row_stride, kt.valid, k_ptr, tid);
+    load_rows_async<kBlockN, K::kHeadDim, K::kThreads>(sV0 + b * kBlockN * kStride, vs,
+                                                        kt.ctx ? p.v_ctx.row_stride : p.v.row_stride, kt.valid, v_ptr, tid);
+  };
+
+  const int64_t q_off = static_cast<int64_t>(row0 + q0) * p.q.row_stride + static_cast<int64_t>(h) * p.q.head_stride;
+  load_rows_async<kBlockM, K::kHeadDim, K::kThreads>(sQ, q_ptr + q_off, p.q.row_stride, m_valid, q_ptr, tid);
+  issue_kv(0);  // n_tiles >= 1: a query always sees its own key
+  cp_async_commit();
+
+  const ScoreFn score = make_score_fn(p.scale, p.softcap);
+  float o[kDSlice / 8][4];
+  zero(o);
+  float m_run[2] = {kNegInf, kNegInf};
+  float l_run[2] = {0.f, 0.f};
+
+  for (int ti = 0; ti < n_tiles; ++ti) {
+    if (ti + 1 < n_tiles) issue_kv(ti + 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    block_sync();
+
+    const KvTile kt = walk.tile<kBlockN>(ti, p, hk);
+    const uint16_t* sK = sK0 + (ti & 1) * kBlockN * kStride;
+    const uint16_t* sV = sV0 + (ti & 1) * kBlockN * kStride;
+
+    float sc[kBlockN / 8][4];
+    zero(sc);
+    gemm_ss<E, kBlockN, K::kHeadDim, kStride>(sc, sQ + rw * 16 * kStride, sK, lane);
+
+    const bool need_mask =
+        kt.valid < kBlockN || kt.kpos0 + kt.valid - 1 > qpos_lo || qpos_hi - kt.kpos0 >= W;
+#pragma unroll
+    for (int nt = 0; nt < kBlockN / 8; ++nt) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        float x = score(sc[nt][i]);
+        if (need_mask) {
+          const int col = nt * 8 + 2 * tq + (i & 1);
+          const int qpos = qpos_lo + rw * 16 + g + (i >> 1) * 8;
+          const int kpos = kt.kpos0 + col;
+          if (col >= kt.valid || kpos > qpos || qpos - kpos >= W) x = kNegInf;
+        }
+        sc[nt][i] = x;
+      }
+    }
+
+    // Online softmax over rows g (r = 0) and g + 8 (r = 1); the four lanes of a quad share a row.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = kNegInf;
+#pragma unroll
+      for (int nt = 0; nt < kBlockN / 8; ++nt) mx = fmaxf(mx, fmaxf(sc[nt][2 * r], sc[nt][2 * r + 1]));
+      mx = fmaxf(mx, shfl_xor(mx, 1));
+      mx = fmaxf(mx, shfl_xor(mx, 2));
+      const float m_new = fmaxf(m_run[r], mx);
+      const float m_use = m_new == kNegInf ? 0.f : m_new;
+      const float alpha = fast_exp2(m_run[r] - m_use);
+      m_run[r] = m_new;
+      float sum = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < kBlockN / 8; ++nt) {
+        sc[nt][2 * r] = fast_exp2(sc[nt][2 * r] - m_use);
+        sc[nt][2 * r + 1] = fast_exp2(sc[nt][2 * r + 1] - m_use);
+        sum += sc[nt][2 * r] + sc[nt][2 * r + 1];
+      }
+      l_run[r] = l_run[r] * alpha + sum;
+#pragma unroll
+      for (int nt = 0; nt < kDSlice / 8; ++nt) {
+        o[nt][2 * r] *= alpha;
+        o[nt][2 * r + 1] *= alpha;
+      }
+    }
+
+    uint32_t pa[kBlockN / 16][4];
+    c_to_a<E, kBlockN>(pa, sc);
+    gemm_rs<E, kDSlice, kBlockN, kStride>(o, pa, sV + dsl * kDSlice, lane);
+    block_sync();
+  }
+
+  uint16_t* out_ptr = static_cast<uint16_t*>(p.out.ptr);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = l_run[r];
+    l += shfl_xor(l, 1);
+    l += shfl_xor(l, 2);
+    const int row = rw * 16 + g + r * 8;
+    if (row < m_valid) {
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const int64_t qrow = row0 + q0 + row;
+      uint16_t* dst = out_ptr + qrow * p.out.row_stride + static_cast<int64_t>(h) * p.out.head_stride + dsl * kDSlice;
+#pragma unroll
+      for (int nt = 0; nt < kDSlice / 8; ++nt) {
+        store_u32(dst + nt * 8 + 2 * tq, pack2<E>(o[nt][2 * r] * inv, o[nt][2 * r + 1] * inv));
+      }
+      if (dsl == 0 && tq == 0) {
+        p.lse[static_cast<int64_t>(h) * p.total_q + qrow] = l > 0.f ? (m_run[r] + fast_log2(l)) * kLn2 : kNegInf;
+      }
+    }
+  }
+}
+
+}  // namespace dkv

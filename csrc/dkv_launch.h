@@ -1,0 +1,32 @@
+// Host entry points of the kernels (no torch, no CUDA device code): the torch binding calls these.
+// Each returns the launch status; the binding turns a failure into a clear error.
+#pragma once
+
+#include "dkv_params.h"
+
+#ifdef DKV_EMULATE
+#include "dkv_emulation.h"
+#else
+#include <cuda_runtime_api.h>
+#endif
+
+namespace dkv {
+
+struct Fp16;
+struct Bf16;
+
+// Forward for one head dim (E = Fp16 / Bf16, D in 64, 96, 128, 192, 256, 512).
+template <class E, int D>
+cudaError_t run_fwd(const FwdParams& p, cudaStream_t stream);
+// Backward: dq kernel and dkdv kernel for one head dim.
+template <class E, int D>
+cudaError_t run_dq(const BwdParams& p, cudaStream_t stream);
+template <class E, int D>
+cudaError_t run_dkdv(const BwdParams& p, cudaStream_t stream);
+// Head-dim independent backward pieces: dsum / lse_log2 before, the fp32 -> dtype cast after.
+template <class E>
+cudaError_t run_bwd_prep(const BwdParams& p, cudaStream_t stream);
+template <class E>
+cudaError_t run_bwd_convert(const BwdParams& p, cudaStream_t stream);
+
+}  // namespace dkv

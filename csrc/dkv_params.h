@@ -1,0 +1,95 @@
+// Plain parameter structs shared by the torch binding and the kernels (no torch, no CUDA headers),
+// and the tile sizes of every kernel, in one place so that the binding's work decomposition
+// (tile prefix sums) always matches the kernels.
+#pragma once
+
+#include <cstdint>
+
+namespace dkv {
+
+// A (rows, heads, headdim) tensor with a contiguous last dimension; strides in elements.
+struct TensorRef {
+  void* ptr = nullptr;
+  int64_t row_stride = 0;
+  int64_t head_stride = 0;
+};
+
+// The int32 metadata of the op (see dualkv.core.reference.AttnMeta), device pointers.
+struct LayoutRef {
+  const int* cu_seqlens = nullptr;      // (S+1,)
+  const int* seg_ctx_start = nullptr;   // (S,) first context row of each segment (in k_ctx, or in k)
+  const int* seg_ctx_len = nullptr;     // (S,)
+  const int* ctx_key_start = nullptr;   // (C,) context regions, sorted, disjoint
+  const int* ctx_key_len = nullptr;     // (C,)
+  const int* ctx_reader_start = nullptr;  // (C,) contiguous query rows that read region c as context
+  const int* ctx_reader_end = nullptr;    // (C,)
+  int num_segments = 0;
+  int num_ctx = 0;
+};
+
+struct AttnArgs {
+  TensorRef q, k, v;
+  TensorRef k_ctx, v_ctx;  // == k, v for the packed layout (context keys are rows of k, v)
+  bool ctx_separate = false;
+  LayoutRef layout;
+  int total_q = 0;    // rows of q, k, v
+  int total_ctx = 0;  // rows of k_ctx (== total_q for the packed layout)
+  int nheads = 0;
+  int nheads_kv = 0;
+  int head_dim = 0;
+  float scale = 1.f;
+  float softcap = 0.f;  // 0: none
+  int window = 0;       // kNoWindow: none
+};
+
+constexpr int kNoWindow = 1 << 30;
+
+struct FwdParams : AttnArgs {
+  TensorRef out;
+  float* lse = nullptr;              // (H, total_q)
+  const int* q_tile_prefix = nullptr;  // (S+1,) prefix of ceil(len_s / kBlockM)
+  int grid_tiles = 0;                // upper bound of the number of query tiles
+};
+
+struct BwdParams : AttnArgs {
+  TensorRef out, dout;
+  const float* lse = nullptr;  // (H, total_q) natural log
+  float* lse_log2 = nullptr;   // (H, total_q) workspace: lse * log2(e)
+  float* dsum = nullptr;       // (H, total_q) workspace: rowsum(dout * out)
+  TensorRef dq, dk, dv, dk_ctx, dv_ctx;
+  float* dk_accum = nullptr;   // (ctx rows, Hkv, d) fp32 context-gradient accumulators
+  float* dv_accum = nullptr;
+  const int* q_tile_prefix = nullptr;   // dq kernel: (S+1,) prefix of ceil(len_s / kBlockM)
+  int grid_tiles = 0;
+  const int* kv_item_prefix = nullptr;  // dkdv kernel: prefix over the item groups
+  int num_item_groups = 0;              // S, or S + C (deterministic, separate context)
+  int* work_counter = nullptr;          // dynamic scheduler of the dkdv kernel (zeroed)
+  bool deterministic = false;
+  int accum_rows = 0;  // rows of dk_accum / dv_accum
+};
+
+// ---- tile sizes (rows of a query tile = 16 * row warps; kDSplit warps share a row group) ----
+struct TileConfig {
+  int block_m;  // query rows per tile
+  int block_n;  // key rows per tile
+  int dsplit;   // warps splitting the head dim of the accumulators
+};
+
+constexpr TileConfig fwd_config(int d) {
+  return d <= 128 ? TileConfig{128, 64, 1} : d <= 192 ? TileConfig{64, 64, 1} : d <= 256 ? TileConfig{64, 32, 1}
+                                                                                     : TileConfig{64, 32, 2};
+}
+constexpr TileConfig dq_config(int d) {
+  return d <= 128 ? TileConfig{64, 64, 1} : d <= 256 ? TileConfig{64, 32, 1} : TileConfig{32, 32, 2};
+}
+// dkdv: block_n keys per item (16 per key warp), block_m queries per inner step.
+constexpr TileConfig dkdv_config(int d) {
+  return d <= 64 ? TileConfig{64, 64, 1} : d <= 128 ? TileConfig{32, 64, 1} : d <= 256 ? TileConfig{32, 64, 2}
+                                                                                     : TileConfig{32, 32, 4};
+}
+
+constexpr bool supported_head_dim(int d) {
+  return d == 64 || d == 96 || d == 128 || d == 192 || d == 256 || d == 512;
+}
+
+}  // namespace dkv

@@ -1,0 +1,139 @@
+"""Run the CUDA kernels' source on a CPU (lane-by-lane emulation) and compare with the reference.
+
+A debugging tool for kernel development on machines without a GPU: it compiles csrc/ with
+-DDKV_EMULATE into a CPU torch extension (ops ``torch.ops.dualkv_cuda_emu.fwd/bwd``) and checks
+forward and backward against ``dualkv.core.reference`` on small packed layouts. Slow (one OS thread
+per CUDA thread): keep the shapes tiny.
+
+    python csrc/emulation/emulate.py            # the default case list
+    python csrc/emulation/emulate.py --quick    # two cases
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.cpp_extension import load
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(ROOT))
+
+from dualkv.core import PackedLayout  # noqa: E402
+from dualkv.core.reference import AttnMeta, reference_attention_backward_meta, reference_attention_meta  # noqa: E402
+
+
+def build():
+    srcs = [str(HERE / n) for n in ("emu_api.cc", "emu_fwd.cc", "emu_bwd.cc")]
+    os.environ.setdefault("MAX_JOBS", "2")
+    load(
+        name="dualkv_emu",
+        sources=srcs,
+        extra_cflags=["-DDKV_EMULATE", "-std=c++20", "-O1", "-Wno-unknown-pragmas"],
+        extra_include_paths=[str(ROOT / "csrc")],
+        is_python_module=False,
+        verbose=False,
+    )
+
+
+def meta_args(meta: AttnMeta):
+    return list(meta)
+
+
+def run_case(d, dtype, prompts, responses, H, Hkv, window=None, softcap=None, separate=False, deterministic=False):
+    layout = PackedLayout.from_lengths(prompts, responses)
+    meta = AttnMeta.from_layout(layout)
+    T = layout.total_tokens
+    scale = 1.0 / math.sqrt(d)
+    q = torch.randn(T, H, d).to(dtype)
+    k = torch.randn(T, Hkv, d).to(dtype)
+    v = torch.randn(T, Hkv, d).to(dtype)
+    dout = torch.randn(T, H, d).to(dtype)
+    k_ctx = v_ctx = None
+    if separate:  # seed-paper layout: one shared context in its own tensors, every segment reads it
+        P = prompts[0]
+        n = [r for rs in responses for r in rs]
+        T = sum(n)
+        cu = torch.tensor([0] + torch.tensor(n).cumsum(0).tolist(), dtype=torch.int32)
+        S = len(n)
+        i32 = dict(dtype=torch.int32)
+        meta = AttnMeta(cu, torch.zeros(S, **i32), torch.full((S,), P, **i32), torch.zeros(1, **i32),
+                        torch.full((1,), P, **i32), torch.zeros(1, **i32), torch.full((1,), T, **i32))
+        q = torch.randn(T, H, d).to(dtype)
+        k = torch.randn(T, Hkv, d).to(dtype)
+        v = torch.randn(T, Hkv, d).to(dtype)
+        dout = torch.randn(T, H, d).to(dtype)
+        k_ctx = torch.randn(P, Hkv, d).to(dtype)
+        v_ctx = torch.randn(P, Hkv, d).to(dtype)
+    w = -1 if window is None else window
+    cap = 0.0 if softcap is None else softcap
+    t0 = time.time()
+    out, lse = torch.ops.dualkv_cuda_emu.fwd(q, k, v, k_ctx, v_ctx, *meta_args(meta), scale, w, cap)
+    t1 = time.time()
+    ref_out, ref_lse = reference_attention_meta(q.float(), k.float(), v.float(), meta, scale, window, softcap,
+                                                None if k_ctx is None else k_ctx.float(),
+                                                None if v_ctx is None else v_ctx.float())
+    grads = torch.ops.dualkv_cuda_emu.bwd(dout, q, k, v, k_ctx, v_ctx, out, lse, *meta_args(meta), scale, w, cap,
+                                          deterministic)
+    t2 = time.time()
+    ref_grads = reference_attention_backward_meta(dout.float(), q.float(), k.float(), v.float(), meta, scale, window,
+                                                  softcap, None if k_ctx is None else k_ctx.float(),
+                                                  None if v_ctx is None else v_ctx.float())
+    errs = {"out": (out.float() - ref_out).abs().max().item(), "lse": (lse - ref_lse).abs().max().item()}
+    names = ["dq", "dk", "dv", "dk_ctx", "dv_ctx"]
+    for name, g, r in zip(names, grads, ref_grads):
+        if r is None:
+            continue
+        errs[name] = (g.float() - r).abs().max().item()
+        errs[name + "_scale"] = r.abs().max().item()
+    tag = (f"d={d} {str(dtype)[6:]} P={prompts} R={responses} H={H}/{Hkv} win={window} cap={softcap} "
+           f"sep={separate} det={deterministic}")
+    bad = [k for k, e in errs.items() if not k.endswith("_scale") and not (e < 0.05 * max(1.0, errs.get(k + "_scale", 1.0)))]
+    status = "FAIL" if bad else "ok"
+    print(f"{status} {tag} fwd {t1 - t0:.1f}s bwd {t2 - t1:.1f}s " +
+          " ".join(f"{k}={v:.3g}" for k, v in errs.items() if not k.endswith("_scale")), flush=True)
+    return not bad
+
+
+CASES = [
+    dict(d=64, dtype=torch.bfloat16, prompts=[37], responses=[[19, 5]], H=2, Hkv=1),
+    dict(d=64, dtype=torch.float16, prompts=[70, 9], responses=[[33], [1, 80]], H=2, Hkv=2),
+    dict(d=64, dtype=torch.bfloat16, prompts=[37], responses=[[19, 5]], H=2, Hkv=1, deterministic=True),
+    dict(d=64, dtype=torch.bfloat16, prompts=[90], responses=[[40, 3]], H=1, Hkv=1, window=23),
+    dict(d=64, dtype=torch.float16, prompts=[50], responses=[[20, 17]], H=2, Hkv=1, softcap=5.0),
+    dict(d=64, dtype=torch.bfloat16, prompts=[45], responses=[[30, 12]], H=2, Hkv=1, separate=True),
+    dict(d=64, dtype=torch.bfloat16, prompts=[45], responses=[[30, 12]], H=2, Hkv=1, separate=True, deterministic=True),
+    dict(d=64, dtype=torch.bfloat16, prompts=[90], responses=[[40, 3]], H=2, Hkv=1, window=23, deterministic=True),
+    dict(d=96, dtype=torch.float16, prompts=[20], responses=[[17]], H=1, Hkv=1),
+    dict(d=128, dtype=torch.bfloat16, prompts=[40], responses=[[17, 2]], H=2, Hkv=1),
+    dict(d=192, dtype=torch.bfloat16, prompts=[20], responses=[[17]], H=1, Hkv=1),
+    dict(d=256, dtype=torch.float16, prompts=[20], responses=[[17]], H=1, Hkv=1),
+    dict(d=512, dtype=torch.bfloat16, prompts=[20], responses=[[17]], H=1, Hkv=1),
+]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", type=int, default=None)
+    args = ap.parse_args()
+    t = time.time()
+    build()
+    print(f"built in {time.time() - t:.0f}s", flush=True)
+    torch.manual_seed(0)
+    cases = CASES[:2] if args.quick else CASES
+    if args.only is not None:
+        cases = [CASES[args.only]]
+    ok = all([run_case(**c) for c in cases])
+    print("ALL OK" if ok else "FAILURES")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,216 @@
+"""CUDA backend: the csrc/ kernels behind the op contract (``dualkv.core.backends``).
+
+Forward: one launch; per query tile the kernel walks two physically disjoint KV regions -- the
+group's shared prompt (context) keys, then the segment's own keys -- with a logical-position causal
+mask, an online softmax across both, and an independent partial tile at the end of each region.
+Backward: a query-parallel kernel writes dQ directly; a key-parallel kernel accumulates dK/dV in
+registers, writes response keys directly, and adds the shared-prompt dK/dV partials of every reading
+sequence into an fp32 workspace with atomics; a convert kernel casts that workspace once.
+``deterministic=True`` instead walks every reader of a prompt key tile in one block (no atomics,
+bit-identical run to run; fewer, longer work items).
+
+Loading: the prebuilt extension ``dualkv._C`` (``pip install --no-build-isolation .`` on a machine
+with a CUDA toolkit and a CUDA build of torch), else a just-in-time build of csrc/ on first use,
+cached by torch in its extensions directory. CPU installs have neither: ``backend="cuda"`` then
+raises a clear "the CUDA extension is not built" error.
+
+Supported: float16 / bfloat16, head dims 64, 96, 128, 192, 256, 512, GQA/MQA, sliding window,
+softcap, compute capability 8.0+.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+NAME = "cuda"
+SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256, 512)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+_NOT_BUILT = "the CUDA extension is not built: "
+_JIT_NAME = "dualkv_cuda_jit"
+
+_lock = threading.Lock()
+_state: dict = {"ops": None, "error": None, "how": None}
+
+
+def _csrc_dir() -> Path | None:
+    """csrc/ of a source checkout (editable install), or None for an installed wheel without it."""
+    path = Path(__file__).resolve().parents[2] / "csrc"
+    return path if (path / "dkv_api.cpp").is_file() and (path / "build_config.py").is_file() else None
+
+
+def _cuda_toolkit() -> str | None:
+    try:
+        from torch.utils.cpp_extension import CUDA_HOME
+    except Exception:  # noqa: BLE001 - a broken toolchain lookup means "no toolkit"
+        return None
+    return CUDA_HOME
+
+
+def _static_reason() -> str:
+    """Why the extension cannot be used here without trying to load it ('' if it might)."""
+    if torch.version.cuda is None:
+        return (
+            _NOT_BUILT + f"this torch ({torch.__version__}) has no CUDA support; install a CUDA build of torch on a "
+            "GPU machine and run `pip install --no-build-isolation -e .`, or use backend='triton' / 'reference'"
+        )
+    if not torch.cuda.is_available():
+        return _NOT_BUILT + "no CUDA device is visible to torch (torch.cuda.is_available() is False)"
+    major, _ = torch.cuda.get_device_capability()
+    if major < 8:
+        return f"the CUDA backend needs compute capability 8.0 or newer, got {torch.cuda.get_device_capability()}"
+    if _state["error"] is not None:
+        return _state["error"]
+    return ""
+
+
+def _prebuilt_available() -> bool:
+    try:
+        if importlib.util.find_spec("dualkv._C") is not None:
+            return True
+    except (ImportError, ValueError):
+        pass
+    return bool(_prebuilt_files())
+
+
+def _prebuilt_files() -> list[Path]:
+    """A built ``_C`` library next to the sources (in-place / editable builds), newest first."""
+    root = Path(__file__).resolve().parents[2]
+    found = [*root.glob("dualkv/_C*.so"), *root.glob("build/lib*/dualkv/_C*.so")]
+    return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
+
+
+def _load_prebuilt() -> None:
+    """Imports dualkv._C, or loads a built library file directly; raises ImportError if neither works."""
+    try:
+        importlib.import_module("dualkv._C")
+        return
+    except ImportError as err:
+        files = _prebuilt_files()
+        if not files:
+            raise
+        try:
+            torch.ops.load_library(str(files[0]))
+        except OSError as load_err:
+            raise ImportError(f"{err}; loading {files[0]} failed: {load_err}") from load_err
+
+
+def unavailable_reason() -> str:
+    reason = _static_reason()
+    if reason:
+        return reason
+    if _state["ops"] is None and not _prebuilt_available():
+        if _csrc_dir() is None:
+            return _NOT_BUILT + "dualkv._C is not installed and no csrc/ source tree is found for a just-in-time build"
+        if _cuda_toolkit() is None:
+            return _NOT_BUILT + "dualkv._C is not installed and no CUDA toolkit (nvcc) is found for a just-in-time build"
+    return ""
+
+
+def is_available() -> bool:
+    return unavailable_reason() == ""
+
+
+def _jit_build():
+    """Builds csrc/ with torch.utils.cpp_extension.load (cached across processes) and registers the ops."""
+    import importlib.util as iu
+
+    from torch.utils.cpp_extension import load
+
+    csrc = _csrc_dir()
+    spec = iu.spec_from_file_location("dualkv_build_config", csrc / "build_config.py")
+    config = iu.module_from_spec(spec)
+    spec.loader.exec_module(config)
+    kwargs = config.extension_kwargs()
+    sources = [str(p) for p in config.kernel_sources()] + [str(csrc / "dkv_api.cpp")]
+    os.environ.setdefault("MAX_JOBS", str(max(1, min(16, os.cpu_count() or 1))))
+    load(
+        name=_JIT_NAME,
+        sources=sources,
+        extra_cflags=kwargs["extra_compile_args"]["cxx"],
+        extra_cuda_cflags=kwargs["extra_compile_args"]["nvcc"],
+        extra_include_paths=kwargs["include_dirs"],
+        is_python_module=False,
+        verbose=os.environ.get("DUALKV_VERBOSE_BUILD", "0") == "1",
+    )
+
+
+def _ops():
+    """torch.ops.dualkv_cuda, loading the prebuilt extension or building it on first use."""
+    if _state["ops"] is not None:
+        return _state["ops"]
+    reason = _static_reason()
+    if reason:
+        raise RuntimeError(f"backend 'cuda' is not available here: {reason}")
+    with _lock:
+        if _state["ops"] is None:
+            try:
+                _load_prebuilt()
+                _state["how"] = "prebuilt dualkv._C"
+            except ImportError as prebuilt_err:
+                if _csrc_dir() is None or _cuda_toolkit() is None:
+                    _state["error"] = _NOT_BUILT + f"importing dualkv._C failed ({prebuilt_err}) and no csrc/ + CUDA toolkit is found for a just-in-time build"
+                    raise RuntimeError(f"backend 'cuda' is not available here: {_state['error']}") from prebuilt_err
+                try:
+                    _jit_build()
+                    _state["how"] = "just-in-time build"
+                except Exception as err:  # noqa: BLE001 - report any toolchain failure as one clear error
+                    _state["error"] = _NOT_BUILT + f"the just-in-time build of csrc/ failed: {err}"
+                    raise RuntimeError(f"backend 'cuda' is not available here: {_state['error']}") from err
+            _state["ops"] = torch.ops.dualkv_cuda
+    return _state["ops"]
+
+
+def load_extension() -> str:
+    """Loads (or builds) the extension now; returns how ('prebuilt dualkv._C' or 'just-in-time build')."""
+    _ops()
+    return _state["how"]
+
+
+def check_supported(q, k, v, window, softcap) -> None:
+    if q.device.type != "cuda":
+        raise ValueError(f"q: the cuda backend needs CUDA tensors, got device {q.device}")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(
+            f"q: the cuda backend supports float16 and bfloat16, got {q.dtype} (use backend='reference' for fp32/fp64)"
+        )
+    if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"q: the cuda backend supports headdim {', '.join(map(str, SUPPORTED_HEAD_DIMS))}, got {q.shape[-1]}")
+
+
+def _aligned(t):
+    """Rows the kernels can load 16 bytes at a time (else a contiguous copy); None passes through."""
+    if t is None:
+        return None
+    ok = t.stride(-1) == 1 and t.stride(0) % 8 == 0 and t.stride(1) % 8 == 0 and t.data_ptr() % 16 == 0
+    return t if ok else t.contiguous()
+
+
+def _options(window, softcap):
+    return (-1 if window is None else int(window)), (0.0 if softcap is None else float(softcap))
+
+
+def forward(q, k, v, k_ctx, v_ctx, meta, softmax_scale, window, softcap):
+    """out (total_q, H, d) in q's dtype, lse (H, total_q) float32."""
+    ops = _ops()
+    w, cap = _options(window, softcap)
+    q, k, v, k_ctx, v_ctx = (_aligned(t) for t in (q, k, v, k_ctx, v_ctx))
+    return ops.fwd(q, k, v, k_ctx, v_ctx, *meta, float(softmax_scale), w, cap)
+
+
+def backward(dout, q, k, v, k_ctx, v_ctx, out, lse, meta, softmax_scale, window, softcap, deterministic):
+    """dq, dk, dv (and dk_ctx, dv_ctx when k_ctx is given, else None)."""
+    ops = _ops()
+    w, cap = _options(window, softcap)
+    dout, q, k, v, k_ctx, v_ctx, out = (_aligned(t) for t in (dout, q, k, v, k_ctx, v_ctx, out))
+    dq, dk, dv, dk_ctx, dv_ctx = ops.bwd(
+        dout, q, k, v, k_ctx, v_ctx, out, lse.contiguous(), *meta, float(softmax_scale), w, cap, bool(deterministic)
+    )
+    if k_ctx is None:
+        return dq, dk, dv, None, None
+    return dq, dk, dv, dk_ctx, dv_ctx

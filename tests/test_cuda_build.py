@@ -1,0 +1,118 @@
+"""CPU checks of the CUDA backend.
+
+- Every kernel translation unit of csrc/ compiles with nvcc (compile-only, no GPU needed) for sm_80
+  and sm_90a, so a syntax or template error fails CI. Skipped when nvcc is absent.
+- Without a CUDA build of torch / a GPU, ``backend="cuda"`` raises the clear "not built" error.
+- The arch-flag logic honours TORCH_CUDA_ARCH_LIST.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from dualkv.core import PackedLayout, dualkv_attention
+
+ROOT = Path(__file__).resolve().parents[1]
+CSRC = ROOT / "csrc"
+
+
+def _build_config():
+    spec = importlib.util.spec_from_file_location("dualkv_build_config_test", CSRC / "build_config.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _nvcc() -> str | None:
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if home and (Path(home) / "bin" / "nvcc").is_file():
+            return str(Path(home) / "bin" / "nvcc")
+    return None
+
+
+def test_every_kernel_translation_unit_compiles_for_sm80_and_sm90a(tmp_path):
+    nvcc = _nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc is not installed: the compile-only check of csrc/ needs a CUDA toolkit")
+    config = _build_config()
+    sources = config.kernel_sources()
+    assert sources, "csrc/ has no .cu translation units"
+    flags = config.nvcc_flags(["8.0", "9.0a"])
+    assert "-gencode=arch=compute_80,code=sm_80" in flags and "-gencode=arch=compute_90a,code=sm_90a" in flags
+
+    def compile_one(src: Path):
+        cmd = [nvcc, *flags, "-I", str(CSRC), "-c", str(src), "-o", str(tmp_path / (src.stem + ".o"))]
+        start = time.time()
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        return src.name, proc.returncode, proc.stderr, time.time() - start
+
+    # Longest first (the backward units), spread over the cores.
+    order = sorted(sources, key=lambda p: ("bwd" not in p.name, p.name))
+    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+        results = list(pool.map(compile_one, order))
+    failures = [f"{name} (exit {rc}):\n{err[-4000:]}" for name, rc, err, _ in results if rc != 0]
+    assert not failures, "nvcc failed on:\n" + "\n".join(failures)
+    for name, _, _, secs in results:
+        print(f"{name}: {secs:.1f}s", file=sys.stderr)
+
+
+def test_arch_list_parsing(monkeypatch):
+    config = _build_config()
+    assert config.parse_arch_list(None) == ["8.0", "9.0a"]
+    assert config.parse_arch_list("8.6;9.0+PTX") == ["8.6", "9.0+PTX"]
+    assert config.parse_arch_list("Hopper") == ["9.0a"]
+    assert config.gencode_flags(["9.0+PTX"]) == [
+        "-gencode=arch=compute_90,code=sm_90",
+        "-gencode=arch=compute_90,code=compute_90",
+    ]
+    with pytest.raises(ValueError, match="TORCH_CUDA_ARCH_LIST: the DualKV kernels need compute capability 8.0"):
+        config.parse_arch_list("7.5")
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
+    kwargs = config.extension_kwargs()
+    assert "-gencode=arch=compute_90a,code=sm_90a" in kwargs["extra_compile_args"]["nvcc"]
+    assert not any("compute_80" in f for f in kwargs["extra_compile_args"]["nvcc"])
+    assert kwargs["include_dirs"] == [str(CSRC)]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-install error path")
+def test_backend_cuda_on_cpu_says_not_built():
+    from dualkv.core.backends import available_backends, get_backend
+
+    backend = get_backend("cuda")
+    assert not backend.is_available()
+    assert backend.unavailable_reason().startswith("the CUDA extension is not built: ")
+    assert "cuda" not in available_backends()
+    layout = PackedLayout.from_lengths([5], [[3, 2]])
+    q = torch.randn(layout.total_tokens, 2, 64, dtype=torch.bfloat16)
+    k = torch.randn(layout.total_tokens, 1, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="the CUDA extension is not built"):
+        dualkv_attention(q, k, k.clone(), layout, backend="cuda")
+    # "auto" never lands on an unavailable backend.
+    out = dualkv_attention(q.float(), k.float(), k.float(), layout, backend="auto")
+    assert out.shape == q.shape
+
+
+def test_check_supported_names_the_argument():
+    from dualkv.core.backends import cuda
+
+    q = torch.empty(4, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="q: the cuda backend needs CUDA tensors"):
+        cuda.check_supported(q, q, q, None, None)
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="q: the cuda backend supports float16 and bfloat16"):
+            cuda.check_supported(q.float().cuda(), q, q, None, None)
+        with pytest.raises(ValueError, match="q: the cuda backend supports headdim"):
+            cuda.check_supported(torch.empty(4, 2, 80, dtype=torch.bfloat16, device="cuda"), q, q, None, None)
