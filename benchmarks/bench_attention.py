@@ -9,7 +9,8 @@ for every (config, provider); results, a markdown table and plots in ``benchmark
     python -m benchmarks.bench_attention --preset tiny --device cpu --providers reference   # smoke test
 
 ``--validate`` first checks every provider's output and gradients against
-``dualkv.core.reference_attention`` at a small shape of each head dim (N=4, P=777, R=129); a provider
+``dualkv.core.reference_attention`` at a small shape of each head dim (N=4, P=777, R=129 unless
+``--validation-shape``); a provider
 that fails is not timed. ``--max-est-s`` skips (and records as skipped) a run whose planned
 forward+backward would take longer than that, ``--deadline-s`` stops starting new runs after that
 many seconds (the rest is recorded as not run).
@@ -53,7 +54,7 @@ AUTO_PROVIDERS = {
     "small": ["dualkv-triton", "dualkv-cuda", "cudnn-cascade", "flex-packed", "fa2-cascade", "cudnn-replicated", "fa2-replicated"],
     "d512": ["dualkv-triton", "dualkv-cuda", "flex-packed", "cudnn-replicated", "sdpa-efficient-replicated"],
 }
-VALIDATION_SHAPE = dict(N=4, P=777, R=129)
+VALIDATION_SHAPE = "4,777,129"
 
 
 def providers_for(cfg: AttnConfig, requested: list[str] | None) -> list[str]:
@@ -71,6 +72,7 @@ def parse_args(argv=None):
     ap.add_argument("--modes", default="fwd,bwd,fwdbwd", help="comma-separated subset of fwd,bwd,fwdbwd")
     ap.add_argument("--validate", action="store_true", help="check providers against the reference first")
     ap.add_argument("--validate-only", action="store_true")
+    ap.add_argument("--validation-shape", default=VALIDATION_SHAPE, help="N,P,R of the validation runs")
     ap.add_argument("--validate-configs", default="",
                     help="';'-separated extra configs whose head dims are validated (not timed)")
     ap.add_argument("--out", default="benchmarks/results")
@@ -119,13 +121,13 @@ def _say(bar, text: str) -> None:
     (bar.write if bar is not None else print)(text)
 
 
-def validate(configs, requested, device, writer, bar=None) -> dict[tuple, str]:
+def validate(configs, requested, device, writer, bar=None, shape: str = VALIDATION_SHAPE) -> dict[tuple, str]:
     """Validate every provider at a small shape of each (H, H_kv, d); returns {(provider, d, H, H_kv):
     the status to record instead of timing} for those that failed."""
     failed = {}
     seen = set()
     for cfg in configs:
-        small = AttnConfig(**VALIDATION_SHAPE, H=cfg.H, H_kv=cfg.H_kv, d=cfg.d, dtype=cfg.dtype)
+        small = AttnConfig.parse(shape, H=cfg.H, H_kv=cfg.H_kv, d=cfg.d, dtype=cfg.dtype)
         for p in providers_for(cfg, requested):
             if (p, small) in seen:
                 continue
@@ -160,7 +162,7 @@ def main(argv=None) -> Path:
         cases.sort(key=lambda c: rank.get(c[1], len(rank)))
     bar = _progress(len(cases))
     extra = [AttnConfig.parse(s, **D128) for s in args.validate_configs.split(";") if s.strip()]
-    failed = validate(configs + extra, requested, device, writer, bar) if (args.validate or args.validate_only) else {}
+    failed = validate(configs + extra, requested, device, writer, bar, args.validation_shape) if (args.validate or args.validate_only) else {}
     timer = Timer(device, budget_ms=args.budget_ms, max_reps=args.max_reps)
     for cfg, p in ([] if args.validate_only else cases):
         if (p, cfg.d, cfg.H, cfg.H_kv) in failed:

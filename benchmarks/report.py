@@ -80,7 +80,8 @@ def environment(device: torch.device, module: str, argv: list[str] | None = None
 class ResultWriter:
     """Writes ``<stem>.json`` and ``<stem>.csv`` after every row; ``finish`` adds the table and plots."""
 
-    def __init__(self, out_dir: str | Path, stem: str, meta: dict):
+    def __init__(self, out_dir: str | Path, stem: str, meta: dict, columns: list[str] | None = None):
+        self.columns = CSV_COLUMNS if columns is None else columns
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.stem, self.meta = stem, meta
@@ -104,7 +105,7 @@ class ResultWriter:
         tmp = self.json_path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(payload, indent=1, default=str))
         tmp.replace(self.json_path)
-        write_csv(self.dir / f"{self.stem}.csv", self.rows, self.meta)
+        write_csv(self.dir / f"{self.stem}.csv", self.rows, self.meta, self.columns)
 
     def finish(self, plots: bool = True) -> list[Path]:
         self.flush()
@@ -115,10 +116,10 @@ class ResultWriter:
         return paths
 
 
-def write_csv(path: Path, rows: list[dict], meta: dict) -> None:
-    extra = sorted({k for r in rows for k in r} - set(CSV_COLUMNS))
+def write_csv(path: Path, rows: list[dict], meta: dict, columns: list[str] = CSV_COLUMNS) -> None:
+    extra = sorted({k for r in rows for k in r} - set(columns))
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS + extra + ["card", "date", "command"])
+        writer = csv.DictWriter(f, fieldnames=list(columns) + extra + ["card", "date", "command"])
         writer.writeheader()
         for r in rows:
             writer.writerow({**r, "card": _card_name(meta), "date": meta.get("date"), "command": meta.get("command")})

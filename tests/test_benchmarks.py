@@ -250,7 +250,8 @@ def test_merge_prefers_measured_rows(tmp_path):
 # ------------------------------------------------------------------------ end to end, reference
 def test_reference_provider_end_to_end(tmp_path):
     path = bench_attention.main(["--preset", "tiny", "--device", "cpu", "--providers", "reference,fa2-cascade",
-                                 "--validate", "--out", str(tmp_path), "--stem", "tiny", "--budget-ms", "5", "--max-reps", "2"])
+                                 "--validate", "--validation-shape", "2,97,33", "--out", str(tmp_path), "--stem", "tiny",
+                                 "--budget-ms", "5", "--max-reps", "2"])
     data = json.loads(Path(path).read_text())
     rows = {r["provider"]: r for r in data["rows"]}
     ref = rows["reference"]
@@ -270,3 +271,46 @@ def test_run_case_records_errors():
 
     row = run_case(AttnConfig(N=1, P=3, R=2, H=2, H_kv=1, d=8), "test-broken", CPU, Timer(CPU))
     assert row["status"] == "error: RuntimeError: kernel exploded"
+
+
+# ---------------------------------------------------------------------- decoder-layer benchmark
+from benchmarks import bench_decoder_layer as dl  # noqa: E402
+
+
+def test_decoder_points_are_seeded_and_in_range():
+    a, b = dl.make_point("5K,32", 0), dl.make_point("5K,32", 0)
+    assert a.rs == b.rs and a.P == 5120 and a.mb == 32 and all(131 <= r <= 2048 for r in a.rs)
+    assert dl.make_point("5K,32", 1).rs != a.rs and dl.make_point("64,3,5-9", 0).rs[0] in range(5, 10)
+    assert [(p.P, p.mb) for p in map(lambda s: dl.make_point(s, 0), dl.SWEEP.split(";"))] == [
+        (5120, 32), (8192, 16), (16384, 8), (32768, 4), (65536, 4), (131072, 8)]
+
+
+@pytest.mark.parametrize("which", ["prefix-grouper", "fa2-replicated"])
+def test_decoder_attention_variants_match_reference(which):
+    """The prefix-grouper and replicated attention paths (CPU fallback of FA2) against the reference."""
+    P, rs, H, Hkv, d = 13, [4, 9, 1], 4, 2, 16
+    packed = PackedLayout.from_lengths([P], [rs])
+    q = torch.randn(packed.total_tokens, H, d, requires_grad=True)
+    k, v = (torch.randn(packed.total_tokens, Hkv, d, requires_grad=True) for _ in range(2))
+    dout = torch.randn_like(q)
+    if which == "prefix-grouper":
+        out = dl.PrefixGrouperAttention(packed, 0.25)(q, k, v, packed)
+    else:
+        rep_layout = PackedLayout.from_lengths([P] * 3, [[r] for r in rs])
+        index, _ = packed.replicated_index()
+        out_rep = dl.ReplicatedAttention(rep_layout, 0.25)(q[index], k[index], v[index], rep_layout)
+        out = torch.zeros_like(q).index_copy(0, index, out_rep)  # every copy of a prompt row is the same
+    ref = reference_attention(q, k, v, packed, softmax_scale=0.25)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    if which == "prefix-grouper":
+        for g, r in zip(torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(ref, (q, k, v), dout)):
+            torch.testing.assert_close(g, r, atol=1e-4, rtol=1e-4)
+
+
+def test_decoder_tables_and_plot(tmp_path):
+    rows = [dict(point="P5120_mb32", P=5120, mb=32, R_mean=1090.0, T=40000, T_rep=200000, rho=5.0, variant=v, status=s,
+                 **({"fwdbwd_ms": ms, "peak_extra_gib": 3.0} if s == "ok" else {}))
+            for v, s, ms in (("dualkv", "ok", 100.0), ("fa2-replicated", "ok", 400.0), ("prefix-grouper", "OOM", 0))]
+    md = dl.tables(rows)
+    assert "| 5120 | 32 | 1090 | 5.00 | 100.0 | 400.0 | OOM |" in md and "4.00x" in md
+    assert dl.plot(rows, tmp_path / "p.png", "test").exists()
