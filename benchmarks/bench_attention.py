@@ -73,6 +73,7 @@ def parse_args(argv=None):
     ap.add_argument("--validate", action="store_true", help="check providers against the reference first")
     ap.add_argument("--validate-only", action="store_true")
     ap.add_argument("--validation-shape", default=VALIDATION_SHAPE, help="N,P,R of the validation runs")
+    ap.add_argument("--validate-providers", default="", help="validate only these (comma-separated; default all)")
     ap.add_argument("--validate-configs", default="",
                     help="';'-separated extra configs whose head dims are validated (not timed)")
     ap.add_argument("--out", default="benchmarks/results")
@@ -121,7 +122,7 @@ def _say(bar, text: str) -> None:
     (bar.write if bar is not None else print)(text)
 
 
-def validate(configs, requested, device, writer, bar=None, shape: str = VALIDATION_SHAPE) -> dict[tuple, str]:
+def validate(configs, requested, device, writer, bar=None, shape: str = VALIDATION_SHAPE, only=None) -> dict[tuple, str]:
     """Validate every provider at a small shape of each (H, H_kv, d); returns {(provider, d, H, H_kv):
     the status to record instead of timing} for those that failed."""
     failed = {}
@@ -129,7 +130,7 @@ def validate(configs, requested, device, writer, bar=None, shape: str = VALIDATI
     for cfg in configs:
         small = AttnConfig.parse(shape, H=cfg.H, H_kv=cfg.H_kv, d=cfg.d, dtype=cfg.dtype)
         for p in providers_for(cfg, requested):
-            if (p, small) in seen:
+            if (p, small) in seen or (only and p not in only):
                 continue
             seen.add((p, small))
             rep = validate_provider(p, small, device)
@@ -162,7 +163,8 @@ def main(argv=None) -> Path:
         cases.sort(key=lambda c: rank.get(c[1], len(rank)))
     bar = _progress(len(cases))
     extra = [AttnConfig.parse(s, **D128) for s in args.validate_configs.split(";") if s.strip()]
-    failed = validate(configs + extra, requested, device, writer, bar, args.validation_shape) if (args.validate or args.validate_only) else {}
+    only = {p.strip() for p in args.validate_providers.split(",") if p.strip()}
+    failed = validate(configs + extra, requested, device, writer, bar, args.validation_shape, only) if (args.validate or args.validate_only) else {}
     timer = Timer(device, budget_ms=args.budget_ms, max_reps=args.max_reps)
     for cfg, p in ([] if args.validate_only else cases):
         if (p, cfg.d, cfg.H, cfg.H_kv) in failed:
