@@ -54,9 +54,13 @@ def response_logprobs_from_logits(logits: torch.Tensor, layout, temperature: flo
 
 # --------------------------------------------------------------------------------------- lean path
 
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def _scaled_logits(h_cD, weight_VD, temperature, softcap):
-    """z (c, V) fp32 and the capped logits' tanh (for the softcap derivative), or None."""
-    z = torch.nn.functional.linear(h_cD, weight_VD).float()
+    """z (c, V) in fp32 (fp64 for fp64 inputs) and the capped logits' tanh (softcap derivative) or None."""
+    z = torch.nn.functional.linear(h_cD, weight_VD).to(_acc_dtype(h_cD.dtype))
     t = None
     if softcap is not None:
         t = torch.tanh(z / softcap)
@@ -69,9 +73,9 @@ def _scaled_logits(h_cD, weight_VD, temperature, softcap):
 class _LinearLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_nD, weight_VD, targets_n, temperature, softcap, chunk, want_entropy):
-        n = hidden_nD.shape[0]
-        lp_n = hidden_nD.new_empty(n, dtype=torch.float32)
-        ent_n = hidden_nD.new_empty(n, dtype=torch.float32) if want_entropy else None
+        n, acc = hidden_nD.shape[0], _acc_dtype(hidden_nD.dtype)
+        lp_n = hidden_nD.new_empty(n, dtype=acc)
+        ent_n = hidden_nD.new_empty(n, dtype=acc) if want_entropy else None
         for s in range(0, n, chunk):
             z, _ = _scaled_logits(hidden_nD[s:s + chunk], weight_VD, temperature, softcap)
             lse = torch.logsumexp(z, dim=-1)
@@ -89,19 +93,20 @@ class _LinearLogProbs(torch.autograd.Function):
         temperature, softcap, chunk = ctx.options
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hidden_nD) if need_h else None
-        grad_w = torch.zeros(weight_VD.shape, dtype=torch.float32, device=weight_VD.device) if need_w else None
+        acc = _acc_dtype(hidden_nD.dtype)
+        grad_w = torch.zeros(weight_VD.shape, dtype=acc, device=weight_VD.device) if need_w else None
         for s in range(0, hidden_nD.shape[0], chunk):
             h_cD = hidden_nD[s:s + chunk]
             z, t = _scaled_logits(h_cD, weight_VD, temperature, softcap)
             p = torch.softmax(z, dim=-1)
             dz = torch.zeros_like(z)
             if g_lp is not None:
-                g = g_lp[s:s + chunk].float()
+                g = g_lp[s:s + chunk].to(acc)
                 dz = dz - p * g[:, None]
                 dz.scatter_add_(-1, targets_n[s:s + chunk, None], g[:, None])
             if g_ent is not None:
                 mean_z = (p * z).sum(-1, keepdim=True)
-                dz = dz - g_ent[s:s + chunk].float()[:, None] * p * (z - mean_z)
+                dz = dz - g_ent[s:s + chunk].to(acc)[:, None] * p * (z - mean_z)
             if temperature != 1.0:
                 dz = dz / temperature
             if t is not None:
@@ -153,13 +158,14 @@ def linear_logprobs(
         softcap: final-logit softcap ``cap * tanh(l / cap)`` or None.
         return_entropy: also return the entropy of each row's distribution.
         chunk_size: rows per chunk; default keeps one fp32 (chunk, V) block near 256 MiB.
-    Returns ``(logprobs (n,), entropy (n,) or None)``, float32, differentiable with respect to
-    hidden and weight (the weight gradient is accumulated in fp32 and cast once).
+    Returns ``(logprobs (n,), entropy (n,) or None)``, float32 (float64 for float64 inputs),
+    differentiable with respect to hidden and weight (the weight gradient is accumulated in fp32
+    and cast once).
     """
     _check_lean_inputs(hidden, weight, targets, temperature, softcap, chunk_size)
     chunk = chunk_size or max(1, _CHUNK_ELEMENTS // weight.shape[0])
     if hidden.shape[0] == 0:
-        empty = hidden.new_zeros(0, dtype=torch.float32) + hidden.sum() * 0  # keeps the graph connected
+        empty = hidden.new_zeros(0, dtype=_acc_dtype(hidden.dtype)) + hidden.sum() * 0  # keeps the graph connected
         return empty, (empty.clone() if return_entropy else None)
     return _LinearLogProbs.apply(hidden, weight, targets.long(), float(temperature),
                                  None if softcap is None else float(softcap), chunk, return_entropy)

@@ -1,0 +1,170 @@
+"""The memory-lean log-prob path (``linear_logprobs``) against the plain one (full logits + log-softmax)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dualkv.core import PackedLayout
+from dualkv.core.logprobs import (
+    gather_logprobs,
+    linear_logprobs,
+    logprobs_from_logits,
+    response_logprobs_from_logits,
+)
+
+
+def inputs(n=13, D=24, V=97, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = (torch.randn(n, D, generator=g) * 2).to(dtype).requires_grad_()
+    w = torch.randn(V, D, generator=g).to(dtype).requires_grad_()
+    t = torch.randint(0, V, (n,), generator=g)
+    return h, w, t
+
+
+def assert_close_scaled(got, want, rtol=1e-5):
+    """Elementwise error relative to the tensor's largest entry (fp32 gradients of large logits)."""
+    err = (got - want).abs().max() / want.abs().max().clamp_min(1e-12)
+    assert err <= rtol, f"error {err:.3g} relative to max {want.abs().max():.3g}"
+
+
+def plain(h, w, t, temperature, softcap):
+    logits = h @ w.t()
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logprobs_from_logits(logits, t, temperature)
+
+
+def loss(lp, ent, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    a, b = torch.randn(lp.shape, generator=g), torch.randn(lp.shape, generator=g)
+    return (a.to(lp.dtype) * lp).sum() + (0.0 if ent is None else (b.to(ent.dtype) * ent).sum())
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+@pytest.mark.parametrize("softcap", [None, 3.0])
+@pytest.mark.parametrize("chunk_size", [1, 5, None])
+@pytest.mark.parametrize("entropy", [False, True])
+def test_lean_equals_plain(temperature, softcap, chunk_size, entropy):
+    h, w, t = inputs()
+    lp, ent = linear_logprobs(h, w, t, temperature=temperature, softcap=softcap, return_entropy=entropy,
+                              chunk_size=chunk_size)
+    ref_lp, ref_ent = plain(h, w, t, temperature, softcap)
+    assert lp.dtype == torch.float32 and lp.shape == (13,)
+    torch.testing.assert_close(lp, ref_lp, rtol=1e-5, atol=1e-5)
+    if entropy:
+        torch.testing.assert_close(ent, ref_ent, rtol=1e-5, atol=1e-5)
+    else:
+        assert ent is None
+    grads = torch.autograd.grad(loss(lp, ent), (h, w))
+    ref = torch.autograd.grad(loss(ref_lp, ref_ent if entropy else None), (h, w))
+    for got, want in zip(grads, ref):
+        assert_close_scaled(got, want)
+
+
+def test_gradcheck_float64():
+    h, w, t = inputs(n=5, D=6, V=11, dtype=torch.float64)
+
+    def fn(h, w):
+        return linear_logprobs(h, w, t, temperature=0.8, softcap=2.0, return_entropy=True, chunk_size=2)
+
+    assert torch.autograd.gradcheck(fn, (h, w))
+
+
+def test_entropy_requested_but_only_logprobs_in_the_loss():
+    h, w, t = inputs()
+    lp, _ = linear_logprobs(h, w, t, return_entropy=True, chunk_size=4)
+    ref_lp, _ = plain(h, w, t, 1.0, None)
+    got = torch.autograd.grad(lp.sum(), (h, w))
+    want = torch.autograd.grad(ref_lp.sum(), (h, w))
+    for a, b in zip(got, want):
+        assert_close_scaled(a, b)
+
+
+def test_frozen_head_gives_only_hidden_gradients():
+    h, w, t = inputs()
+    w = w.detach()
+    lp, _ = linear_logprobs(h, w, t)
+    lp.sum().backward()
+    assert w.grad is None and h.grad is not None
+
+
+def test_never_more_than_chunk_size_rows_of_logits(monkeypatch):
+    """The (n, V) logits are never formed at once, in forward or backward."""
+    h, w, t = inputs(n=23)
+    rows = []
+    real_linear = torch.nn.functional.linear
+
+    def spy(x, weight, bias=None):
+        rows.append(x.shape[0])
+        return real_linear(x, weight, bias)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", spy)
+    lp, ent = linear_logprobs(h, w, t, return_entropy=True, chunk_size=4)
+    (lp.sum() + ent.sum()).backward()
+    assert max(rows) == 4 and sum(rows) == 2 * 23
+
+
+def test_default_chunk_targets_a_bounded_block(monkeypatch):
+    import dualkv.core.logprobs as mod
+
+    monkeypatch.setattr(mod, "_CHUNK_ELEMENTS", 97 * 3)
+    h, w, t = inputs()
+    lp, _ = linear_logprobs(h, w, t)
+    torch.testing.assert_close(lp, plain(h, w, t, 1.0, None)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_close_to_plain():
+    h, w, t = inputs(dtype=torch.bfloat16)
+    lp, ent = linear_logprobs(h, w, t, softcap=5.0, return_entropy=True, chunk_size=3)
+    ref_lp, ref_ent = plain(h.float(), w.float(), t, 1.0, 5.0)
+    torch.testing.assert_close(lp, ref_lp, rtol=0, atol=0.05)
+    torch.testing.assert_close(ent, ref_ent, rtol=0, atol=0.05)
+    gh, gw = torch.autograd.grad(lp.sum() + ent.sum(), (h, w))
+    assert gh.dtype == torch.bfloat16 and gw.dtype == torch.bfloat16
+
+
+def test_empty_selection():
+    h, w, t = inputs(n=0)
+    lp, ent = linear_logprobs(h, w, t, return_entropy=True)
+    assert lp.shape == (0,) and ent.shape == (0,)
+    lp.sum().backward()
+    assert h.grad.shape == (0, 24)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(hidden=torch.zeros(3)), "hidden"),
+        (dict(weight=torch.zeros(7, 5)), "weight"),
+        (dict(weight=torch.zeros(7, 24, dtype=torch.float64)), "weight"),
+        (dict(targets=torch.zeros(4, dtype=torch.long)), "targets"),
+        (dict(targets=torch.zeros(13)), "targets"),
+        (dict(temperature=0.0), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(temperature=True), "temperature"),
+        (dict(softcap=-1.0), "softcap"),
+        (dict(chunk_size=0), "chunk_size"),
+    ],
+)
+def test_bad_inputs_raise(kwargs, match):
+    h, w, t = inputs()
+    args = dict(hidden=h, weight=w, targets=t)
+    args.update({k: kwargs.pop(k) for k in list(kwargs) if k in args})
+    with pytest.raises(ValueError, match=match):
+        linear_logprobs(args["hidden"], args["weight"], args["targets"], **kwargs)
+
+
+def test_plain_helpers_agree():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 11, generator=g)
+    t = torch.randint(0, 11, (6,), generator=g)
+    lp, ent = logprobs_from_logits(logits, t, 0.5)
+    torch.testing.assert_close(lp, gather_logprobs(logits, t, 0.5))
+    p = torch.softmax(logits / 0.5, -1)
+    torch.testing.assert_close(ent, -(p * p.log()).sum(-1))
+    layout = PackedLayout.from_groups([(torch.tensor([1, 2]), [torch.tensor([3, 4]), torch.tensor([5])])])
+    rows = response_logprobs_from_logits(torch.randn(layout.total_tokens, 11, generator=g), layout)
+    assert rows.shape == (2, 2) and rows[1, 1] == 0
+    with pytest.raises(ValueError, match="input_ids"):
+        response_logprobs_from_logits(torch.randn(5, 11), PackedLayout.from_lengths([2], [[2, 1]]))
