@@ -1,0 +1,160 @@
+"""Configs and presets: shapes equal transformers' for every preset, round trips, clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dualkv.models as M
+from dualkv.core import PackedLayout
+from dualkv.models import AttentionConfig, LayerConfig, MLPConfig, ModelConfig, MoEConfig, RopeConfig
+from dualkv.models.layers import RMSNorm
+
+
+@pytest.mark.parametrize("preset", M.list_presets())
+def test_preset_parameters_equal_transformers(preset):
+    """Every preset (the released shapes included) builds exactly transformers' parameters (meta device)."""
+    from transformers import AutoModelForCausalLM
+
+    from dualkv.models.reference import hf_config
+
+    ours = M.build_model(preset, device="meta")
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(hf_config(M.preset_hf_config(preset)))
+    shapes = {n: tuple(p.shape) for n, p in ours.named_parameters()}
+    assert shapes == {n: tuple(p.shape) for n, p in hf.named_parameters()}
+    assert {n for n, _ in ours.named_buffers()} <= {n for n, _ in hf.named_buffers()}
+
+
+@pytest.mark.parametrize("preset", M.list_presets())
+def test_hf_config_round_trip(preset):
+    cfg = M.get_preset(preset)
+    assert M.from_hf_config(M.to_hf_config(cfg)) == cfg
+
+
+def test_released_shapes():
+    q8, moe, g31 = M.get_preset("qwen3-8b"), M.get_preset("qwen3-30b-a3b"), M.get_preset("gemma4-31b")
+    assert (q8.num_layers, q8.hidden_size, q8.layers[0].attention.num_kv_heads, q8.tie_word_embeddings) == (36, 4096, 8, False)
+    assert all(l.moe == MoEConfig(128, 8, 768, "silu", "softmax_topk", True, 0.001) for l in moe.layers)
+    sliding = [l.attention for l in g31.layers if l.attention.window]
+    glob = [l.attention for l in g31.layers if not l.attention.window]
+    assert len(sliding) == 50 and len(glob) == 10
+    assert {(a.head_dim, a.num_kv_heads, a.window, a.k_eq_v) for a in sliding} == {(256, 16, 1024, False)}
+    assert {(a.head_dim, a.num_kv_heads, a.k_eq_v, a.rope.rope_type, a.rope.partial_rotary_factor) for a in glob} == {
+        (512, 4, True, "proportional", 0.25)}
+    assert g31.final_logit_softcap == 30.0 and g31.embed_scale == 5376 ** 0.5 and g31.per_layer_input is None
+    assert all(l.attention.softmax_scale == 1.0 and l.attention.v_norm for l in g31.layers)
+
+
+def test_legacy_qwen3_config_keys():
+    hf = M.preset_hf_config("qwen3-0.6b")
+    assert "rope_theta" in hf and "rope_parameters" not in hf
+    modern = {k: v for k, v in hf.items() if k not in ("rope_theta", "rope_scaling")}
+    modern["rope_parameters"] = {"rope_type": "default", "rope_theta": 1000000.0}
+    assert M.from_hf_config(modern) == M.from_hf_config(hf)
+
+
+def test_proportional_rope_rotates_a_quarter_of_the_frequencies():
+    from dualkv.models.layers import rope_inv_freq
+
+    inv = rope_inv_freq(RopeConfig(1e6, "proportional", 0.25), 512)
+    assert inv.shape == (256,) and (inv[:64] > 0).all() and (inv[64:] == 0).all()
+    assert torch.equal(inv[:64], 1.0 / 1e6 ** (torch.arange(0, 128, 2).float() / 512))
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: RopeConfig(1e4, "yarn"), "rope_type"),
+    (lambda: RopeConfig(1e4, partial_rotary_factor=0.0), "partial_rotary_factor"),
+    (lambda: AttentionConfig(6, 4, 16, RopeConfig(1e4)), "num_kv_heads"),
+    (lambda: AttentionConfig(4, 2, 15, RopeConfig(1e4)), "head_dim"),
+    (lambda: AttentionConfig(4, 2, 16, RopeConfig(1e4), window=0), "window"),
+    (lambda: MLPConfig(32, "relu"), "activation"),
+    (lambda: MoEConfig(4, 5, 8), "top_k"),
+    (lambda: MoEConfig(4, 2, 8, router="sigmoid"), "router"),
+    (lambda: LayerConfig(AttentionConfig(4, 2, 16, RopeConfig(1e4))), "neither"),
+    (lambda: ModelConfig("llama", 10, 8, (LayerConfig(AttentionConfig(4, 2, 16, RopeConfig(1e4)), MLPConfig(8)),)), "family"),
+    (lambda: ModelConfig("qwen3", 10, 8, ()), "layers"),
+    (lambda: ModelConfig("qwen3", 10, 8, (LayerConfig(AttentionConfig(4, 2, 16, RopeConfig(1e4), kv_source=0), MLPConfig(8)),)), "kv_source"),
+    (lambda: ModelConfig("qwen3", 10, 8, (LayerConfig(AttentionConfig(4, 2, 16, RopeConfig(1e4)), MLPConfig(8)),), pad_token_id=10), "pad_token_id"),
+])
+def test_config_validation(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+@pytest.mark.parametrize("preset, edit, match", [
+    ("tiny-qwen3", {"model_type": "mistral"}, "model_type"),
+    ("tiny-qwen3", {"hidden_size": None}, "hidden_size"),
+    ("tiny-qwen3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type"),
+    ("tiny-qwen3", {"layer_types": ["full_attention"]}, "layer_types"),
+    ("tiny-qwen3", {"hidden_act": "relu"}, "hidden_act"),
+    ("tiny-qwen3-moe", {"num_experts": None}, "num_experts"),
+    ("tiny-gemma4", {"use_bidirectional_attention": "all"}, "use_bidirectional_attention"),
+    ("tiny-gemma4", {"per_layer_config": {"1": {"sliding_window": 3}}}, "per_layer_config"),
+    ("tiny-gemma4", {"enable_moe_block": True}, "enable_moe_block"),
+    ("tiny-gemma4", {"num_kv_shared_layers": 4}, "num_kv_shared_layers"),
+    ("tiny-gemma4", {"layer_types": ["local"] * 4}, "layer_types"),
+])
+def test_bad_hf_configs_raise(preset, edit, match):
+    hf = M.preset_hf_config(preset)
+    for k, v in edit.items():
+        if v is None:
+            hf.pop(k)
+        else:
+            hf[k] = v
+    with pytest.raises(ValueError, match=match):
+        M.from_hf_config(hf)
+
+
+def test_build_model_inputs():
+    a, b = M.build_model("tiny-qwen3", seed=7), M.build_model(M.get_preset("tiny-qwen3"), seed=7)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    c = M.build_model(M.preset_hf_config("tiny-qwen3"), seed=8)
+    assert not torch.equal(c.lm_head.weight, a.lm_head.weight)
+    assert (a.model.layers[0].input_layernorm.weight == 1).all()
+    g = M.build_model("tiny-gemma4", seed=0, dtype=torch.bfloat16)
+    assert g.lm_head.weight is g.model.embed_tokens.weight and g.lm_head.weight.dtype == torch.bfloat16
+    assert (g.model.embed_tokens.weight[0] == 0).all()  # pad row, as transformers initialises it
+    with pytest.raises(ValueError, match="preset"):
+        M.build_model("qwen9-7b")
+    with pytest.raises(ValueError, match="preset_or_config"):
+        M.build_model(42)
+
+
+def test_model_input_errors():
+    model = M.build_model("tiny-qwen3", seed=0)
+    lay = PackedLayout.from_groups([(torch.tensor([3, 4, 5]), [torch.tensor([6, 7])])])
+    ids, pos = lay.input_ids, lay.position_ids
+    with pytest.raises(ValueError, match="layout"):
+        model.hidden_states(ids, pos, "layout")
+    with pytest.raises(ValueError, match="input_ids"):
+        model.hidden_states(ids.float(), pos, lay)
+    with pytest.raises(ValueError, match="position_ids"):
+        model.hidden_states(ids, pos[:3], lay)
+    with pytest.raises(ValueError, match="at most"):
+        model.hidden_states(torch.cat([ids, ids]), torch.cat([pos, pos]), lay)
+    with pytest.raises(ValueError, match="input_ids"):
+        model.response_logprobs(PackedLayout.from_lengths([3], [[2]]))
+    with pytest.raises(ValueError, match="layers"):
+        model.set_activation_checkpointing([0, 7])
+    with pytest.raises(ValueError, match="backend"):
+        model.set_moe_backend("fast")
+    with pytest.raises(ValueError, match="fn"):
+        model.set_attn_fn("dualkv")
+    with pytest.raises(ValueError, match="cfg"):
+        M.CausalLM(M.preset_hf_config("tiny-qwen3"))
+    with pytest.raises(ValueError, match="style"):
+        RMSNorm(8, 1e-6, "llama")
+
+
+def test_every_attention_module_has_a_replaceable_attn_fn():
+    from dualkv.core import dualkv_attention
+
+    model = M.build_model("tiny-gemma4-e", seed=0)
+    fns = [m.attn_fn for m in model.modules() if hasattr(m, "attn_fn")]
+    assert len(fns) == model.config.num_layers and all(f is dualkv_attention for f in fns)
+    calls = []
+    model.set_attn_fn(lambda q, k, v, lay, **kw: (calls.append(kw), dualkv_attention(q, k, v, lay, **kw))[1])
+    model.response_logprobs(PackedLayout.from_groups([(torch.tensor([3, 4, 5]), [torch.tensor([6, 7])])]))
+    assert [c["window"] for c in calls] == [6, None, 6, 6, None]
+    assert all(c["softmax_scale"] == 1.0 and c["softcap"] is None for c in calls)
