@@ -1,7 +1,8 @@
 """The "dualkv" attention in stock transformers models equals the replicated batch.
 
-Every model family (Qwen3 with sliding layers, Qwen3-MoE, Llama, Gemma-4 with sliding/global
-layers, KV sharing and k=v global layers, Gemma-2 with an attention softcap) runs the packed
+Every model family (Qwen3 with sliding layers, Qwen3-MoE, Qwen2-MoE with sliding layers, Llama,
+Gemma-4 with sliding/global layers, KV sharing and k=v global layers, Gemma-2 with an attention
+softcap) runs the packed
 P + N*R batch with "dualkv" and the N-replicated right-padded batch with "sdpa" (eager for the
 softcap) from the same weights; response log-probs and every parameter gradient must agree to
 1e-5 relative in float32. Each option the test relies on (window, softcap) is also shown to matter,
@@ -54,6 +55,17 @@ def _qwen3_moe():
     return transformers.Qwen3MoeForCausalLM(cfg)
 
 
+def _qwen2_moe():
+    """Sliding layers known only by a module attribute, full layers only by config.layer_types."""
+    cfg = transformers.Qwen2MoeConfig(
+        vocab_size=V, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+        use_sliding_window=True, sliding_window=4, max_window_layers=2,
+    )
+    assert cfg.layer_types == ["sliding_attention", "full_attention"]
+    return transformers.Qwen2MoeForCausalLM(cfg)
+
+
 def _llama():
     cfg = transformers.LlamaConfig(
         vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -90,6 +102,7 @@ def _gemma2():
 MODELS = {
     "qwen3": (_qwen3, "sdpa"),
     "qwen3_moe": (_qwen3_moe, "sdpa"),
+    "qwen2_moe_sliding": (_qwen2_moe, "sdpa"),
     "llama": (_llama, "sdpa"),
     "gemma4": (_gemma4, "sdpa"),
     "gemma2_softcap": (_gemma2, "eager"),
@@ -147,7 +160,7 @@ def _drop_option(model, attr):
             setattr(m, attr, None)
 
 
-@pytest.mark.parametrize(("name", "attr"), [("qwen3", "sliding_window"), ("gemma4", "sliding_window"), ("gemma2_softcap", "attn_logit_softcapping")])
+@pytest.mark.parametrize(("name", "attr"), [("qwen3", "sliding_window"), ("qwen2_moe_sliding", "sliding_window"), ("gemma4", "sliding_window"), ("gemma2_softcap", "attn_logit_softcapping")])
 def test_dropping_window_or_softcap_changes_logprobs(name, attr):
     """The test models exercise the option: without it the packed result differs from the baseline."""
     build, baseline = MODELS[name]

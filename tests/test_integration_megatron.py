@@ -211,6 +211,25 @@ def test_megatron_inputs_and_logprobs(single_rank):
         _assert_close(dkm.logprobs_from_logits(logits, layout, t), response_logprobs_from_logits(logits[0], layout, t), "log-probs")
 
 
+def test_core_attention_options(single_rank):
+    """Scale, per-layer window (Megatron's (left, 0) = keys up to left back) and a spec's softcap reach the op."""
+    from dualkv.core import reference_attention
+
+    layout = _layout()
+    T = layout.total_tokens
+    q, k, v = torch.randn(T, 4, 16), torch.randn(T, 2, 16), torch.randn(T, 2, 16)
+    config = _config(softmax_scale=0.3, window_size=(5, 0), window_attn_skip_freq=[1, 0, 1])
+    spec = dkm.dualkv_layer_spec(softcap=2.0).submodules.self_attention.submodules.core_attention
+    for layer_number, window in ((1, 6), (2, None), (3, 6)):
+        attn = spec(config=config, layer_number=layer_number, attn_mask_type=AttnMaskType.causal, attention_type="self",
+                    softmax_scale=config.softmax_scale, cp_comm_type=None, pg_collection=None)
+        attn.positions_from_layout = True
+        assert (attn.softmax_scale, attn.window, attn.softcap) == (0.3, window, 2.0)
+        out = attn(q, k, v, None, packed_seq_params=dkm.packed_seq_params(layout))
+        ref = reference_attention(q, k, v, layout, softmax_scale=0.3, window=window, softcap=2.0)
+        _assert_close(out, ref.reshape(T, 64), f"layer {layer_number}")
+
+
 def test_refusals(single_rank):
     torch.manual_seed(0)
     layout = _layout()

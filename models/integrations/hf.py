@@ -57,13 +57,30 @@ def dualkv_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs) -> 
     return None
 
 
-def _module_option(module: torch.nn.Module, passed, attr: str):
-    """The value a model passed for an option, else the module's own, else its config's."""
+def _layer_window(module: torch.nn.Module, passed) -> int | None:
+    """This layer's sliding window: as passed by the model, else the module's ``sliding_window``,
+    else from ``config.layer_types[module.layer_idx]``, else ``config.sliding_window`` for models
+    without layer types. transformers' "no window" values (None, 0) give None."""
+    config = getattr(module, "config", None)
+    if passed is not _UNSET:
+        window = passed
+    elif hasattr(module, "sliding_window"):
+        window = module.sliding_window
+    elif getattr(config, "layer_types", None) is not None and hasattr(module, "layer_idx"):
+        sliding = config.layer_types[module.layer_idx] == "sliding_attention"
+        window = getattr(config, "sliding_window", None) if sliding else None
+    else:
+        window = getattr(config, "sliding_window", None)
+    return window or None
+
+
+def _layer_softcap(module: torch.nn.Module, passed) -> float | None:
+    """The attention logit softcap: as passed, else ``attn_logit_softcapping`` of the module or its config."""
     if passed is not _UNSET:
         return passed
-    if hasattr(module, attr):
-        return getattr(module, attr)
-    return getattr(getattr(module, "config", None), attr, None)
+    if hasattr(module, "attn_logit_softcapping"):
+        return module.attn_logit_softcapping
+    return getattr(getattr(module, "config", None), "attn_logit_softcapping", None)
 
 
 def _check_call(module, query_BHTd, key_BKTd, attention_mask, layout, dropout, is_causal, kwargs) -> None:
@@ -118,8 +135,9 @@ def dualkv_attention_forward(
     """transformers' attention-function contract over the packed layout.
 
     Args:
-        module: the calling attention module (its ``sliding_window``, ``attn_logit_softcapping``,
-            ``is_causal`` and ``scaling`` are used when the call does not pass them).
+        module: the calling attention module (its ``sliding_window`` or its layer type,
+            ``attn_logit_softcapping``, ``is_causal`` and ``scaling`` are used when the call does
+            not pass them).
         query: (1, H, T, d); key, value: (1, K, T, d), K un-expanded (GQA/MQA).
         attention_mask: must be None (nothing is registered in the mask interface, so transformers
             passes None unless the caller gave a mask).
@@ -131,8 +149,8 @@ def dualkv_attention_forward(
     Returns (out (1, T, H, d), None).
     """
     _check_call(module, query, key, attention_mask, dualkv_layout, dropout, is_causal, kwargs)
-    window = _module_option(module, sliding_window, "sliding_window")
-    cap = _module_option(module, softcap, "attn_logit_softcapping")
+    window = _layer_window(module, sliding_window)
+    cap = _layer_softcap(module, softcap)
     if scaling is None:
         scaling = getattr(module, "scaling", None)
     q_THd = query[0].transpose(0, 1)

@@ -31,11 +31,13 @@ dim, V vocabulary (V/tp per rank), n response tokens.
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+from megatron.core import parallel_state
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -277,13 +279,10 @@ class DualKVGPTModel(GPTModel):
             if isinstance(module, DualKVCoreAttention):
                 module.positions_from_layout = True
 
-    def _preprocess(self, input_ids, position_ids, decoder_input=None, inference_context=None,
-                    packed_seq_params=None, padding_mask=None):
-        out = super()._preprocess(
-            input_ids=input_ids, position_ids=position_ids, decoder_input=decoder_input,
-            inference_context=inference_context, packed_seq_params=packed_seq_params, padding_mask=padding_mask,
-        )
-        layout = getattr(packed_seq_params, "layout", None)
+    def _preprocess(self, *args, **kwargs):
+        out = super()._preprocess(*args, **kwargs)
+        bound = inspect.signature(super()._preprocess).bind(*args, **kwargs)
+        layout = getattr(bound.arguments.get("packed_seq_params"), "layout", None)
         if out[1] is None or not isinstance(layout, PackedLayout):
             return out
         # out[1]: rotary embedding (positions 0..max P+R-1, 1, 1, rot_dim) -> one row per packed
@@ -323,12 +322,15 @@ def build_gpt_model(
 
 # ------------------------------------------------------------------------------------ log-probs
 def _tp_group(model: torch.nn.Module | None, tp_group):
+    """The group the vocabulary is split over: given, the model's, Megatron's global one, or None."""
     if tp_group is not None:
         return tp_group
     pgs = getattr(model, "pg_collection", None)
     if pgs is not None and hasattr(pgs, "tp"):
         return pgs.tp
-    return ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"]).tp
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    return parallel_state.get_tensor_model_parallel_group()
 
 
 def _vocab_parallel_logprobs(logits_nv: torch.Tensor, targets_n: torch.Tensor, group) -> torch.Tensor:
