@@ -125,7 +125,8 @@ def _replicated_run(model, layout, weights, impl):
     model.zero_grad(set_to_none=True)
     model.set_attn_implementation(impl)
     batch = replicated_batch(layout)
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids, use_cache=False)
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+                use_cache=False)
     lp = replicated_response_logprobs(out.logits, batch, layout)
     (lp * weights).sum().backward()
     return lp.detach(), _grads(model)
@@ -160,7 +161,15 @@ def _drop_option(model, attr):
             setattr(m, attr, None)
 
 
-@pytest.mark.parametrize(("name", "attr"), [("qwen3", "sliding_window"), ("qwen2_moe_sliding", "sliding_window"), ("gemma4", "sliding_window"), ("gemma2_softcap", "attn_logit_softcapping")])
+OPTION_CASES = [
+    ("qwen3", "sliding_window"),
+    ("qwen2_moe_sliding", "sliding_window"),
+    ("gemma4", "sliding_window"),
+    ("gemma2_softcap", "attn_logit_softcapping"),
+]
+
+
+@pytest.mark.parametrize(("name", "attr"), OPTION_CASES)
 def test_dropping_window_or_softcap_changes_logprobs(name, attr):
     """The test models exercise the option: without it the packed result differs from the baseline."""
     build, baseline = MODELS[name]
@@ -170,7 +179,8 @@ def test_dropping_window_or_softcap_changes_logprobs(name, attr):
     model.set_attn_implementation(baseline)
     batch = replicated_batch(layout)
     with torch.no_grad():
-        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids, use_cache=False)
+        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+                use_cache=False)
         ref = replicated_response_logprobs(out.logits, batch, layout)
         _drop_option(model, attr)
         model.set_attn_implementation("dualkv")
@@ -184,7 +194,8 @@ def test_plain_forward_call_matches_response_logprobs():
     model.set_attn_implementation("dualkv")
     layout = _layout(seed=3)
     with torch.no_grad():
-        out = model(input_ids=layout.input_ids[None], position_ids=layout.position_ids[None], dualkv_layout=layout, use_cache=False)
+        out = model(input_ids=layout.input_ids[None], position_ids=layout.position_ids[None], dualkv_layout=layout,
+                    use_cache=False)
         assert out.logits.shape == (1, layout.total_tokens, V)
         from dualkv.core import response_logprobs_from_logits
 
@@ -234,6 +245,18 @@ def test_refuses_bidirectional_module():
         hf.dualkv_attention_forward(module, q, k, k, None, scaling=0.3, dualkv_layout=layout)
     with pytest.raises(ValueError, match="s_aux"):
         hf.dualkv_attention_forward(torch.nn.Module(), q, k, k, None, dualkv_layout=layout, s_aux=torch.zeros(4))
+
+
+def test_refuses_chunked_attention():
+    cfg = transformers.Llama4TextConfig(
+        vocab_size=V, hidden_size=64, intermediate_size=96, intermediate_size_mlp=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=2, attention_chunk_size=4,
+    )
+    model = transformers.Llama4ForCausalLM(cfg)
+    model.set_attn_implementation("dualkv")
+    layout = _layout()
+    with pytest.raises(ValueError, match="attention_chunk_size"):
+        hf.response_logprobs(model, layout)
 
 
 def test_import_is_lazy_and_registers_on_transformers_import():

@@ -121,7 +121,8 @@ def _stock_model(config: TransformerConfig) -> GPTModel:
 
 
 def _weights(layout: PackedLayout) -> torch.Tensor:
-    return torch.randn(layout.num_rows, layout.max_response_len, generator=torch.Generator().manual_seed(7)) * layout.response_mask()
+    gen = torch.Generator().manual_seed(7)
+    return torch.randn(layout.num_rows, layout.max_response_len, generator=gen) * layout.response_mask()
 
 
 def _grads(model) -> dict[str, torch.Tensor]:
@@ -160,8 +161,9 @@ def test_packed_equals_replicated(single_rank, moe):
     model = dkm.build_gpt_model(config, vocab_size=V, max_sequence_length=64)
     stock = _stock_model(config)
     stock.load_state_dict(model.state_dict(), strict=True)
-    if moe:
-        assert any("experts" in n for n, _ in model.named_parameters())
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    assert all(isinstance(layer.mlp, MoELayer) == moe for layer in model.decoder.layers)
     layout = _layout()
     weights = _weights(layout)
     lp, grads = _packed_run(model, layout, weights)
@@ -183,7 +185,8 @@ def test_window_and_logical_rope_matter(single_rank):
     inputs = dkm.megatron_inputs(layout)
     with torch.no_grad():
         lp = dkm.response_logprobs(model, layout)
-        plain = GPTModel(config, dkm.dualkv_layer_spec(), vocab_size=V, max_sequence_length=64, position_embedding_type="rope")
+        plain = GPTModel(config, dkm.dualkv_layer_spec(), vocab_size=V, max_sequence_length=64,
+                         position_embedding_type="rope")
         plain.load_state_dict(model.state_dict())
         for m in plain.modules():
             if isinstance(m, dkm.DualKVCoreAttention):
@@ -208,7 +211,8 @@ def test_megatron_inputs_and_logprobs(single_rank):
     from dualkv.core import response_logprobs_from_logits
 
     for t in (1.0, 0.7):
-        _assert_close(dkm.logprobs_from_logits(logits, layout, t), response_logprobs_from_logits(logits[0], layout, t), "log-probs")
+        expected = response_logprobs_from_logits(logits[0], layout, t)
+        _assert_close(dkm.logprobs_from_logits(logits, layout, t), expected, "log-probs")
 
 
 def test_core_attention_options(single_rank):

@@ -11,7 +11,8 @@ once their attention is switched::
 
 The layout travels to every attention call through transformers' attention kwargs. The mask
 function registered for ``"dualkv"`` builds nothing (the layout is the mask; no T x T tensor ever
-exists) and refuses a padding ``attention_mask``, which a packed batch never needs. Per layer, the module's scaling, its
+exists) and refuses a padding ``attention_mask``, which a packed batch never needs, and chunked
+attention. Per layer, the module's scaling, its
 sliding window (``module.sliding_window``, set from ``config.layer_types``) and its logit softcap
 (``attn_logit_softcapping``) go to ``dualkv.core.dualkv_attention``; settings it cannot honour
 (attention dropout, non-causal attention, attention sinks, attention weights output) are refused.
@@ -48,12 +49,18 @@ def register() -> None:
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, dualkv_mask)
 
 
-def dualkv_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs) -> None:
-    """transformers' mask-function contract: no mask is built, the layout is the mask."""
+def dualkv_mask(*args, attention_mask: torch.Tensor | None = None, config=None, **kwargs) -> None:
+    """transformers' mask-function contract: no mask is built, the layout is the mask.
+
+    Refuses a padding mask (a packed batch has no padding) and chunked attention (Llama-4's
+    ``attention_chunk_size``), which the layout cannot express.
+    """
     if attention_mask is not None:
         raise ValueError(
             "attention_mask: the packed layout defines the mask; pass attention_mask=None with the 'dualkv' attention"
         )
+    if getattr(config, "attention_chunk_size", None) is not None:
+        raise ValueError("attention_chunk_size: chunked attention is not supported by the 'dualkv' attention")
     return None
 
 
