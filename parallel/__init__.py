@@ -11,6 +11,7 @@ Typical use (every rank of an SP group holds the same micro-batch ``layout``)::
 See docs/parallel.md.
 """
 
+from .deepspeed import DeepSpeedLocalAttention, DeepSpeedUlyssesAttention, deepspeed_available
 from .groups import as_process_group, group_rank, group_size
 from .logprobs import (
     LogprobPlan,
@@ -55,6 +56,9 @@ __all__ = [
     "unparallelize_sequence",
     "check_parallelized",
     "attention_modules",
+    "DeepSpeedLocalAttention",
+    "DeepSpeedUlyssesAttention",
+    "deepspeed_available",
     "as_process_group",
     "group_rank",
     "group_size",

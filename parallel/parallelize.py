@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import torch
 
+from .deepspeed import DeepSpeedUlyssesAttention
 from .groups import as_process_group, group_size
 from .ulysses import UlyssesAttention
+
+# attn_fn wrappers that run attention over an SP group; each has .sp_group, .sp_size and .attn_fn
+SP_ATTENTION_TYPES = (UlyssesAttention, DeepSpeedUlyssesAttention)
 
 __all__ = ["parallelize_sequence", "unparallelize_sequence", "check_parallelized", "attention_modules"]
 
@@ -23,31 +27,34 @@ def attention_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module
     return [(name, m) for name, m in model.named_modules() if callable(getattr(m, "attn_fn", None))]
 
 
-def parallelize_sequence(model: torch.nn.Module, sp_group) -> torch.nn.Module:
+def parallelize_sequence(model: torch.nn.Module, sp_group, attention_cls=UlyssesAttention) -> torch.nn.Module:
     """Make every attention module of ``model`` run Ulysses SP over ``sp_group``; returns ``model``.
 
-    ``sp_group``: the SP process group or a 1-D DeviceMesh (e.g. ``SPMesh.sp_mesh``). Idempotent for
-    the same group; applying a different group re-wraps the original ``attn_fn``. Undo with
-    ``unparallelize_sequence``. Check that every head count of the model divides by the SP size
-    before the first forward (``kv_replication_factor`` raises a clear ValueError otherwise).
+    ``sp_group``: the SP process group or a 1-D DeviceMesh (e.g. ``SPMesh.sp_mesh``).
+    ``attention_cls``: ``UlyssesAttention`` (our all-to-all) or ``DeepSpeedUlyssesAttention``
+    (DeepSpeed's ``DistributedAttention``). Applying it again re-wraps the original ``attn_fn``.
+    Undo with ``unparallelize_sequence``. Head counts that the SP size does not divide raise a
+    ValueError at the first forward (``kv_replication_factor``).
     """
+    if attention_cls not in SP_ATTENTION_TYPES:
+        raise ValueError(f"attention_cls: expected one of {[c.__name__ for c in SP_ATTENTION_TYPES]}, got {attention_cls!r}")
     mods = attention_modules(model)
     if not mods:
         raise ValueError("model: expected attention modules with an `attn_fn` attribute (dualkv.models contract), found none")
     for name, module in mods:
         inner = module.attn_fn
-        if isinstance(inner, UlyssesAttention):
+        if isinstance(inner, SP_ATTENTION_TYPES):
             inner = inner.attn_fn
         if isinstance(inner, torch.nn.Module):
             raise ValueError(f"{name}.attn_fn: expected a plain callable, got the module {type(inner).__name__}")
-        module.attn_fn = UlyssesAttention(sp_group, inner)
+        module.attn_fn = attention_cls(sp_group, inner)
     return model
 
 
 def unparallelize_sequence(model: torch.nn.Module) -> torch.nn.Module:
     """Restore every attention module's own ``attn_fn``; returns ``model``."""
     for _, module in attention_modules(model):
-        if isinstance(module.attn_fn, UlyssesAttention):
+        if isinstance(module.attn_fn, SP_ATTENTION_TYPES):
             module.attn_fn = module.attn_fn.attn_fn
     return model
 
@@ -59,7 +66,7 @@ def check_parallelized(model: torch.nn.Module, sp_group) -> None:
     pg = as_process_group(sp_group)
     for name, module in mods:
         fn = module.attn_fn
-        wrapped = isinstance(fn, UlyssesAttention)
+        wrapped = isinstance(fn, SP_ATTENTION_TYPES)
         if sp > 1 and (not wrapped or as_process_group(fn.sp_group) is not pg):
             raise ValueError(
                 f"model: expected its attention modules prepared with parallelize_sequence(model, sp_group) for this "
