@@ -37,10 +37,10 @@ def _layout(seed: int = 1) -> PackedLayout:
     return PackedLayout.from_groups(groups)
 
 
-def _qwen3():
+def _qwen3(head_dim: int = 16):
     cfg = transformers.Qwen3Config(
         vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, use_sliding_window=True, sliding_window=4,
+        num_key_value_heads=2, head_dim=head_dim, use_sliding_window=True, sliding_window=4,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
     )
     return transformers.Qwen3ForCausalLM(cfg)
@@ -74,10 +74,11 @@ def _llama():
     return transformers.LlamaForCausalLM(cfg)
 
 
-def _gemma4():
+def _gemma4(head_dim: int = 16):
     cfg = transformers.Gemma4TextConfig(
         vocab_size=V, vocab_size_per_layer_input=V, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, global_head_dim=2 * head_dim,
+        num_global_key_value_heads=1,
         attention_k_eq_v=True, hidden_size_per_layer_input=8, sliding_window=4, num_kv_shared_layers=2,
         layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
         final_logit_softcapping=30.0,
@@ -257,6 +258,33 @@ def test_refuses_chunked_attention():
     layout = _layout()
     with pytest.raises(ValueError, match="attention_chunk_size"):
         hf.response_logprobs(model, layout)
+
+
+def _replicated_logprobs(model, layout, impl):
+    model.set_attn_implementation(impl)
+    batch = replicated_batch(layout)
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+                use_cache=False)
+    return replicated_response_logprobs(out.logits, batch, layout)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qwen3", "gemma4"])
+def test_packed_bf16_on_gpu(name):
+    """bf16 on the GPU kernels: the packed error against an fp32 baseline stays within twice
+    the error of the bf16 replicated sdpa run (plus a floor)."""
+    torch.manual_seed(0)
+    model = {"qwen3": _qwen3, "gemma4": _gemma4}[name](head_dim=64).float().cuda()
+    layout = _layout().to("cuda")
+    mask = layout.response_mask()
+    with torch.no_grad():
+        ref = _replicated_logprobs(model, layout, "sdpa")
+        model.to(torch.bfloat16)
+        base = _replicated_logprobs(model, layout, "sdpa")
+        model.set_attn_implementation("dualkv")
+        lp = hf.response_logprobs(model, layout)
+    err, base_err = (lp - ref)[mask].abs().max(), (base - ref)[mask].abs().max()
+    assert err <= 2 * base_err + 1e-2, f"packed bf16 error {err:.3e} vs replicated bf16 error {base_err:.3e}"
 
 
 def test_import_is_lazy_and_registers_on_transformers_import():
