@@ -19,12 +19,11 @@ _NAMED = {"ampere": ("8.0", "8.6"), "ada": ("8.9",), "hopper": ("9.0a",), "black
 
 NVCC_FLAGS = [
     "-O3",
-    "-std=c++17",
     "-lineinfo",
     "--expt-relaxed-constexpr",
     "-Xptxas=-O3",
 ]
-CXX_FLAGS = ["-O3", "-std=c++17"]
+CXX_FLAGS = ["-O3"]  # the C++ standard is left to torch.utils.cpp_extension (its headers set the minimum)
 
 
 def parse_arch_list(value: str | None) -> list[str]:

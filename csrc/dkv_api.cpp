@@ -13,8 +13,8 @@
 #include <tuple>
 
 #ifndef DKV_EMULATE
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #endif
 
 #include "dkv_launch.h"
@@ -149,7 +149,7 @@ cudaStream_t current_stream() {
 #ifdef DKV_EMULATE
   return nullptr;
 #else
-  return at::cuda::getCurrentCUDAStream().stream();
+  return c10::cuda::getCurrentCUDAStream().stream();
 #endif
 }
 

@@ -47,15 +47,16 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_bwd_prep_kernel(const DKV_GRID_CONSTA
 
 // ----------------------------------------------------------------------------------------------
 // dq: one block per (query tile, head), same grid and two-region walk as the forward.
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kDSplit_>
-struct DqTraits : FwdTraits<kHeadDim_, kBlockM_, kBlockN_, kDSplit_> {
-  using Base = FwdTraits<kHeadDim_, kBlockM_, kBlockN_, kDSplit_>;
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kDSplit_, int kMTiles_>
+struct DqTraits : FwdTraits<kHeadDim_, kBlockM_, kBlockN_, kDSplit_, kMTiles_> {
+  using Base = FwdTraits<kHeadDim_, kBlockM_, kBlockN_, kDSplit_, kMTiles_>;
   static constexpr int kSmemBytes = (2 * kBlockM_ + 4 * kBlockN_) * Base::kStride * 2;
 };
 
 template <class E, class K>
 DKV_GLOBAL void DKV_LAUNCH_BOUNDS(K::kThreads) dkv_dq_kernel(const DKV_GRID_CONSTANT BwdParams p) {
   constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kStride = K::kStride, kDSlice = K::kDSlice;
+  constexpr int kMT = K::kMTiles;
   const int S = p.layout.num_segments;
   const int item = block_idx_x();
   if (item >= p.q_tile_prefix[S]) return;
@@ -74,6 +75,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(K::kThreads) dkv_dq_kernel(const DKV_GRID_CONS
   const int tid = thread_idx(), lane = tid & 31, warp = tid >> 5;
   const int rw = warp % K::kRowWarps, dsl = warp / K::kRowWarps;
   const int g = lane >> 2, tq = lane & 3;
+  const int warp_row0 = rw * 16 * kMT;
 
   uint16_t* sQ = reinterpret_cast<uint16_t*>(dynamic_smem());
   uint16_t* sdO = sQ + kBlockM * kStride;
@@ -107,19 +109,23 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(K::kThreads) dkv_dq_kernel(const DKV_GRID_CONS
   issue_kv(0);
   cp_async_commit();
 
-  // Row statistics of rows g and g + 8 of this warp.
-  float lse2[2], dsum[2];
+  // Row statistics of rows g and g + 8 of each of this warp's m-tiles.
+  float lse2[kMT][2], dsum[kMT][2];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = rw * 16 + g + r * 8;
-    const int64_t i = static_cast<int64_t>(h) * p.total_q + row0 + q0 + row;
-    lse2[r] = row < m_valid ? p.lse_log2[i] : 0.f;
-    dsum[r] = row < m_valid ? p.dsum[i] : 0.f;
+  for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = warp_row0 + mt * 16 + g + r * 8;
+      const int64_t i = static_cast<int64_t>(h) * p.total_q + row0 + q0 + row;
+      lse2[mt][r] = row < m_valid ? p.lse_log2[i] : 0.f;
+      dsum[mt][r] = row < m_valid ? p.dsum[i] : 0.f;
+    }
   }
 
   const ScoreFn score = make_score_fn(p.scale, p.softcap);
-  float dq[kDSlice / 8][4];
-  zero(dq);
+  float dq[kMT][kDSlice / 8][4];
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt) zero(dq[mt]);
 
   for (int ti = 0; ti < n_tiles; ++ti) {
     if (ti + 1 < n_tiles) issue_kv(ti + 1);
@@ -131,55 +137,64 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(K::kThreads) dkv_dq_kernel(const DKV_GRID_CONS
     const uint16_t* sK = sK0 + (ti & 1) * kBlockN * kStride;
     const uint16_t* sV = sV0 + (ti & 1) * kBlockN * kStride;
 
-    float sc[kBlockN / 8][4], dp[kBlockN / 8][4];
-    zero(sc);
-    zero(dp);
-    gemm_ss<E, kBlockN, K::kHeadDim, kStride>(sc, sQ + rw * 16 * kStride, sK, lane);
-    gemm_ss<E, kBlockN, K::kHeadDim, kStride>(dp, sdO + rw * 16 * kStride, sV, lane);
+    float sc[kMT][kBlockN / 8][4], dp[kMT][kBlockN / 8][4];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+      zero(sc[mt]);
+      zero(dp[mt]);
+    }
+    gemm_ss_m<E, kMT, kBlockN, K::kHeadDim, kStride>(sc, sQ + warp_row0 * kStride, sK, lane);
+    gemm_ss_m<E, kMT, kBlockN, K::kHeadDim, kStride>(dp, sdO + warp_row0 * kStride, sV, lane);
 
     const bool need_mask =
         kt.valid < kBlockN || kt.kpos0 + kt.valid - 1 > qpos_lo || qpos_hi - kt.kpos0 >= W;
+    uint32_t dsa[kMT][kBlockN / 16][4];
 #pragma unroll
-    for (int nt = 0; nt < kBlockN / 8; ++nt) {
+    for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int r = i >> 1;
-        bool masked = false;
-        if (need_mask) {
-          const int col = nt * 8 + 2 * tq + (i & 1);
-          const int qpos = qpos_lo + rw * 16 + g + r * 8;
-          const int kpos = kt.kpos0 + col;
-          masked = col >= kt.valid || kpos > qpos || qpos - kpos >= W;
-        }
-        float ds = 0.f;
-        if (!masked) {
-          const float raw = sc[nt][i];
-          const float pr = fast_exp2(score(raw) - lse2[r]);
-          ds = pr * (dp[nt][i] - dsum[r]);
-          if (score.softcap) {
-            const float th = tanh_f(raw * score.cap_inv_scale);
-            ds *= 1.f - th * th;
+      for (int nt = 0; nt < kBlockN / 8; ++nt) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int r = i >> 1;
+          bool masked = false;
+          if (need_mask) {
+            const int col = nt * 8 + 2 * tq + (i & 1);
+            const int qpos = qpos_lo + warp_row0 + mt * 16 + g + r * 8;
+            const int kpos = kt.kpos0 + col;
+            masked = col >= kt.valid || kpos > qpos || qpos - kpos >= W;
           }
+          float ds = 0.f;
+          if (!masked) {
+            const float raw = sc[mt][nt][i];
+            const float pr = fast_exp2(score(raw) - lse2[mt][r]);
+            ds = pr * (dp[mt][nt][i] - dsum[mt][r]);
+            if (score.softcap) {
+              const float th = tanh_f(raw * score.cap_inv_scale);
+              ds *= 1.f - th * th;
+            }
+          }
+          dp[mt][nt][i] = ds;
         }
-        dp[nt][i] = ds;
       }
+      c_to_a<E, kBlockN>(dsa[mt], dp[mt]);
     }
-    uint32_t dsa[kBlockN / 16][4];
-    c_to_a<E, kBlockN>(dsa, dp);
-    gemm_rs<E, kDSlice, kBlockN, kStride>(dq, dsa, sK + dsl * kDSlice, lane);
+    gemm_rs_m<E, kMT, kDSlice, kBlockN, kStride>(dq, dsa, sK + dsl * kDSlice, lane);
     block_sync();
   }
 
   uint16_t* dq_ptr = static_cast<uint16_t*>(p.dq.ptr);
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = rw * 16 + g + r * 8;
-    if (row < m_valid) {
-      uint16_t* dst = dq_ptr + static_cast<int64_t>(row0 + q0 + row) * p.dq.row_stride +
-                      static_cast<int64_t>(h) * p.dq.head_stride + dsl * kDSlice;
+  for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
-      for (int nt = 0; nt < kDSlice / 8; ++nt) {
-        store_u32(dst + nt * 8 + 2 * tq, pack2<E>(dq[nt][2 * r] * p.scale, dq[nt][2 * r + 1] * p.scale));
+    for (int r = 0; r < 2; ++r) {
+      const int row = warp_row0 + mt * 16 + g + r * 8;
+      if (row < m_valid) {
+        uint16_t* dst = dq_ptr + static_cast<int64_t>(row0 + q0 + row) * p.dq.row_stride +
+                        static_cast<int64_t>(h) * p.dq.head_stride + dsl * kDSlice;
+#pragma unroll
+        for (int nt = 0; nt < kDSlice / 8; ++nt) {
+          store_u32(dst + nt * 8 + 2 * tq, pack2<E>(dq[mt][nt][2 * r] * p.scale, dq[mt][nt][2 * r + 1] * p.scale));
+        }
       }
     }
   }

@@ -23,16 +23,18 @@
 
 namespace dkv {
 
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kDSplit_>
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kDSplit_, int kMTiles_>
 struct FwdTraits {
   static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kDSplit = kDSplit_;
-  static constexpr int kRowWarps = kBlockM / 16;
+  static constexpr int kMTiles = kMTiles_;  // 16-row m-tiles per warp
+  static constexpr int kRowWarps = kBlockM / (16 * kMTiles);
   static constexpr int kWarps = kRowWarps * kDSplit;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kDSlice = kHeadDim / kDSplit;
   static constexpr int kStride = kHeadDim + 8;
   static constexpr int kSmemBytes = (kBlockM + 4 * kBlockN) * kStride * 2;
   static_assert(kDSlice % 16 == 0, "head-dim slice must be a multiple of 16");
+  static_assert(kBlockM % (16 * kMTiles) == 0, "query tile must be whole warps");
 };
 
 // Where the keys of tile `ti` live, for one query tile. Context tiles first, then own tiles.
@@ -88,6 +90,7 @@ DKV_DEV TwoRegionWalk make_walk(int q0, int m_valid, int ctx_len, int ctx_row0, 
 template <class E, class K>
 DKV_GLOBAL void DKV_LAUNCH_BOUNDS(K::kThreads) dkv_fwd_kernel(const DKV_GRID_CONSTANT FwdParams p) {
   constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kStride = K::kStride, kDSlice = K::kDSlice;
+  constexpr int kMT = K::kMTiles;
   const int S = p.layout.num_segments;
   const int item = block_idx_x();
   if (item >= p.q_tile_prefix[S]) return;
@@ -107,6 +110,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(K::kThreads) dkv_fwd_kernel(const DKV_GRID_CON
   const int tid = thread_idx(), lane = tid & 31, warp = tid >> 5;
   const int rw = warp % K::kRowWarps, dsl = warp / K::kRowWarps;
   const int g = lane >> 2, tq = lane & 3;
+  const int warp_row0 = rw * 16 * kMT;  // first query row (in the tile) of this warp
 
   uint16_t* sQ = reinterpret_cast<uint16_t*>(dynamic_smem());
   uint16_t* sK0 = sQ + kBlockM * kStride;
@@ -139,10 +143,14 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(K::kThreads) dkv_fwd_kernel(const DKV_GRID_CON
   cp_async_commit();
 
   const ScoreFn score = make_score_fn(p.scale, p.softcap);
-  float o[kDSlice / 8][4];
-  zero(o);
-  float m_run[2] = {kNegInf, kNegInf};
-  float l_run[2] = {0.f, 0.f};
+  float o[kMT][kDSlice / 8][4];
+  float m_run[kMT][2], l_run[kMT][2];
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt) {
+    zero(o[mt]);
+    m_run[mt][0] = m_run[mt][1] = kNegInf;
+    l_run[mt][0] = l_run[mt][1] = 0.f;
+  }
 
   for (int ti = 0; ti < n_tiles; ++ti) {
     if (ti + 1 < n_tiles) issue_kv(ti + 1);
@@ -154,77 +162,82 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(K::kThreads) dkv_fwd_kernel(const DKV_GRID_CON
     const uint16_t* sK = sK0 + (ti & 1) * kBlockN * kStride;
     const uint16_t* sV = sV0 + (ti & 1) * kBlockN * kStride;
 
-    float sc[kBlockN / 8][4];
-    zero(sc);
-    gemm_ss<E, kBlockN, K::kHeadDim, kStride>(sc, sQ + rw * 16 * kStride, sK, lane);
+    float sc[kMT][kBlockN / 8][4];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) zero(sc[mt]);
+    gemm_ss_m<E, kMT, kBlockN, K::kHeadDim, kStride>(sc, sQ + warp_row0 * kStride, sK, lane);
 
     const bool need_mask =
         kt.valid < kBlockN || kt.kpos0 + kt.valid - 1 > qpos_lo || qpos_hi - kt.kpos0 >= W;
+    uint32_t pa[kMT][kBlockN / 16][4];
 #pragma unroll
-    for (int nt = 0; nt < kBlockN / 8; ++nt) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        float x = score(sc[nt][i]);
-        if (need_mask) {
-          const int col = nt * 8 + 2 * tq + (i & 1);
-          const int qpos = qpos_lo + rw * 16 + g + (i >> 1) * 8;
-          const int kpos = kt.kpos0 + col;
-          if (col >= kt.valid || kpos > qpos || qpos - kpos >= W) x = kNegInf;
-        }
-        sc[nt][i] = x;
-      }
-    }
-
-    // Online softmax over rows g (r = 0) and g + 8 (r = 1); the four lanes of a quad share a row.
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = kNegInf;
-#pragma unroll
-      for (int nt = 0; nt < kBlockN / 8; ++nt) mx = fmaxf(mx, fmaxf(sc[nt][2 * r], sc[nt][2 * r + 1]));
-      mx = fmaxf(mx, shfl_xor(mx, 1));
-      mx = fmaxf(mx, shfl_xor(mx, 2));
-      const float m_new = fmaxf(m_run[r], mx);
-      const float m_use = m_new == kNegInf ? 0.f : m_new;
-      const float alpha = fast_exp2(m_run[r] - m_use);
-      m_run[r] = m_new;
-      float sum = 0.f;
+    for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
       for (int nt = 0; nt < kBlockN / 8; ++nt) {
-        sc[nt][2 * r] = fast_exp2(sc[nt][2 * r] - m_use);
-        sc[nt][2 * r + 1] = fast_exp2(sc[nt][2 * r + 1] - m_use);
-        sum += sc[nt][2 * r] + sc[nt][2 * r + 1];
-      }
-      l_run[r] = l_run[r] * alpha + sum;
 #pragma unroll
-      for (int nt = 0; nt < kDSlice / 8; ++nt) {
-        o[nt][2 * r] *= alpha;
-        o[nt][2 * r + 1] *= alpha;
+        for (int i = 0; i < 4; ++i) {
+          float x = score(sc[mt][nt][i]);
+          if (need_mask) {
+            const int col = nt * 8 + 2 * tq + (i & 1);
+            const int qpos = qpos_lo + warp_row0 + mt * 16 + g + (i >> 1) * 8;
+            const int kpos = kt.kpos0 + col;
+            if (col >= kt.valid || kpos > qpos || qpos - kpos >= W) x = kNegInf;
+          }
+          sc[mt][nt][i] = x;
+        }
       }
+      // Online softmax over rows g (r = 0) and g + 8 (r = 1); the four lanes of a quad share a row.
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float mx = kNegInf;
+#pragma unroll
+        for (int nt = 0; nt < kBlockN / 8; ++nt) mx = fmaxf(mx, fmaxf(sc[mt][nt][2 * r], sc[mt][nt][2 * r + 1]));
+        mx = fmaxf(mx, shfl_xor(mx, 1));
+        mx = fmaxf(mx, shfl_xor(mx, 2));
+        const float m_new = fmaxf(m_run[mt][r], mx);
+        const float m_use = m_new == kNegInf ? 0.f : m_new;
+        const float alpha = fast_exp2(m_run[mt][r] - m_use);
+        m_run[mt][r] = m_new;
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < kBlockN / 8; ++nt) {
+          sc[mt][nt][2 * r] = fast_exp2(sc[mt][nt][2 * r] - m_use);
+          sc[mt][nt][2 * r + 1] = fast_exp2(sc[mt][nt][2 * r + 1] - m_use);
+          sum += sc[mt][nt][2 * r] + sc[mt][nt][2 * r + 1];
+        }
+        l_run[mt][r] = l_run[mt][r] * alpha + sum;
+#pragma unroll
+        for (int nt = 0; nt < kDSlice / 8; ++nt) {
+          o[mt][nt][2 * r] *= alpha;
+          o[mt][nt][2 * r + 1] *= alpha;
+        }
+      }
+      c_to_a<E, kBlockN>(pa[mt], sc[mt]);
     }
-
-    uint32_t pa[kBlockN / 16][4];
-    c_to_a<E, kBlockN>(pa, sc);
-    gemm_rs<E, kDSlice, kBlockN, kStride>(o, pa, sV + dsl * kDSlice, lane);
+    gemm_rs_m<E, kMT, kDSlice, kBlockN, kStride>(o, pa, sV + dsl * kDSlice, lane);
     block_sync();
   }
 
   uint16_t* out_ptr = static_cast<uint16_t*>(p.out.ptr);
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float l = l_run[r];
-    l += shfl_xor(l, 1);
-    l += shfl_xor(l, 2);
-    const int row = rw * 16 + g + r * 8;
-    if (row < m_valid) {
-      const float inv = l > 0.f ? 1.f / l : 0.f;
-      const int64_t qrow = row0 + q0 + row;
-      uint16_t* dst = out_ptr + qrow * p.out.row_stride + static_cast<int64_t>(h) * p.out.head_stride + dsl * kDSlice;
+  for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
-      for (int nt = 0; nt < kDSlice / 8; ++nt) {
-        store_u32(dst + nt * 8 + 2 * tq, pack2<E>(o[nt][2 * r] * inv, o[nt][2 * r + 1] * inv));
-      }
-      if (dsl == 0 && tq == 0) {
-        p.lse[static_cast<int64_t>(h) * p.total_q + qrow] = l > 0.f ? (m_run[r] + fast_log2(l)) * kLn2 : kNegInf;
+    for (int r = 0; r < 2; ++r) {
+      float l = l_run[mt][r];
+      l += shfl_xor(l, 1);
+      l += shfl_xor(l, 2);
+      const int row = warp_row0 + mt * 16 + g + r * 8;
+      if (row < m_valid) {
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        const int64_t qrow = row0 + q0 + row;
+        uint16_t* dst = out_ptr + qrow * p.out.row_stride + static_cast<int64_t>(h) * p.out.head_stride + dsl * kDSlice;
+#pragma unroll
+        for (int nt = 0; nt < kDSlice / 8; ++nt) {
+          store_u32(dst + nt * 8 + 2 * tq, pack2<E>(o[mt][nt][2 * r] * inv, o[mt][nt][2 * r + 1] * inv));
+        }
+        if (dsl == 0 && tq == 0) {
+          p.lse[static_cast<int64_t>(h) * p.total_q + qrow] = l > 0.f ? (m_run[mt][r] + fast_log2(l)) * kLn2 : kNegInf;
+        }
       }
     }
   }

@@ -54,7 +54,7 @@ inline int persistent_blocks(Kernel kernel, int threads, int smem) {
 template <class E, int D>
 cudaError_t run_fwd(const FwdParams& p, cudaStream_t stream) {
   constexpr TileConfig c = fwd_config(D);
-  using K = FwdTraits<D, c.block_m, c.block_n, c.dsplit>;
+  using K = FwdTraits<D, c.block_m, c.block_n, c.dsplit, c.mtiles>;
   auto kernel = &dkv_fwd_kernel<E, K>;
   static const cudaError_t attr = allow_smem(kernel, K::kSmemBytes);
   if (attr != cudaSuccess) return attr;
@@ -66,7 +66,7 @@ cudaError_t run_fwd(const FwdParams& p, cudaStream_t stream) {
 template <class E, int D>
 cudaError_t run_dq(const BwdParams& p, cudaStream_t stream) {
   constexpr TileConfig c = dq_config(D);
-  using K = DqTraits<D, c.block_m, c.block_n, c.dsplit>;
+  using K = DqTraits<D, c.block_m, c.block_n, c.dsplit, c.mtiles>;
   auto kernel = &dkv_dq_kernel<E, K>;
   static const cudaError_t attr = allow_smem(kernel, K::kSmemBytes);
   if (attr != cudaSuccess) return attr;

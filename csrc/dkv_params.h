@@ -73,19 +73,26 @@ struct TileConfig {
   int block_m;  // query rows per tile
   int block_n;  // key rows per tile
   int dsplit;   // warps splitting the head dim of the accumulators
+  int mtiles;   // 16-row m-tiles per warp (2: every K/V fragment read from shared memory feeds 2 MMAs)
 };
 
 constexpr TileConfig fwd_config(int d) {
-  return d <= 128 ? TileConfig{128, 64, 1} : d <= 192 ? TileConfig{64, 64, 1} : d <= 256 ? TileConfig{64, 32, 1}
-                                                                                     : TileConfig{64, 32, 2};
+  return d <= 64    ? TileConfig{128, 64, 1, 2}
+         : d <= 128 ? TileConfig{128, 32, 1, 2}
+         : d <= 192 ? TileConfig{64, 64, 1, 1}
+         : d <= 256 ? TileConfig{64, 32, 1, 1}
+                    : TileConfig{64, 32, 2, 1};
 }
 constexpr TileConfig dq_config(int d) {
-  return d <= 128 ? TileConfig{64, 64, 1} : d <= 256 ? TileConfig{64, 32, 1} : TileConfig{32, 32, 2};
+  return d <= 64    ? TileConfig{128, 64, 1, 2}
+         : d <= 128 ? TileConfig{128, 32, 1, 2}
+         : d <= 256 ? TileConfig{64, 32, 1, 1}
+                    : TileConfig{32, 32, 2, 1};
 }
 // dkdv: block_n keys per item (16 per key warp), block_m queries per inner step.
 constexpr TileConfig dkdv_config(int d) {
-  return d <= 64 ? TileConfig{64, 64, 1} : d <= 128 ? TileConfig{32, 64, 1} : d <= 256 ? TileConfig{32, 64, 2}
-                                                                                     : TileConfig{32, 32, 4};
+  return d <= 64 ? TileConfig{64, 64, 1, 1} : d <= 128 ? TileConfig{32, 64, 1, 1} : d <= 256 ? TileConfig{32, 64, 2, 1}
+                                                                                           : TileConfig{32, 32, 4, 1};
 }
 
 constexpr bool supported_head_dim(int d) {

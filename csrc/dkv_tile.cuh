@@ -86,6 +86,54 @@ DKV_DEV void gemm_rs(float (&acc)[kN / 8][4], const uint32_t (&a)[kK / 16][4], c
   }
 }
 
+// kM stacked 16-row m-tiles (A rows at sA + mt * 16 rows): every B fragment loaded from shared
+// memory feeds kM MMAs.
+template <class E, int kM, int kN, int kK, int kStride>
+DKV_DEV void gemm_ss_m(float (&acc)[kM][kN / 8][4], const uint16_t* sA, const uint16_t* sB, int lane) {
+  static_assert(kN % 16 == 0 && kK % 16 == 0, "tile dims must be multiples of 16");
+  const uint16_t* a_ptr = sA + ((lane & 7) + ((lane >> 3) & 1) * 8) * kStride + (lane >> 4) * 8;
+  const uint16_t* b_ptr = sB + ((lane & 7) + (lane >> 4) * 8) * kStride + ((lane >> 3) & 1) * 8;
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk) {
+    uint32_t a[kM][4];
+#pragma unroll
+    for (int mt = 0; mt < kM; ++mt) ldsm_x4(a[mt], a_ptr + mt * 16 * kStride + kk * 16);
+#pragma unroll
+    for (int np = 0; np < kN / 16; ++np) {
+      uint32_t b[4];
+      ldsm_x4(b, b_ptr + np * 16 * kStride + kk * 16);
+      const uint32_t b0[2] = {b[0], b[1]};
+      const uint32_t b1[2] = {b[2], b[3]};
+#pragma unroll
+      for (int mt = 0; mt < kM; ++mt) {
+        mma_16816<E>(acc[mt][2 * np], a[mt], b0);
+        mma_16816<E>(acc[mt][2 * np + 1], a[mt], b1);
+      }
+    }
+  }
+}
+
+template <class E, int kM, int kN, int kK, int kStride>
+DKV_DEV void gemm_rs_m(float (&acc)[kM][kN / 8][4], const uint32_t (&a)[kM][kK / 16][4], const uint16_t* sB, int lane) {
+  static_assert(kN % 16 == 0 && kK % 16 == 0, "tile dims must be multiples of 16");
+  const uint16_t* b_ptr = sB + ((lane & 7) + ((lane >> 3) & 1) * 8) * kStride + (lane >> 4) * 8;
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk) {
+#pragma unroll
+    for (int np = 0; np < kN / 16; ++np) {
+      uint32_t b[4];
+      ldsm_x4_trans(b, b_ptr + kk * 16 * kStride + np * 16);
+      const uint32_t b0[2] = {b[0], b[1]};
+      const uint32_t b1[2] = {b[2], b[3]};
+#pragma unroll
+      for (int mt = 0; mt < kM; ++mt) {
+        mma_16816<E>(acc[mt][2 * np], a[mt][kk], b0);
+        mma_16816<E>(acc[mt][2 * np + 1], a[mt][kk], b1);
+      }
+    }
+  }
+}
+
 // 16 x kN accumulators -> A fragments of a 16 x kN (as k) operand, rounded to E.
 template <class E, int kN>
 DKV_DEV void c_to_a(uint32_t (&a)[kN / 16][4], const float (&c)[kN / 8][4]) {

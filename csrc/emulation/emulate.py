@@ -12,6 +12,7 @@ per CUDA thread): keep the shapes tiny.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
 import os
 import sys
@@ -32,8 +33,12 @@ from dualkv.core.reference import AttnMeta, reference_attention_backward_meta, r
 def build():
     srcs = [str(HERE / n) for n in ("emu_api.cc", "emu_fwd.cc", "emu_bwd.cc")]
     os.environ.setdefault("MAX_JOBS", "2")
+    digest = hashlib.sha256()
+    for path in sorted([*HERE.parent.glob("*"), *HERE.glob("*.cc")]):
+        if path.is_file() and path.suffix in (".cu", ".cuh", ".h", ".cpp", ".cc"):
+            digest.update(path.read_bytes())
     load(
-        name="dualkv_emu",
+        name=f"dualkv_emu_{digest.hexdigest()[:10]}",
         sources=srcs,
         extra_cflags=["-DDKV_EMULATE", "-std=c++20", "-O1", "-Wno-unknown-pragmas"],
         extra_include_paths=[str(ROOT / "csrc")],
@@ -115,6 +120,9 @@ CASES = [
     dict(d=192, dtype=torch.bfloat16, prompts=[20], responses=[[17]], H=1, Hkv=1),
     dict(d=256, dtype=torch.float16, prompts=[20], responses=[[17]], H=1, Hkv=1),
     dict(d=512, dtype=torch.bfloat16, prompts=[20], responses=[[17]], H=1, Hkv=1),
+    # several query tiles per segment (forward / dq tiles are 128 rows at d <= 128)
+    dict(d=64, dtype=torch.bfloat16, prompts=[150], responses=[[140, 3]], H=1, Hkv=1),
+    dict(d=128, dtype=torch.float16, prompts=[130], responses=[[260]], H=2, Hkv=1, window=140),
 ]
 
 

@@ -20,6 +20,7 @@ softcap, compute capability 8.0+.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import os
@@ -130,7 +131,7 @@ def _jit_build():
     sources = [str(p) for p in config.kernel_sources()] + [str(csrc / "dkv_api.cpp")]
     os.environ.setdefault("MAX_JOBS", str(max(1, min(16, os.cpu_count() or 1))))
     load(
-        name=_JIT_NAME,
+        name=f"{_JIT_NAME}_{_source_digest(csrc, kwargs)}",
         sources=sources,
         extra_cflags=kwargs["extra_compile_args"]["cxx"],
         extra_cuda_cflags=kwargs["extra_compile_args"]["nvcc"],
@@ -138,6 +139,17 @@ def _jit_build():
         is_python_module=False,
         verbose=os.environ.get("DUALKV_VERBOSE_BUILD", "0") == "1",
     )
+
+
+def _source_digest(csrc: Path, kwargs: dict) -> str:
+    """Hash of every source and header and of the flags: torch's build cache only tracks the listed
+    sources, so a changed header must give a new extension name."""
+    h = hashlib.sha256(repr(sorted(kwargs["extra_compile_args"].items())).encode())
+    for path in sorted(csrc.glob("*")):
+        if path.suffix in (".cu", ".cuh", ".h", ".cpp", ".py") and path.is_file():
+            h.update(path.name.encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()[:12]
 
 
 def _ops():

@@ -1,0 +1,271 @@
+"""GPU tests of the CUDA backend: the grid against the fp32 reference, CUDA vs Triton agreement,
+determinism, and compute-sanitizer (memcheck, racecheck) on a small case.
+
+Tolerances follow DESIGN.md: |x - ref| <= 2 |x_torch - ref| + floor for the output (3x for
+gradients), where x_torch is the same attention computed by PyTorch in the low-precision dtype and
+ref is the fp32 reference on upcast inputs (``dualkv.core.reference``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from dualkv.core import AttnMeta, PackedLayout, dualkv_attention, flash_attn_dualkv_varlen_func
+from dualkv.core.reference import reference_attention_backward_meta, reference_attention_meta
+
+pytestmark = pytest.mark.gpu
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def cuda_backend():
+    from dualkv.core.backends import cuda
+
+    if not cuda.is_available():
+        pytest.skip(cuda.unavailable_reason())
+    cuda.load_extension()
+    return cuda
+
+
+# ------------------------------------------------------------------------------------------ oracles
+def lowp_attention(q, k, v, meta: AttnMeta, scale, window, softcap, k_ctx=None, v_ctx=None):
+    """The DualKV rule computed by PyTorch in q's dtype (scores, probabilities and the P V product
+    rounded like a plain low-precision implementation). Differentiable; the tolerance baseline."""
+    k_ctx = k if k_ctx is None else k_ctx
+    v_ctx = v if v_ctx is None else v_ctx
+    rep = q.shape[1] // k.shape[1]
+    cu, cs, cl = meta.cu_seqlens.tolist(), meta.seg_ctx_start.tolist(), meta.seg_ctx_len.tolist()
+    outs = []
+    for s in range(len(cu) - 1):
+        a, e, c = cu[s], cu[s + 1], cl[s]
+        n = e - a
+        keys = torch.cat([k_ctx[cs[s]: cs[s] + c], k[a:e]]).repeat_interleave(rep, 1)
+        vals = torch.cat([v_ctx[cs[s]: cs[s] + c], v[a:e]]).repeat_interleave(rep, 1)
+        scores = torch.einsum("mhd,khd->hmk", q[a:e], keys) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        kpos = torch.arange(c + n, device=q.device)
+        qpos = c + torch.arange(n, device=q.device)
+        vis = kpos[None] <= qpos[:, None]
+        if window is not None:
+            vis &= (qpos[:, None] - kpos[None]) < window
+        probs = torch.softmax(scores.masked_fill(~vis, float("-inf")), dim=-1).to(q.dtype)
+        outs.append(torch.einsum("hmk,khd->mhd", probs, vals))
+    return torch.cat(outs)
+
+
+def fp32_reference(q, k, v, dout, meta, scale, window, softcap, k_ctx=None, v_ctx=None):
+    up = [None if t is None else t.float() for t in (q, k, v, k_ctx, v_ctx)]
+    out, lse = reference_attention_meta(up[0], up[1], up[2], meta, scale, window, softcap, up[3], up[4])
+    grads = reference_attention_backward_meta(dout.float(), up[0], up[1], up[2], meta, scale, window, softcap, up[3], up[4])
+    return out, lse, grads
+
+
+def rounding_floor(ref: torch.Tensor, dtype) -> float:
+    """Twice the rounding error of the dtype at the reference's magnitude (FlashAttention's atol)."""
+    r = ref.to(dtype)
+    return 2 * (r + 0.3 - 0.3 - r).abs().max().item()
+
+
+def max_err(a, b) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+def assert_close(name, got, ref, lowp, dtype, factor):
+    bound = factor * max_err(lowp, ref) + rounding_floor(ref, dtype)
+    err = max_err(got, ref)
+    assert err <= bound, f"{name}: max error {err:.3e} > bound {bound:.3e} (low-precision torch error {max_err(lowp, ref):.3e})"
+    return err
+
+
+# --------------------------------------------------------------------------------------------- grid
+GRID = [
+    # prompts, responses, H, Hkv, d, window, softcap
+    ([97], [[113, 1, 1023]], 8, 2, 128, None, None),  # odd lengths, a 1-token response
+    ([1023], [[1, 97]], 4, 4, 64, None, None),  # P >> R
+    ([1], [[1023, 113]], 4, 1, 128, None, None),  # P << R (MQA)
+    ([37, 500, 3, 129], [[5, 64], [200], [1, 1, 1], [300, 7]], 6, 2, 64, None, None),  # many groups
+    ([300], [[200, 150]], 4, 2, 128, 64, None),  # window reaching back into the prompt tail
+    ([300], [[200, 150]], 4, 2, 128, None, 20.0),  # softcap
+    ([129], [[65, 33]], 4, 2, 96, 50, 30.0),
+    ([200], [[100, 77]], 4, 2, 192, None, None),
+    ([200], [[100, 77]], 4, 2, 256, 100, None),
+    ([130], [[70, 33]], 4, 2, 512, None, None),
+]
+
+
+def _ids(case):
+    p, r, H, Hkv, d, w, cap = case
+    return f"P{p}-R{r}-H{H}/{Hkv}-d{d}-w{w}-cap{cap}".replace(" ", "")
+
+
+def _run_packed(case, dtype, deterministic, backend="cuda", seed=0):
+    prompts, responses, H, Hkv, d, window, softcap = case
+    layout = PackedLayout.from_lengths(prompts, responses, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    T = layout.total_tokens
+    q, k, v = (torch.randn(T, h, d, device="cuda", generator=g, dtype=dtype) for h in (H, Hkv, Hkv))
+    dout = torch.randn(T, H, d, device="cuda", generator=g, dtype=dtype)
+    scale = 1.0 / math.sqrt(d)
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    out, lse = dualkv_attention(qg, kg, vg, layout, softmax_scale=scale, window=window, softcap=softcap,
+                                deterministic=deterministic, return_lse=True, backend=backend)
+    out.backward(dout)
+    return dict(layout=layout, q=q, k=k, v=v, dout=dout, scale=scale, out=out.detach(), lse=lse,
+                dq=qg.grad, dk=kg.grad, dv=vg.grad)
+
+
+def _check_against_reference(case, dtype, r):
+    _, _, _, _, _, window, softcap = case
+    meta = AttnMeta.from_layout(r["layout"])
+    ref_out, ref_lse, (rdq, rdk, rdv, _, _) = fp32_reference(r["q"], r["k"], r["v"], r["dout"], meta, r["scale"], window, softcap)
+    ql, kl, vl = (t.clone().requires_grad_() for t in (r["q"], r["k"], r["v"]))
+    lp_out = lowp_attention(ql, kl, vl, meta, r["scale"], window, softcap)
+    lp_out.backward(r["dout"])
+    assert_close("out", r["out"], ref_out, lp_out.detach(), dtype, 2)
+    assert max_err(r["lse"], ref_lse) <= 1e-3 + 1e-4 * ref_lse.abs().max().item(), "lse"
+    for name, got, ref, lp in (("dq", r["dq"], rdq, ql.grad), ("dk", r["dk"], rdk, kl.grad), ("dv", r["dv"], rdv, vl.grad)):
+        assert_close(name, got, ref, lp, dtype, 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", GRID, ids=[_ids(c) for c in GRID])
+def test_grid_matches_reference(cuda_backend, case, dtype):
+    r = _run_packed(case, dtype, deterministic=False)
+    _check_against_reference(case, dtype, r)
+
+
+@pytest.mark.parametrize("case", [GRID[0], GRID[3], GRID[4], GRID[8]], ids=lambda c: _ids(c))
+def test_deterministic_mode_matches_reference_and_is_bitwise_stable(cuda_backend, case):
+    r1 = _run_packed(case, torch.bfloat16, deterministic=True)
+    _check_against_reference(case, torch.bfloat16, r1)
+    r2 = _run_packed(case, torch.bfloat16, deterministic=True)
+    for name in ("out", "dq", "dk", "dv"):
+        assert torch.equal(r1[name], r2[name]), f"{name} differs between two deterministic runs"
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_seed_paper_signature_separate_context(cuda_backend, dtype, deterministic):
+    """Two physically disjoint KV regions: the shared context in its own tensors, never copied."""
+    P, lens, H, Hkv, d = 333, [77, 1, 200, 64], 8, 2, 128
+    T = sum(lens)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    q = torch.randn(T, H, d, device="cuda", dtype=dtype, requires_grad=True)
+    kd, vd = (torch.randn(T, Hkv, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
+    kc, vc = (torch.randn(P, Hkv, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
+    dout = torch.randn(T, H, d, device="cuda", dtype=dtype)
+    scale = d ** -0.5
+    out = flash_attn_dualkv_varlen_func(q, kc, vc, kd, vd, cu, cu, max(lens), P, max(lens), scale,
+                                        deterministic=deterministic, backend="cuda")
+    out.backward(dout)
+    n = len(lens)
+    i32 = dict(dtype=torch.int32, device="cuda")
+    meta = AttnMeta(cu, torch.zeros(n, **i32), torch.full((n,), P, **i32), torch.zeros(1, **i32),
+                    torch.full((1,), P, **i32), torch.zeros(1, **i32), torch.full((1,), T, **i32))
+    ref_out, _, rgrads = fp32_reference(q.detach(), kd.detach(), vd.detach(), dout, meta, scale, None, None, kc.detach(), vc.detach())
+    leaves = [t.detach().clone().requires_grad_() for t in (q, kd, vd, kc, vc)]
+    lp = lowp_attention(leaves[0], leaves[1], leaves[2], meta, scale, None, None, leaves[3], leaves[4])
+    lp.backward(dout)
+    assert_close("out", out, ref_out, lp.detach(), dtype, 2)
+    for name, t, ref, leaf in zip(("dq", "dk", "dv", "dk_ctx", "dv_ctx"), (q, kd, vd, kc, vc), rgrads, leaves):
+        assert_close(name, t.grad, ref, leaf.grad, dtype, 3)
+
+
+def test_cuda_and_triton_agree(cuda_backend):
+    from dualkv.core.backends import available_backends
+
+    if "triton" not in available_backends():
+        pytest.skip("the triton backend is not available here")
+    for case in (GRID[0], GRID[3], GRID[5]):
+        rc = _run_packed(case, torch.bfloat16, deterministic=False, backend="cuda", seed=3)
+        rt = _run_packed(case, torch.bfloat16, deterministic=False, backend="triton", seed=3)
+        _check_against_reference(case, torch.bfloat16, rc)
+        _check_against_reference(case, torch.bfloat16, rt)
+        for name in ("out", "dq", "dk", "dv"):
+            scale = rc[name].float().abs().max().item()
+            assert max_err(rc[name], rt[name]) <= 0.05 * max(scale, 1.0), f"{name}: cuda and triton disagree"
+
+
+def test_unsupported_inputs_raise(cuda_backend):
+    layout = PackedLayout.from_lengths([5], [[3]], device="cuda")
+    q = torch.randn(layout.total_tokens, 2, 80, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="q: the cuda backend supports headdim"):
+        dualkv_attention(q, q[:, :1], q[:, :1], layout, backend="cuda")
+    q = torch.randn(layout.total_tokens, 2, 64, device="cuda", dtype=torch.float32)
+    with pytest.raises(ValueError, match="q: the cuda backend supports float16 and bfloat16"):
+        dualkv_attention(q, q[:, :1], q[:, :1], layout, backend="cuda")
+
+
+def test_non_contiguous_inputs(cuda_backend):
+    """Strided q/k/v views (e.g. slices of a fused qkv projection) give the same result."""
+    case = GRID[3]
+    prompts, responses, H, Hkv, d, _, _ = case
+    layout = PackedLayout.from_lengths(prompts, responses, device="cuda")
+    T = layout.total_tokens
+    qkv = torch.randn(T, H + 2 * Hkv, d, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv[:, :H], qkv[:, H:H + Hkv], qkv[:, H + Hkv:]
+    a = dualkv_attention(q, k, v, layout, backend="cuda")
+    b = dualkv_attention(q.contiguous(), k.contiguous(), v.contiguous(), layout, backend="cuda")
+    assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------------------------ sanitizer
+SANITIZER_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from dualkv.core import PackedLayout, dualkv_attention, flash_attn_dualkv_varlen_func
+    torch.manual_seed(0)
+    for d, det, window in ((64, False, None), (128, True, 40), (128, False, None)):
+        layout = PackedLayout.from_lengths([70, 5], [[33, 9], [17]], device="cuda")
+        T = layout.total_tokens
+        q = torch.randn(T, 4, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k = torch.randn(T, 2, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        v = torch.randn(T, 2, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dualkv_attention(q, k, v, layout, window=window, deterministic=det, backend="cuda").sum().backward()
+    cu = torch.tensor([0, 21, 50], dtype=torch.int32, device="cuda")
+    q = torch.randn(50, 4, 64, device="cuda", dtype=torch.float16, requires_grad=True)
+    kd, vd = (torch.randn(50, 2, 64, device="cuda", dtype=torch.float16, requires_grad=True) for _ in range(2))
+    kc, vc = (torch.randn(45, 2, 64, device="cuda", dtype=torch.float16, requires_grad=True) for _ in range(2))
+    flash_attn_dualkv_varlen_func(q, kc, vc, kd, vd, cu, cu, 29, 45, 29, backend="cuda").sum().backward()
+    torch.cuda.synchronize()
+    print("sanitizer script done")
+    """
+)
+
+
+def _sanitizer():
+    found = shutil.which("compute-sanitizer")
+    if found:
+        return found
+    for home in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if home and (Path(home) / "bin" / "compute-sanitizer").is_file():
+            return str(Path(home) / "bin" / "compute-sanitizer")
+    return None
+
+
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
+def test_compute_sanitizer_small_case(cuda_backend, tool, tmp_path):
+    sanitizer = _sanitizer()
+    if sanitizer is None:
+        pytest.skip("compute-sanitizer is not installed")
+    script = tmp_path / "case.py"
+    script.write_text(SANITIZER_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    base = [sanitizer, "--tool", tool, "--error-exitcode", "3"]
+    cmd = [*base, "--kernel-name", "kns=dkv_", sys.executable, str(script)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    if proc.returncode != 0 and "kernel-name" in (proc.stdout + proc.stderr) and "ERROR SUMMARY" not in proc.stdout:
+        proc = subprocess.run([*base, sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=900)
+    log = proc.stdout + proc.stderr
+    assert "sanitizer script done" in log, log[-4000:]
+    assert proc.returncode == 0 and "ERROR SUMMARY: 0 errors" in log, log[-4000:]
