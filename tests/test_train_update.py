@@ -1,0 +1,135 @@
+"""One policy update: DualKV packing equals the replicated baseline (loss, gradients, parameter update)."""
+
+import copy
+
+import pytest
+import torch
+
+from dualkv.models import build_model
+from dualkv.train.batching import plan_micro_batches
+from dualkv.train.losses import LossConfig
+from dualkv.train.rollout import RolloutBatch, RolloutGroup
+from dualkv.train.sources import SyntheticConfig, SyntheticRolloutSource
+from dualkv.train.update import PolicyUpdater, UpdateConfig, split_mini_batches
+
+RTOL = 1e-5
+
+
+def _rollouts(seed=0, groups=3, n=4):
+    cfg = SyntheticConfig(num_groups=groups, n=n, prompt_len=(5, 12), response_len=(1, 6), vocab_size=256, seed=seed)
+    return SyntheticRolloutSource(cfg).rollouts(0)
+
+
+def _run(model, batch, loss_cfg, packing, budget, *, optim="adamw", lr=1e-3, **update):
+    policy = copy.deepcopy(model)
+    reference = copy.deepcopy(model).requires_grad_(False) if loss_cfg.needs_reference else None
+    if optim == "adamw":
+        opt = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.01)
+    else:
+        opt = torch.optim.SGD(policy.parameters(), lr=lr, weight_decay=0.01)
+    up = PolicyUpdater(policy, opt, loss_cfg, UpdateConfig(packing=packing, micro_batch_tokens=budget, **update),
+                       reference=reference)
+    before = {k: v.detach().clone() for k, v in policy.named_parameters()}
+    metrics = up.step(batch)
+    grads = {k: p.grad.detach().clone() for k, p in policy.named_parameters() if p.grad is not None}
+    delta = {k: p.detach() - before[k] for k, p in policy.named_parameters()}
+    return metrics, grads, delta
+
+
+def _rel(a: dict, b: dict, mask: dict | None = None) -> float:
+    def sel(d, k):
+        return d[k].double() if mask is None else d[k].double()[mask[k]]
+
+    num = sum(float((sel(a, k) - sel(b, k)).square().sum()) for k in a)
+    den = sum(float(sel(a, k).square().sum()) for k in a)
+    return (num / den) ** 0.5
+
+
+def _assert_same(model, batch, loss_cfg, budget_a, budget_b, packing_b="replicated"):
+    """Loss, gradients and parameter update of one policy step: dualkv (budget_a) vs packing_b (budget_b).
+
+    SGD over two epochs (the second one off-policy: ratio != 1, KL != 0): loss, last gradients and the
+    total update agree to 1e-5. AdamW (one step): gradients agree to 1e-5 and so does the update of
+    every element whose gradient is above fp32 rounding level; Adam divides each gradient by its own
+    magnitude, so elements whose gradient IS rounding noise (|g| ~ 1e-9) differ under any change of
+    summation order, packed or not.
+    """
+    sgd_a = _run(model, batch, loss_cfg, "dualkv", budget_a, optim="sgd", lr=0.5, epochs=2)
+    sgd_b = _run(model, batch, loss_cfg, packing_b, budget_b, optim="sgd", lr=0.5, epochs=2)
+    (ma, ga, da), (mb, gb, db) = sgd_a, sgd_b
+    assert ga.keys() == gb.keys() and len(ga) > 0
+    assert abs(ma["loss"]) > 1e-4 and ma["loss"] == pytest.approx(mb["loss"], rel=RTOL)
+    assert _rel(ga, gb) <= RTOL and _rel(da, db) <= RTOL
+    (ma, ga, da), (mb, gb, db) = (_run(model, batch, loss_cfg, "dualkv", budget_a),
+                                  _run(model, batch, loss_cfg, packing_b, budget_b))
+    assert _rel(ga, gb) <= RTOL
+    above_noise = {k: ga[k].abs() > 1e-6 * ga[k].abs().max() for k in ga}
+    assert _rel(da, db, above_noise) <= RTOL
+    return ma, mb
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "dapo"])
+def test_dualkv_equals_replicated_dense(algorithm):
+    model = build_model("tiny-qwen3", seed=1)
+    batch = _rollouts(seed=2)
+    loss_cfg = getattr(LossConfig, algorithm)()
+    # A budget that splits both packings into several (different) micro-batches.
+    budget = 2 * max(g.packed_tokens for g in batch.groups)
+    assert len(plan_micro_batches(batch, "dualkv", budget)[0]) < len(plan_micro_batches(batch, "replicated", budget)[0])
+    packed, _ = _assert_same(model, batch, loss_cfg, budget, budget)
+    if algorithm == "grpo":
+        assert packed["kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before the step
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "dapo"])
+def test_dualkv_equals_replicated_moe(algorithm):
+    model = build_model("tiny-qwen3-moe", seed=3)
+    batch = _rollouts(seed=4)
+    loss_cfg = getattr(LossConfig, algorithm)()
+    # The load-balancing loss is a statistic of one forward: compare on the same (single) micro-batch.
+    packed, replicated = _assert_same(model, batch, loss_cfg, 10_000, 10_000)
+    assert packed["aux_loss"] > 0
+    assert packed["aux_loss"] == pytest.approx(replicated["aux_loss"], rel=RTOL)
+
+
+def test_gradient_accumulation_is_independent_of_the_split():
+    model = build_model("tiny-qwen3", seed=5)
+    batch = _rollouts(seed=6, groups=4)
+    loss_cfg = LossConfig.dapo(drop_uniform_groups=False)
+    _assert_same(model, batch, loss_cfg, 10_000, 1, packing_b="dualkv")  # one micro-batch vs one per group
+
+
+def test_on_policy_step_metrics_and_mini_batches():
+    model = build_model("tiny-qwen3", seed=7)
+    batch = _rollouts(seed=8, groups=4)
+    m, _, _ = _run(model, batch, LossConfig.grpo(kl_beta=0.0), "dualkv", 10_000, mini_batches=2)
+    assert m["optimizer_steps"] == 2 and m["groups_used"] == 4
+    assert m["grad_norm"] > 0 and 0.0 <= m["clip_frac"] <= 1.0
+    # The first mini-batch is on-policy: ratio 1, so nothing is clipped there.
+    m1, _, _ = _run(model, batch, LossConfig.grpo(kl_beta=0.0), "dualkv", 10_000)
+    assert m1["approx_kl"] == pytest.approx(0.0, abs=1e-7) and m1["clip_frac"] == 0.0
+
+
+def test_uniform_groups_are_dropped_or_skipped():
+    model = build_model("tiny-qwen3", seed=9)
+    g = _rollouts(seed=10, groups=2).groups
+    uniform = RolloutBatch([RolloutGroup(x.prompt_ids, x.response_ids, torch.ones(x.num_responses), uid=x.uid) for x in g])
+    m, grads, _ = _run(model, uniform, LossConfig.dapo(), "dualkv", 10_000)
+    assert m["skipped"] == 1.0 and not grads
+    mixed = RolloutBatch([uniform.groups[0], g[1]] if bool((g[1].rewards != g[1].rewards[0]).any()) else g)
+    m, _, _ = _run(model, mixed, LossConfig.dapo(), "dualkv", 10_000)
+    assert m["skipped"] == 0.0 and m["groups_used"] >= 1
+
+
+def test_bad_update_arguments():
+    with pytest.raises(ValueError, match="packing"):
+        UpdateConfig(packing="padded")
+    with pytest.raises(ValueError, match="micro_batch_tokens"):
+        UpdateConfig(micro_batch_tokens=0)
+    with pytest.raises(ValueError, match="mini_batches: 3 mini-batches need at least as many groups, got 2"):
+        split_mini_batches(2, 3)
+    assert split_mini_batches(5, 2) == [[0, 1, 2], [3, 4]]
+    model = build_model("tiny-qwen3", seed=0)
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError, match="reference: expected a reference model because kl_beta=0.04"):
+        PolicyUpdater(model, opt, LossConfig.grpo(), UpdateConfig())

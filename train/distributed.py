@@ -1,0 +1,168 @@
+"""Process group, (dp, sp) mesh and the parallel wrapping of the policy, applied in one place.
+
+* Processes come from torchrun's standard environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+  ...; multi-node with ``--nnodes/--node-rank/--rdzv-*``). A plain ``python -m`` run gets a one-rank
+  group on an in-memory store, so the single-process path runs the very same code.
+* The mesh is ``dualkv.parallel.init_sp_mesh``: world ranks fill (dp, sp) row-major, every SP group
+  holds consecutive ranks and trains on the same micro-batches.
+* ``parallelize_policy``: activation checkpointing (per decoder layer), Ulysses SP on every attention
+  module, optional ``torch.compile`` of every decoder layer, then FSDP2 ``fully_shard`` of every
+  decoder layer and of the root with ``MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)``.
+  Parameters are sharded over all dp x sp ranks (the dp axis flattened with sp, since SP ranks hold
+  the same parameters and their gradient shares add up); the reduction SUMS gradients
+  (``set_gradient_divide_factor(1)``) because every micro-batch loss is already normalised by the
+  whole mini-batch (``update``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DistContext", "ParallelConfig", "init_distributed", "parallelize_policy", "full_state_dict",
+           "destroy_distributed"]
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """sp: Ulysses SP degree (divides the world size); param_dtype: FSDP's compute dtype ("bf16" /
+    "fp32"); activation_checkpointing: recompute decoder layers in backward; compile: torch.compile
+    every decoder layer."""
+
+    sp: int = 1
+    param_dtype: str = "bf16"
+    activation_checkpointing: bool = False
+    compile: bool = False
+
+    def __post_init__(self) -> None:
+        if self.sp < 1:
+            raise ValueError(f"sp: expected >= 1, got {self.sp}")
+        if self.param_dtype not in _DTYPES:
+            raise ValueError(f"param_dtype: expected one of {sorted(_DTYPES)}, got {self.param_dtype!r}")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return _DTYPES[self.param_dtype]
+
+
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+
+
+@dataclass
+class DistContext:
+    """Who this process is: world / dp / sp coordinates, its device and the mesh (an ``SPMesh``)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    mesh: object
+    owns_group: bool
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def sp_size(self) -> int:
+        return self.mesh.sp_size
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh.dp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh.dp_rank
+
+    @property
+    def sp_rank(self) -> int:
+        return self.mesh.sp_rank
+
+    @property
+    def sp_group(self):
+        return self.mesh.sp_group if self.sp_size > 1 else None
+
+    @property
+    def dp_group(self):
+        return self.mesh.dp_group
+
+
+def init_distributed(sp: int = 1, device: str | None = None) -> DistContext:
+    """Join (or create) the default process group and build the (dp, sp) mesh.
+
+    Under torchrun the environment names the rank and world; otherwise a one-rank group is created
+    on an in-memory store. Backend: nccl on CUDA, gloo on CPU.
+    """
+    from dualkv.parallel import init_sp_mesh
+
+    device_type = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    owns = False
+    if not dist.is_initialized():
+        if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        owns = True
+    world = dist.get_world_size()
+    if world % sp:
+        raise ValueError(f"sp: expected a divisor of the world size {world}, got {sp}")
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+    else:
+        dev = torch.device("cpu")
+    mesh = init_sp_mesh(sp_size=sp, device_type=device_type)
+    return DistContext(dist.get_rank(), world, local_rank, dev, mesh, owns)
+
+
+def destroy_distributed(ctx: DistContext) -> None:
+    if ctx.owns_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _blocks(model) -> list[torch.nn.Module]:
+    return list(model.model.layers)
+
+
+def parallelize_policy(model: torch.nn.Module, ctx: DistContext, cfg: ParallelConfig, *, trainable: bool = True):
+    """Apply activation checkpointing, SP, compile and FSDP2 to ``model`` in place; returns it.
+
+    ``trainable=False`` (the reference model) freezes the parameters first.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+    from dualkv.parallel import parallelize_sequence
+
+    if not trainable:
+        model.requires_grad_(False)
+    if cfg.activation_checkpointing and trainable:
+        model.set_activation_checkpointing(True)
+    if ctx.sp_size > 1:
+        parallelize_sequence(model, ctx.sp_group)
+    if cfg.compile:
+        for block in _blocks(model):
+            block.compile(dynamic=True)
+    mp = MixedPrecisionPolicy(param_dtype=cfg.dtype, reduce_dtype=torch.float32)
+    mesh = ctx.mesh.dp_sp_mesh if ctx.world_size > 1 else ctx.mesh.mesh["dp"]
+    model.to(ctx.device)
+    for block in _blocks(model):
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    model.set_gradient_divide_factor(1.0)
+    # SP calls the model through these two methods, not forward: give them FSDP's hooks too.
+    register_fsdp_forward_method(model, "hidden_states")
+    register_fsdp_forward_method(model, "compute_logits")
+    return model
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The unsharded fp32 state dict on CPU, on rank 0 (an empty dict elsewhere); a collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
