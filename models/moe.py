@@ -5,8 +5,9 @@ size, n = T * k routed (token, expert) pairs.
 
 Expert weights are stored fused, as transformers holds them in memory: ``gate_up_proj (E, 2F, D)``
 (gate rows first, then up rows) and ``down_proj (E, D, F)``. The routed pairs are sorted by expert
-once; the grouped path then runs two ``torch._grouped_mm`` calls over the contiguous groups (no host
-sync), the loop path one GEMM pair per expert that received tokens. Every MoE layer sees the packed
+once; the grouped path then runs two grouped GEMMs (``torch.nn.functional.grouped_mm`` /
+``torch._grouped_mm``) over the contiguous groups (no host sync), the loop path one GEMM pair per
+expert that received tokens. Every MoE layer sees the packed
 tokens only (P + N*R), never the replicated N*(P+R).
 """
 
@@ -116,11 +117,18 @@ class Gemma4Router(nn.Module):
 
 # --------------------------------------------------------------------------------------- experts
 
+def _grouped_mm_fn():
+    """``torch.nn.functional.grouped_mm`` (torch >= 2.10) or ``torch._grouped_mm``, or None."""
+    return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
 def grouped_mm_available(x: torch.Tensor) -> bool:
-    """``torch._grouped_mm`` on this tensor's device: CUDA, bf16, compute capability >= 9.0."""
-    if not hasattr(torch, "_grouped_mm") or not x.is_cuda or x.dtype != torch.bfloat16:
+    """Grouped GEMM for this tensor: CUDA, bf16, compute capability >= 9.0 (>= 8.0 with the public
+    ``torch.nn.functional.grouped_mm``)."""
+    if _grouped_mm_fn() is None or not x.is_cuda or x.dtype != torch.bfloat16:
         return False
-    return torch.cuda.get_device_capability(x.device) >= (9, 0)
+    need = (8, 0) if hasattr(F, "grouped_mm") else (9, 0)
+    return torch.cuda.get_device_capability(x.device) >= need
 
 
 class Experts(nn.Module):
@@ -146,9 +154,12 @@ class Experts(nn.Module):
         return self.act(gate_nF) * up_nF
 
     def _grouped(self, x_nD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        grouped_mm = _grouped_mm_fn()
+        if grouped_mm is None:
+            raise RuntimeError("backend 'grouped' needs torch.nn.functional.grouped_mm or torch._grouped_mm (torch >= 2.8)")
         offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
-        h_n2F = torch._grouped_mm(x_nD, self.gate_up_proj.transpose(-2, -1), offs=offs_E)
-        return torch._grouped_mm(self._glu(h_n2F), self.down_proj.transpose(-2, -1), offs=offs_E)
+        h_n2F = grouped_mm(x_nD, self.gate_up_proj.transpose(-2, -1), offs=offs_E)
+        return grouped_mm(self._glu(h_n2F), self.down_proj.transpose(-2, -1), offs=offs_E)
 
     def _loop(self, x_nD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         outs, start = [], 0
@@ -170,5 +181,7 @@ class Experts(nn.Module):
         use_grouped = self.backend == "grouped" or (self.backend == "auto" and grouped_mm_available(x_TD))
         x_nD = x_TD[token_n]
         y_nD = self._grouped(x_nD, counts_E) if use_grouped else self._loop(x_nD, counts_E)
-        y_nD = (y_nD * weight_Tk.reshape(-1)[order_n, None]).to(x_TD.dtype)
-        return torch.zeros_like(x_TD).index_add(0, token_n, y_nD)
+        # back to (token, slot) order, weight, and sum each token's k outputs in fp32: no atomics
+        y_TkD = y_nD.new_empty(y_nD.shape).index_copy(0, order_n, y_nD).view(*idx_Tk.shape, -1)
+        y_TkD = (y_TkD * weight_Tk[..., None]).to(x_TD.dtype)
+        return y_TkD.float().sum(1).to(x_TD.dtype)
