@@ -14,12 +14,18 @@ See docs/parallel.md.
 from .deepspeed import DeepSpeedLocalAttention, DeepSpeedUlyssesAttention, deepspeed_available
 from .groups import as_process_group, group_rank, group_size
 from .logprobs import (
+    LogprobHead,
     LogprobPlan,
     all_reduce_sum,
+    linear_head,
+    logits_head,
     logprobs_from_hidden,
+    model_head,
     plan_logprobs,
     share_last_prompt_hidden,
+    sp_hidden_states,
     sp_response_logprobs,
+    sp_router_stats,
 )
 from .mesh import SPMesh, init_sp_mesh
 from .parallelize import attention_modules, check_parallelized, parallelize_sequence, unparallelize_sequence
@@ -51,7 +57,13 @@ __all__ = [
     "LogprobPlan",
     "plan_logprobs",
     "logprobs_from_hidden",
+    "LogprobHead",
+    "logits_head",
+    "linear_head",
+    "model_head",
+    "sp_hidden_states",
     "sp_response_logprobs",
+    "sp_router_stats",
     "parallelize_sequence",
     "unparallelize_sequence",
     "check_parallelized",

@@ -28,6 +28,7 @@ log-prob slots, N all response tokens (sum R), B rows, R longest response.
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from dataclasses import dataclass
 
@@ -42,8 +43,14 @@ __all__ = [
     "share_last_prompt_hidden",
     "LogprobPlan",
     "plan_logprobs",
+    "LogprobHead",
+    "logits_head",
+    "linear_head",
+    "model_head",
     "logprobs_from_hidden",
+    "sp_hidden_states",
     "sp_response_logprobs",
+    "sp_router_stats",
 ]
 
 
@@ -154,20 +161,60 @@ def plan_logprobs(layout, shard: SequenceShard) -> LogprobPlan:
 
 
 # ---------------------------------------------------------------- log-probs
-def _token_logprobs(logits_nV, targets_n, temperature, return_entropy):
-    z_nV = logits_nV.float()
-    if temperature != 1.0:
-        z_nV = z_nV / temperature
-    logp_nV = torch.log_softmax(z_nV, dim=-1)
-    lp_n = logp_nV.gather(-1, targets_n[:, None]).squeeze(-1)
-    if not return_entropy:
-        return lp_n[:, None]
-    ent_n = -(logp_nV.exp() * logp_nV).sum(-1)
-    return torch.stack([lp_n, ent_n], dim=1)
+class LogprobHead:
+    """``head(hidden (n, D), targets (n,), temperature, return_entropy) -> (logprobs (n,), entropy (n,) | None)``.
+
+    Build one with ``logits_head``, ``linear_head`` or ``model_head``."""
+
+    def __init__(self, fn, name: str):
+        self.fn, self.name = fn, name
+
+    def __call__(self, hidden_nD, targets_n, temperature, return_entropy):
+        return self.fn(hidden_nD, targets_n, temperature, return_entropy)
+
+    def __repr__(self) -> str:
+        return f"LogprobHead({self.name})"
+
+
+def logits_head(compute_logits) -> LogprobHead:
+    """Log-prob head from a ``(n, D) -> (n, V)`` logits function (materialises (n, V) fp32)."""
+    if not callable(compute_logits):
+        raise ValueError(f"compute_logits: expected a callable (n, D) -> (n, V), got {type(compute_logits).__name__}")
+
+    def run(hidden_nD, targets_n, temperature, return_entropy):
+        z_nV = compute_logits(hidden_nD).float()
+        if temperature != 1.0:
+            z_nV = z_nV / temperature
+        logp_nV = torch.log_softmax(z_nV, dim=-1)
+        lp_n = logp_nV.gather(-1, targets_n[:, None]).squeeze(-1)
+        return lp_n, (-(logp_nV.exp() * logp_nV).sum(-1) if return_entropy else None)
+
+    return LogprobHead(run, "logits")
+
+
+def linear_head(weight_VD, softcap=None, chunk_size=None) -> LogprobHead:
+    """Memory-lean log-prob head of an LM-head weight (``dualkv.core.logprobs.linear_logprobs``):
+    logits in chunks, recomputed in backward, never (n, V) fp32 at once."""
+    from dualkv.core.logprobs import linear_logprobs
+
+    def run(hidden_nD, targets_n, temperature, return_entropy):
+        return linear_logprobs(hidden_nD, weight_VD, targets_n, temperature=temperature, softcap=softcap,
+                               return_entropy=return_entropy, chunk_size=chunk_size)
+
+    return LogprobHead(run, "linear")
+
+
+def model_head(model, chunk_size=None):
+    """The lean head for a ``dualkv.models.CausalLM`` (bias-free ``lm_head`` + ``config.final_logit_softcap``),
+    else ``logits_head(model.compute_logits)``."""
+    lm_head, config = getattr(model, "lm_head", None), getattr(model, "config", None)
+    if isinstance(lm_head, torch.nn.Linear) and lm_head.bias is None and hasattr(config, "final_logit_softcap"):
+        return linear_head(lm_head.weight, config.final_logit_softcap, chunk_size)
+    return logits_head(model.compute_logits)
 
 
 def logprobs_from_hidden(
-    compute_logits,
+    head,
     hidden_LD: torch.Tensor,
     layout,
     sp_group,
@@ -177,7 +224,8 @@ def logprobs_from_hidden(
     """This rank's hidden states -> (B, R_max) response log-probs on every SP rank.
 
     Args:
-        compute_logits: ``(n, D) -> (n, V)`` (the model's LM head, e.g. ``model.compute_logits``).
+        head: a ``LogprobHead``: ``logits_head(compute_logits)``, ``linear_head(weight, softcap)`` or
+            ``model_head(model)``.
         hidden_LD: (L, D) final hidden states of this rank's slice (``shard_sequence``).
         layout: the whole micro-batch's ``PackedLayout`` (with input_ids).
         sp_group: SP process group, 1-D DeviceMesh, or None (single device).
@@ -185,22 +233,43 @@ def logprobs_from_hidden(
     """
     if layout.input_ids is None:
         raise ValueError("layout: expected a layout carrying input_ids (from_groups / from_rows), got one built from lengths only")
-    if not isinstance(temperature, (int, float)) or not temperature > 0:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
         raise ValueError(f"temperature: expected a positive number, got {temperature!r}")
+    if not isinstance(head, LogprobHead):
+        raise ValueError(f"head: expected a LogprobHead (logits_head / linear_head / model_head), got {type(head).__name__}")
     shard = shard_sequence(layout, sp_group)
     last_GD = share_last_prompt_hidden(hidden_LD, layout, shard, sp_group)
     plan = plan_logprobs(layout, shard)
     source_nD = torch.cat([hidden_LD, last_GD])[plan.source]
-    values_nc = _token_logprobs(compute_logits(source_nD), layout.input_ids[plan.target], temperature, return_entropy)
-    n_all = sum(layout.row_lens)
-    values_Nc = values_nc.new_zeros(n_all, values_nc.shape[1]).index_put((plan.item,), values_nc)
+    lp_n, ent_n = head(source_nD, layout.input_ids[plan.target], float(temperature), return_entropy)
+    values_nc = torch.stack([lp_n, ent_n], dim=1) if return_entropy else lp_n[:, None]
+    values_Nc = values_nc.new_zeros(sum(layout.row_lens), values_nc.shape[1]).index_put((plan.item,), values_nc)
     if shard.size > 1:
         values_Nc = _SumOfReplicatedLoss.apply(values_Nc, as_process_group(sp_group))
     rows_BRc = layout.unpack_logprobs(values_Nc)
     return (rows_BRc[..., 0], rows_BRc[..., 1]) if return_entropy else rows_BRc[..., 0]
 
 
-def sp_response_logprobs(model, layout, sp_group, temperature: float = 1.0, return_entropy: bool = False, *, pad_id: int = 0):
+def sp_hidden_states(model, layout, sp_group, *, pad_id: int = 0) -> torch.Tensor:
+    """(L, D) final hidden states of this rank's slice: ``model.hidden_states`` on the slice's tokens
+    and positions (with ``token_offset`` where the model takes it, for MoE router statistics)."""
+    from .parallelize import check_parallelized
+
+    check_parallelized(model, sp_group)
+    shard = shard_sequence(layout, sp_group)
+    kwargs = {"token_offset": shard.start} if _takes_token_offset(model) else {}
+    return model.hidden_states(shard.input_ids(layout, pad_id), shard.position_ids(layout), layout, **kwargs)
+
+
+def _takes_token_offset(model) -> bool:
+    try:
+        return "token_offset" in inspect.signature(model.hidden_states).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def sp_response_logprobs(model, layout, sp_group, temperature: float = 1.0, return_entropy: bool = False, *,
+                         pad_id: int = 0, chunk_size: int | None = None):
     """Response log-probs of a ``dualkv.models`` causal LM under Ulysses sequence parallelism.
 
     Every rank of ``sp_group`` calls this with the SAME ``layout`` (the whole micro-batch); each runs
@@ -209,11 +278,30 @@ def sp_response_logprobs(model, layout, sp_group, temperature: float = 1.0, retu
 
     Returns (B, R_max) float32 log-probs (and entropies if ``return_entropy``), zero-padded, the same
     on every SP rank; backward through a loss on them gives each rank its share of the parameter
-    gradients, and the SP ranks' shares add up to the single-device gradient.
+    gradients, and the SP ranks' shares add up to the single-device gradient. MoE models: the
+    router statistics the model keeps are this rank's; ``sp_router_stats`` sums them over the group.
     """
-    from .parallelize import check_parallelized
+    hidden_LD = sp_hidden_states(model, layout, sp_group, pad_id=pad_id)
+    return logprobs_from_hidden(model_head(model, chunk_size), hidden_LD, layout, sp_group, temperature, return_entropy)
 
-    check_parallelized(model, sp_group)
-    shard = shard_sequence(layout, sp_group)
-    hidden_LD = model.hidden_states(shard.input_ids(layout, pad_id), shard.position_ids(layout), layout)
-    return logprobs_from_hidden(model.compute_logits, hidden_LD, layout, sp_group, temperature, return_entropy)
+
+# ---------------------------------------------------------------- MoE router statistics
+def sp_router_stats(stats, sp_group):
+    """Per-layer router statistics (NamedTuples of sums, e.g. ``dualkv.models.RouterStats``: every
+    field a sum over tokens) summed over the SP group, in one all-reduce.
+
+    The result is the same on every rank, and so is a loss built from it (the load-balancing loss),
+    so the backward passes each rank its own share (the SP ranks' gradients add up)."""
+    stats = list(stats)
+    if not stats or group_size(sp_group) == 1:
+        return stats
+    flat = [t.float().reshape(-1) for s in stats for t in s]
+    summed = _SumOfReplicatedLoss.apply(torch.cat(flat), as_process_group(sp_group))
+    pieces, out, i = summed.split([t.numel() for t in flat]), [], 0
+    for s in stats:
+        fields = []
+        for t in s:
+            fields.append(pieces[i].reshape(t.shape).to(t.dtype))
+            i += 1
+        out.append(type(s)(*fields))
+    return out
