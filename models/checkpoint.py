@@ -116,12 +116,16 @@ def _lookup_fn(reader: _Reader):
 
 
 def _ignorable(name: str, cfg: ModelConfig) -> bool:
+    """Tensors transformers does not load either: other modalities, tied heads, absent projections."""
     if _IGNORED.search(name):
         return True
     if cfg.tie_word_embeddings and name.endswith("lm_head.weight"):
         return True
     m = re.search(r"layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm|v_norm)\.", name)
-    return bool(m) and int(m.group(1)) < cfg.num_layers and cfg.layers[int(m.group(1))].attention.kv_source is not None
+    if not m or int(m.group(1)) >= cfg.num_layers:
+        return False
+    attn = cfg.layers[int(m.group(1))].attention
+    return attn.kv_source is not None or (attn.k_eq_v and m.group(2) == "v_proj")
 
 
 def _state_keys(model: CausalLM) -> list[str]:
@@ -192,12 +196,12 @@ def parse_size(size: int | str) -> int:
 
 
 def _hf_tensors(model: CausalLM) -> list[tuple[str, torch.Tensor]]:
+    """(checkpoint name, tensor view) pairs; nothing is copied yet."""
     cfg, out = model.config, []
     state = model.state_dict()
     for key in _state_keys(model):
         tensor = state[key].detach()
-        pieces = qwen3_save_tensors(key, tensor) if cfg.family == "qwen3" else [(key, tensor)]
-        out += [(name, t.to("cpu").clone()) for name, t in pieces]
+        out += qwen3_save_tensors(key, tensor) if cfg.family == "qwen3" else [(key, tensor)]
     return out
 
 
@@ -213,6 +217,11 @@ def _shards(tensors, limit: int) -> list[list[tuple[str, torch.Tensor]]]:
     return shards + [current] if current else shards
 
 
+def _write_shard(shard, file: Path) -> None:
+    """Copy one shard's tensors to the CPU (own storage each) and write them."""
+    save_file({name: t.to("cpu", copy=True).contiguous() for name, t in shard}, str(file), metadata={"format": "pt"})
+
+
 def save_pretrained(model: CausalLM, path, *, max_shard_size: int | str = "5GB") -> None:
     """config.json + model.safetensors, or model-0000i-of-0000N.safetensors + index when larger."""
     if not isinstance(model, CausalLM):
@@ -223,17 +232,18 @@ def save_pretrained(model: CausalLM, path, *, max_shard_size: int | str = "5GB")
     for old in list(root.glob("model*.safetensors")) + [root / INDEX]:
         old.unlink(missing_ok=True)
     hf = to_hf_config(model.config)
+    hf.pop("torch_dtype", None)
     hf["dtype"] = str(model.lm_head.weight.dtype).removeprefix("torch.")
     with open(root / "config.json", "w") as f:
         json.dump(hf, f, indent=2, sort_keys=True)
     shards = _shards(_hf_tensors(model), limit)
     if len(shards) == 1:
-        save_file(dict(shards[0]), str(root / SINGLE), metadata={"format": "pt"})
+        _write_shard(shards[0], root / SINGLE)
         return
     weight_map, total = {}, 0
     for i, shard in enumerate(shards):
         name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(dict(shard), str(root / name), metadata={"format": "pt"})
+        _write_shard(shard, root / name)
         for key, t in shard:
             weight_map[key] = name
             total += t.numel() * t.element_size()
