@@ -61,25 +61,45 @@ __all__ = [
 
 
 def init_weights(model: CausalLM, std: float = 0.02, generator: torch.Generator | None = None) -> CausalLM:
-    """transformers' initialisation: normal(0, std) for linear/embedding/expert/router weights, zero
-    biases and padding rows, ones for norm weights, router scales and layer scalars."""
+    """transformers' initialisation: normal(0, std) for linear, embedding, expert and router weights;
+    zero biases and padding rows; ones for norm weights, router scales and layer scalars."""
+    from .layers import RMSNorm
+    from .moe import Experts, Gemma4Router, SoftmaxTopKRouter
+
     if not isinstance(model, CausalLM):
         raise ValueError(f"model: expected a dualkv.models.CausalLM, got {type(model).__name__}")
-    pad = model.config.pad_token_id
+
+    done: set[int] = set()
+
+    def normal(t):
+        if id(t) not in done:  # a tied LM head keeps the embedding's initialisation
+            done.add(id(t))
+            t.normal_(0.0, std, generator=generator)
+
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            leaf = name.rsplit(".", 1)[-1]
-            if name.endswith("norm.weight") or leaf in ("scale", "per_expert_scale"):
-                p.fill_(1.0)
-            elif leaf == "bias":
-                p.zero_()
-            else:
-                p.normal_(0.0, std, generator=generator)
-                if pad is not None and "embed_tokens" in name:
-                    p[pad].zero_()
+        for m in model.modules():
+            if isinstance(m, torch.nn.Embedding):
+                normal(m.weight)
+                if m.padding_idx is not None:
+                    m.weight[m.padding_idx].zero_()
+            elif isinstance(m, torch.nn.Linear):
+                normal(m.weight)
+                if m.bias is not None:
+                    m.bias.zero_()
+            elif isinstance(m, RMSNorm) and m.weight is not None:
+                m.weight.fill_(1.0)
+            elif isinstance(m, Experts):
+                normal(m.gate_up_proj)
+                normal(m.down_proj)
+            elif isinstance(m, SoftmaxTopKRouter):
+                normal(m.weight)
+            elif isinstance(m, Gemma4Router):
+                m.scale.fill_(1.0)
+                m.per_expert_scale.fill_(1.0)
         for name, b in model.named_buffers():
             if name.endswith("layer_scalar"):
                 b.fill_(1.0)
+    model.tie_weights()
     return model
 
 

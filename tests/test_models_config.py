@@ -115,6 +115,10 @@ def test_build_model_inputs():
     g = M.build_model("tiny-gemma4", seed=0, dtype=torch.bfloat16)
     assert g.lm_head.weight is g.model.embed_tokens.weight and g.lm_head.weight.dtype == torch.bfloat16
     assert (g.model.embed_tokens.weight[0] == 0).all()  # pad row, as transformers initialises it
+    moe = M.build_model("tiny-gemma4-moe", seed=0)
+    norms = [m.weight for m in moe.modules() if isinstance(m, RMSNorm) and m.weight is not None]
+    assert len(norms) == 4 * 9 + 1 and all((w == 1).all() for w in norms)
+    assert all((l.router.per_expert_scale == 1).all() and l.experts.down_proj.std() > 0.01 for l in moe.model.layers)
     with pytest.raises(ValueError, match="preset"):
         M.build_model("qwen9-7b")
     with pytest.raises(ValueError, match="preset_or_config"):
