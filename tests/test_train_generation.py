@@ -10,6 +10,15 @@ from dualkv.train.generation import HFSampler, split_responses
 from dualkv.train.sources import GenerationConfig, GenerationRolloutSource, step_generator
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models: one intra-op thread is fastest (and robust to a busy machine)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def test_split_responses_hand_case():
     gen = torch.tensor([[5, 2, 0, 0], [2, 0, 0, 0], [4, 4, 4, 4], [7, 8, 2, 9]])
     assert [r.tolist() for r in split_responses(gen, eos_id=2)] == [[5, 2], [2], [4, 4, 4, 4], [7, 8, 2]]

@@ -15,6 +15,15 @@ from dualkv.train.update import PolicyUpdater, UpdateConfig, split_mini_batches
 RTOL = 1e-5
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models: one intra-op thread is fastest (and robust to a busy machine)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def _rollouts(seed=0, groups=3, n=4):
     cfg = SyntheticConfig(num_groups=groups, n=n, prompt_len=(5, 12), response_len=(1, 6), vocab_size=256, seed=seed)
     return SyntheticRolloutSource(cfg).rollouts(0)

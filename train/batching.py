@@ -105,9 +105,11 @@ def _split_to(bins: list[list[int]], costs: list[int], count: int) -> list[list[
     return bins
 
 
-def plan_micro_batches(batch: RolloutBatch, packing: Packing, token_budget: int, dp_size: int = 1) -> list[list[MicroBatch]]:
-    """Per dp rank, its micro-batches; every rank gets the same number (see the module docstring)."""
-    costs = [group_tokens(g, packing) for g in batch.groups]
+def plan_micro_batches(batch: RolloutBatch | Sequence[RolloutGroup], packing: Packing, token_budget: int,
+                       dp_size: int = 1) -> list[list[MicroBatch]]:
+    """Per dp rank, its micro-batches (indices into the batch's groups); every rank gets the same number."""
+    groups = batch.groups if isinstance(batch, RolloutBatch) else batch
+    costs = [group_tokens(g, packing) for g in groups]
     per_rank = [pack_micro_batches(m, costs, token_budget) for m in balance_groups(costs, dp_size)]
     count = max(len(b) for b in per_rank)
     plans = []

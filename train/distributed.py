@@ -9,9 +9,10 @@
   module, optional ``torch.compile`` of every decoder layer, then FSDP2 ``fully_shard`` of every
   decoder layer and of the root with ``MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)``.
   Parameters are sharded over all dp x sp ranks (the dp axis flattened with sp, since SP ranks hold
-  the same parameters and their gradient shares add up); the reduction SUMS gradients
-  (``set_gradient_divide_factor(1)``) because every micro-batch loss is already normalised by the
-  whole mini-batch (``update``).
+  the same parameters and their gradient shares add up). FSDP's reduction averages over those
+  ``fsdp_size`` ranks, while every micro-batch loss is already normalised by the whole mini-batch
+  (``update``), so the trainer multiplies the backward loss by ``fsdp_size``: the result is the sum.
+  (A divide factor of 1 would say the same, but needs a pre-multiplied sum that gloo lacks.)
 """
 
 from __future__ import annotations
@@ -90,6 +91,11 @@ class DistContext:
     def dp_group(self):
         return self.mesh.dp_group
 
+    @property
+    def fsdp_size(self) -> int:
+        """Ranks FSDP shards parameters over (and averages gradients over): all of them."""
+        return self.world_size
+
 
 def init_distributed(sp: int = 1, device: str | None = None) -> DistContext:
     """Join (or create) the default process group and build the (dp, sp) mesh.
@@ -154,7 +160,6 @@ def parallelize_policy(model: torch.nn.Module, ctx: DistContext, cfg: ParallelCo
     for block in _blocks(model):
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
-    model.set_gradient_divide_factor(1.0)
     # SP calls the model through these two methods, not forward: give them FSDP's hooks too.
     register_fsdp_forward_method(model, "hidden_states")
     register_fsdp_forward_method(model, "compute_logits")

@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rollouts", default="arithmetic",
                    help="'arithmetic' (sample from the policy, exact-answer reward), 'synthetic', or a .jsonl/.parquet file")
     g.add_argument("--groups", type=int, default=8, help="prompt groups per step")
-    g.add_argument("--n", type=int, default=8, help="responses per prompt (arithmetic / synthetic rollouts)")
+    g.add_argument("--responses", type=int, default=8, help="N, responses per prompt (arithmetic / synthetic rollouts)")
     g.add_argument("--max-new-tokens", type=int, default=3, help="response length limit when sampling")
     g.add_argument("--temperature", type=float, default=1.0, help="sampling and log-prob temperature")
     g.add_argument("--max-operand", type=int, default=4, help="arithmetic: operands in [0, max]")
@@ -84,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--use-rollout-logprobs", action="store_true",
                    help="take old/ref log-probs from the rollout file when it has them instead of recomputing")
     u.add_argument("--weight-decay", type=float, default=0.01)
+    u.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW epsilon")
     u.add_argument("--max-grad-norm", type=float, default=1.0)
     u.add_argument("--seed", type=int, default=0)
 
@@ -115,7 +116,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     lr = args.lr if args.lr is not None else (_LR_CHECKPOINT if Path(args.model).is_dir() else _LR_SCRATCH)
     dtype = args.param_dtype if args.param_dtype != "auto" else ("bf16" if torch.cuda.is_available() else "fp32")
     return TrainConfig(
-        model=args.model, rollouts=args.rollouts, groups=args.groups, n=args.n, steps=args.steps, seed=args.seed,
+        model=args.model, rollouts=args.rollouts, groups=args.groups, n=args.responses, steps=args.steps, seed=args.seed,
         output_dir=args.output_dir, save_every=args.save_every, resume=args.resume, export_hf=args.export_hf,
         reference=args.reference, max_new_tokens=args.max_new_tokens,
         arithmetic=ArithmeticConfig(max_operand=args.max_operand, ops=args.ops, num_shots=args.shots),
@@ -124,7 +125,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         update=UpdateConfig(packing=args.packing, micro_batch_tokens=args.micro_batch_tokens,
                             mini_batches=args.mini_batches, epochs=args.epochs, max_grad_norm=args.max_grad_norm,
                             temperature=args.temperature, use_rollout_logprobs=args.use_rollout_logprobs),
-        optim=OptimConfig(lr=lr, weight_decay=args.weight_decay),
+        optim=OptimConfig(lr=lr, weight_decay=args.weight_decay, eps=args.adam_eps),
         parallel=ParallelConfig(sp=args.sp, param_dtype=dtype, activation_checkpointing=args.activation_checkpointing,
                                 compile=args.compile),
     )

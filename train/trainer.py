@@ -45,6 +45,8 @@ class OptimConfig:
     def __post_init__(self) -> None:
         if not self.lr > 0:
             raise ValueError(f"lr: expected > 0, got {self.lr}")
+        if not self.eps > 0:
+            raise ValueError(f"eps: expected > 0, got {self.eps}")
         if self.weight_decay < 0:
             raise ValueError(f"weight_decay: expected >= 0, got {self.weight_decay}")
 
@@ -138,7 +140,8 @@ class Trainer:
                                            weight_decay=o.weight_decay)
         self.updater = PolicyUpdater(self.policy, self.optimizer, cfg.loss, cfg.update, reference=reference,
                                      sp_group=self.ctx.sp_group, dp_rank=self.ctx.dp_rank, dp_size=self.ctx.dp_size,
-                                     dp_group=self.ctx.dp_group, device=self.ctx.device, timer=self.timer)
+                                     dp_group=self.ctx.dp_group, device=self.ctx.device, timer=self.timer,
+                                     grad_scale=float(self.ctx.fsdp_size))
         self.source, self.sampler = self._source()
         self.logger = MetricsLogger(cfg.output_dir, enabled=self.ctx.is_main)
         self.start_step = 0

@@ -12,8 +12,9 @@ micro-batches formed by a token budget on the length the model runs (P + sum R u
 sum (P + R) under ``replicated``), groups balanced over data-parallel ranks. Each micro-batch's loss
 is normalised by the WHOLE mini-batch's row and token counts, so the accumulated gradient is the
 mini-batch gradient whatever the split: both packings, any budget and any dp size give the same
-update (to rounding). With several dp ranks the gradients of the replicas are summed (FSDP's divide
-factor is 1, see ``distributed``); SP ranks' shares add up to their replica's gradient.
+update (to rounding). With several dp ranks the gradients of the replicas must be SUMMED: FSDP's
+reduction averages over the ranks it shards over, so the backward loss is multiplied by that number
+(``grad_scale``, see ``distributed``); SP ranks' shares add up to their replica's gradient.
 
 The MoE load-balancing loss (``model.aux_loss``, weighted by ``moe.aux_loss_coef``) is a statistic of
 one forward, so it is added per micro-batch with weight 1 / (micro-batches in the mini-batch, all
@@ -95,12 +96,21 @@ def split_mini_batches(num_groups: int, mini_batches: int) -> list[list[int]]:
     return out
 
 
-def _aux_loss(model) -> torch.Tensor | None:
-    aux = getattr(model, "aux_loss", None)
-    if aux is None:
-        return None
+def _aux_loss(model, sp_group) -> torch.Tensor | None:
+    """The MoE load-balancing loss of the last forward, times ``aux_loss_coef`` (None for dense models).
+
+    Under SP each rank's router statistics cover its slice; they are summed over the SP group first."""
+    from dualkv.models import load_balancing_loss
+    from dualkv.parallel import group_size, sp_router_stats
+
     coefs = {layer.moe.aux_loss_coef for layer in model.config.layers if layer.moe is not None}
-    return aux * max(coefs) if coefs and max(coefs) > 0 else None
+    if not coefs or max(coefs) == 0 or not getattr(model, "router_stats", None):
+        return None
+    if group_size(sp_group) > 1:
+        aux = load_balancing_loss(sp_router_stats(model.router_stats, sp_group))
+    else:
+        aux = model.aux_loss
+    return aux * max(coefs)
 
 
 class PolicyUpdater:
@@ -114,11 +124,12 @@ class PolicyUpdater:
         sp_group: sequence-parallel group of this rank (None = no SP).
         dp_rank / dp_size / dp_group: this rank's data-parallel replica and the dp process group.
         device: where micro-batches are built.
+        grad_scale: multiplies the backward loss; the number of ranks FSDP averages gradients over.
     """
 
     def __init__(self, policy, optimizer, loss_cfg: LossConfig, cfg: UpdateConfig, *, reference=None,
                  sp_group=None, dp_rank: int = 0, dp_size: int = 1, dp_group=None,
-                 device: torch.device | str = "cpu", timer: PhaseTimer | None = None) -> None:
+                 device: torch.device | str = "cpu", timer: PhaseTimer | None = None, grad_scale: float = 1.0) -> None:
         if loss_cfg.needs_reference and reference is None:
             raise ValueError(f"reference: expected a reference model because kl_beta={loss_cfg.kl_beta} > 0, got None")
         if loss_cfg.entropy_coeff != 0 and not cfg.entropy:
@@ -128,11 +139,11 @@ class PolicyUpdater:
         self.sp_group, self.dp_rank, self.dp_size, self.dp_group = sp_group, dp_rank, dp_size, dp_group
         self.device = torch.device(device)
         self.timer = timer or PhaseTimer()
+        self.grad_scale = grad_scale
 
     # ------------------------------------------------------------------ passes
     def _my_plan(self, groups: Sequence[RolloutGroup]) -> list[MicroBatch]:
-        batch = RolloutBatch(list(groups))
-        return plan_micro_batches(batch, self.cfg.packing, self.cfg.micro_batch_tokens, self.dp_size)[self.dp_rank]
+        return plan_micro_batches(groups, self.cfg.packing, self.cfg.micro_batch_tokens, self.dp_size)[self.dp_rank]
 
     @torch.no_grad()
     def _logprob_pass(self, model, groups: list[RolloutGroup], field: str, counters: dict) -> list[RolloutGroup]:
@@ -157,9 +168,9 @@ class PolicyUpdater:
         logp, entropy = out if self.cfg.entropy else (out, None)
         loss, stats = policy_loss(logp, data.old_logprobs, data.advantages, data.mask, self.loss_cfg,
                                   ref_logp=data.ref_logprobs, entropy=entropy, norm=norm)
-        aux = _aux_loss(self.policy)
+        aux = _aux_loss(self.policy, self.sp_group)
         total = loss if aux is None else loss + aux * aux_scale
-        (total * data.weight).backward()
+        (total * (data.weight * self.grad_scale)).backward()
         if data.weight:
             sums["loss"] += loss.detach().float()
             for k, v in stats.items():
