@@ -27,7 +27,7 @@ from .logprobs import (
     sp_response_logprobs,
     sp_router_stats,
 )
-from .mesh import SPMesh, init_sp_mesh
+from .mesh import SPMesh, init_sp_mesh, prepare_fsdp_for_sp
 from .parallelize import attention_modules, check_parallelized, parallelize_sequence, unparallelize_sequence
 from .sequence import SequenceShard, gather_sequence, pad_to_multiple, shard_sequence
 from .ulysses import (
@@ -42,6 +42,7 @@ from .ulysses import (
 __all__ = [
     "SPMesh",
     "init_sp_mesh",
+    "prepare_fsdp_for_sp",
     "SequenceShard",
     "shard_sequence",
     "gather_sequence",

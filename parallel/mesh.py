@@ -9,7 +9,7 @@ Every rank of one SP group must get the SAME micro-batch (same layout); data-par
 different ones. Parameters are replicated across the SP group; shard them with FSDP2 over the
 flattened ``dp_sp`` mesh. The SP ranks' gradients ADD UP to their replica's gradient (see
 ``dualkv.parallel.logprobs``), so FSDP2's reduction must divide by ``dp`` only, not by dp * sp:
-``model.set_gradient_divide_factor(mesh.grad_divide_factor)`` after ``fully_shard``.
+``prepare_fsdp_for_sp(model, mesh)`` after ``fully_shard`` sets that on every FSDP unit.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["SPMesh", "init_sp_mesh"]
+__all__ = ["SPMesh", "init_sp_mesh", "prepare_fsdp_for_sp"]
 
 
 @dataclass(frozen=True)
@@ -99,3 +99,30 @@ def init_sp_mesh(sp_size: int, dp_size: int | None = None, device_type: str | No
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     return SPMesh(init_device_mesh(device_type, (dp_size, sp_size), mesh_dim_names=("dp", "sp")))
+
+
+def prepare_fsdp_for_sp(model: torch.nn.Module, mesh: SPMesh, *, force_sum_reduction: bool | None = None) -> int:
+    """Make an FSDP2 model (``fully_shard`` over ``mesh.dp_sp_mesh``) reduce gradients right under SP.
+
+    * every FSDP unit divides the reduced gradients by ``dp`` (the SP ranks' gradients are shares of
+      one replica's gradient, to be summed, not averaged);
+    * ``hidden_states`` runs FSDP's forward hooks (the SP entry calls it instead of ``forward``;
+      the root unit keeps its parameters, e.g. the LM head, unsharded until backward);
+    * ``force_sum_reduction`` (default: when the backend is gloo, which has no pre-multiplied sum):
+      reduce with a plain sum and scale separately.
+    Returns the number of FSDP units configured.
+    """
+    from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not units:
+        raise ValueError("model: expected a model sharded with torch.distributed.fsdp.fully_shard, found no FSDP unit")
+    if force_sum_reduction is None:
+        force_sum_reduction = dist.get_backend(mesh.sp_group) == "gloo"
+    for unit in units:
+        unit.set_gradient_divide_factor(mesh.grad_divide_factor)
+        if force_sum_reduction:
+            unit.set_force_sum_reduction_for_comms(True)
+    if isinstance(model, FSDPModule) and hasattr(model, "hidden_states"):
+        register_fsdp_forward_method(model, "hidden_states")
+    return len(units)

@@ -42,6 +42,7 @@ from dualkv.parallel import (
     heads_to_seq,
     init_sp_mesh,
     parallelize_sequence,
+    prepare_fsdp_for_sp,
     seq_to_heads,
     shard_sequence,
     share_last_prompt_hidden,
@@ -578,6 +579,43 @@ def model_without_the_hidden_all_reduce_is_wrong(ctx):
     diff = (broken[0] - ref[0]).abs()
     bad.true("without the all-reduce, first tokens predicted off the owner are wrong", bool((diff[off] > 1e-4).all()))
     bad.true("... and every other log-prob is right", bool((diff[~off] < 1e-5).all()))
+    bad.raise_if_any()
+
+
+@check
+def fsdp2_over_dp_sp_gives_the_replica_mean_gradient(ctx):
+    """FSDP2 sharding over the flattened (dp, sp) mesh + SP: the reduced gradient is the mean over
+    data-parallel replicas of each replica's single-device gradient (MoE, with the aux loss)."""
+    skip = _models_available()
+    if skip:
+        return skip
+    if ctx.world != 4:
+        return "skip: run once, at world size 4 (dp = 2, sp = 2)"
+    from torch.distributed.fsdp import fully_shard
+
+    from dualkv.models import load_balancing_loss
+
+    bad = Mismatches()
+    mesh = init_sp_mesh(2, device_type="cpu")
+    model = tiny_model("moe")
+    refs = [causal_lm_run(model, edge_case_layout(2, seed=d, vocab=256), None) for d in range(mesh.dp_size)]
+    parallelize_sequence(model, mesh.sp_mesh)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh.dp_sp_mesh)
+    fully_shard(model, mesh=mesh.dp_sp_mesh)
+    n_units = prepare_fsdp_for_sp(model, mesh)
+    lay = edge_case_layout(2, seed=mesh.dp_rank, vocab=256)
+    lp, ent = sp_response_logprobs(model, lay, mesh.sp_mesh, temperature=0.7, return_entropy=True)
+    aux = load_balancing_loss(sp_router_stats(model.router_stats, mesh.sp_mesh))
+    g = _gen(7)
+    w1, w2 = torch.randn(lp.shape, generator=g), torch.randn(lp.shape, generator=g)
+    ((lp * w1).sum() + (ent * w2).sum() + AUX_COEF * aux).backward()
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    bad.true("every layer and the root are FSDP units", n_units == len(model.model.layers) + 1)
+    bad.close("log-probs of this replica", lp.detach(), refs[mesh.dp_rank][0], 1e-5, 1e-6)
+    for name, grad in grads.items():
+        mean = sum(r[2][name] for r in refs) / mesh.dp_size
+        close_rel(bad, f"grad {name}", grad, mean)
     bad.raise_if_any()
 
 
