@@ -7,6 +7,10 @@ LSE, DELTA: (nheads, total_q) float32; DQ_ACC: (total_q, nheads, headdim) float3
 (ws_rows, nheads_k, headdim) float32 partials of split context blocks; ITEMS: the key-item table of
 ``schedule.key_items``; TILES: the query tiles of ``schedule.query_tiles``.
 
+Q, K, V, KC, VC, DO (and DQ_ACC for the atomic dQ) are pointers, or with ``TMA`` 2-D tensor
+descriptors over (rows, heads * DIM) with blocks (BLOCK, HEAD_DIM); dQ then accumulates through the
+copy engine's reduce-add.
+
 Scores are recomputed in the log2 domain, ``p = exp2(s - lse * log2(e))``; with a softcap the
 chain rule adds ``(1 - tanh^2)``; the softmax scale is applied once to each accumulator.
 """
@@ -16,15 +20,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import key_blocks, load_rows, query_blocks, scores_log2, store_rows, visible
-from .schedule import BLOCK as I_BLOCK
-from .schedule import NSPLIT as I_NSPLIT
-from .schedule import R0 as I_R0
-from .schedule import R1 as I_R1
-from .schedule import REGION as I_REGION
-from .schedule import SEG0 as I_SEG0
-from .schedule import SPLIT as I_SPLIT
-from .schedule import WS_BASE as I_WS_BASE
+from . import schedule
+from .common import key_blocks, load_block, load_rows, query_blocks, scores_log2, store_rows, visible, zero_pad
+
+# Rows of the key-item table, as compile-time constants.
+I_BLOCK = tl.constexpr(schedule.BLOCK)
+I_SPLIT = tl.constexpr(schedule.SPLIT)
+I_NSPLIT = tl.constexpr(schedule.NSPLIT)
+I_REGION = tl.constexpr(schedule.REGION)
+I_R0 = tl.constexpr(schedule.R0)
+I_R1 = tl.constexpr(schedule.R1)
+I_SEG0 = tl.constexpr(schedule.SEG0)
+I_WS_BASE = tl.constexpr(schedule.WS_BASE)
 
 
 @triton.jit
@@ -47,38 +54,47 @@ def preprocess_kernel(O, DO, DELTA, DQ_ACC, total_q, nheads, stride_ot, stride_o
 
 
 @triton.jit
-def _dkdv_steps(
-    dk, dv, k, v, kpos, Q, DO, LSE, DELTA, DQ_ACC, stride_qt, stride_dot, stride_dqt,
-    q_row0, i_lo, i_hi, n_blocks, off_q, window, qk_scale, cap_log2, pre_cap,
-    BLOCK_M: tl.constexpr, DIM: tl.constexpr, HEAD_DIM: tl.constexpr, MASK: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT_PREC: tl.constexpr,
-):
-    """Accumulate dK, dV (BLOCK_N, HEAD_DIM) fp32 over ``n_blocks`` query blocks of one segment.
+def _add_dq(DQ_ACC, dq, row, hq, stride_dqt, ok, offs_m, offs_d, DIM: tl.constexpr, HEAD_DIM: tl.constexpr,
+            DQ_TMA: tl.constexpr):
+    """dq_acc[row + offs_m, hq, :] += dq: fp32 reduce-add through TMA, or fp32 atomics."""
+    if DQ_TMA:
+        DQ_ACC.atomic_add([row, hq * DIM], dq)  # padded columns of dq are exact zeros (k is zero there)
+    else:
+        ptrs = DQ_ACC + row.to(tl.int64) * stride_dqt + hq * DIM + (offs_m[:, None] * stride_dqt + offs_d[None, :])
+        tl.atomic_add(ptrs, dq, mask=ok[:, None] & (offs_d < DIM)[None, :], sem="relaxed")
 
-    Q/DO/LSE/DELTA/DQ_ACC point at the query head; queries i start at ``i_lo`` (rows
-    ``q_row0 + i``, logical positions ``off_q + i``), valid while ``i < i_hi``.
+
+@triton.jit
+def _dkdv_segment(
+    dk, dv, k, v, kpos, kmin, kmax, Q, DO, LSE, DELTA, DQ_ACC, hq,
+    stride_qt, stride_qh, stride_dot, stride_doh, stride_dqt,
+    q_row0, i_lo, i_hi, off_q, window, qk_scale, cap_log2, pre_cap,
+    BLOCK_M: tl.constexpr, DIM: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr,
+    DQ_TMA: tl.constexpr,
+):
+    """Accumulate dK, dV (BLOCK_N, HEAD_DIM) fp32 over the query blocks of one segment slice.
+
+    Queries i in [i_lo, i_hi) are rows ``q_row0 + i`` of head hq at logical positions ``off_q + i``;
+    LSE/DELTA point at the head's (total_q,) row. One loop (a single live range for the register
+    allocator); only the blocks at the causal/window edges and the ragged tail apply the mask.
     """
+    lo, n_front, n_full, n_back = query_blocks(i_lo, i_hi, off_q, kmin, kmax, window, BLOCK_M, HAS_WINDOW)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    q_tile = offs_m[:, None] * stride_qt + offs_d[None, :]
-    do_tile = offs_m[:, None] * stride_dot + offs_d[None, :]
-    dq_tile = offs_m[:, None] * stride_dqt + offs_d[None, :]
-    for b in range(n_blocks):
-        i = i_lo + b * BLOCK_M
-        row = (q_row0 + i).to(tl.int64)
+    full_hi = n_front + n_full
+    for b in range(full_hi + n_back):
+        i = lo + b * BLOCK_M
+        row = q_row0 + i
         ok = (i + offs_m) < i_hi
-        q = load_rows(Q + row * stride_qt + q_tile, ok, offs_d, DIM, HEAD_DIM, MASK)
-        do = load_rows(DO + row * stride_dot + do_tile, ok, offs_d, DIM, HEAD_DIM, MASK)
-        if MASK:
-            lse = tl.load(LSE + row + offs_m, mask=ok, other=0.0)
-            delta = tl.load(DELTA + row + offs_m, mask=ok, other=0.0)
-        else:
-            lse = tl.load(LSE + row + offs_m)
-            delta = tl.load(DELTA + row + offs_m)
+        q = load_block(Q, row, hq, stride_qt, stride_qh, ok, offs_m, offs_d, DIM, HEAD_DIM, True, TMA)
+        do = load_block(DO, row, hq, stride_dot, stride_doh, ok, offs_m, offs_d, DIM, HEAD_DIM, True, TMA)
+        lse = tl.load(LSE + row + offs_m, mask=ok, other=0.0)
+        delta = tl.load(DELTA + row + offs_m, mask=ok, other=0.0)
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)  # (BLOCK_N, BLOCK_M)
         s_t, t_t = scores_log2(qk_t, qk_scale, cap_log2, pre_cap, HAS_SOFTCAP)
         p_t = tl.math.exp2(s_t - (lse * 1.4426950408889634)[None, :])
-        if MASK:
+        if (b < n_front) | (b >= full_hi):
             vis = visible((off_q + i + offs_m)[None, :], kpos[:, None], window, HAS_WINDOW) & ok[None, :]
             p_t = tl.where(vis, p_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
@@ -88,36 +104,9 @@ def _dkdv_steps(
             ds_t = ds_t * (1.0 - t_t * t_t)
         ds_t = ds_t.to(q.dtype)
         dk = tl.dot(ds_t, q, dk, input_precision=DOT_PREC)
-        if ATOMIC_DQ:
-            dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PREC)  # (BLOCK_M, HEAD_DIM), unscaled
-            dq_ptr = DQ_ACC + row * stride_dqt + dq_tile
-            if MASK or DIM != HEAD_DIM:  # in unmasked blocks ``ok`` is all true
-                tl.atomic_add(dq_ptr, dq, mask=ok[:, None] & (offs_d < DIM)[None, :], sem="relaxed")
-            else:
-                tl.atomic_add(dq_ptr, dq, sem="relaxed")
-    return dk, dv
-
-
-@triton.jit
-def _dkdv_segment(
-    dk, dv, k, v, kpos, kmin, kmax, Q, DO, LSE, DELTA, DQ_ACC, stride_qt, stride_dot, stride_dqt,
-    q_row0, i_lo, i_hi, off_q, window, qk_scale, cap_log2, pre_cap,
-    BLOCK_M: tl.constexpr, DIM: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT_PREC: tl.constexpr,
-):
-    """Every query block of one segment slice that sees the key block: masked, unmasked, masked."""
-    lo, n_front, n_full, n_back = query_blocks(i_lo, i_hi, off_q, kmin, kmax, window, BLOCK_M, HAS_WINDOW)
-    dk, dv = _dkdv_steps(dk, dv, k, v, kpos, Q, DO, LSE, DELTA, DQ_ACC, stride_qt, stride_dot, stride_dqt,
-                         q_row0, lo, i_hi, n_front, off_q, window, qk_scale, cap_log2, pre_cap,
-                         BLOCK_M, DIM, HEAD_DIM, True, HAS_WINDOW, HAS_SOFTCAP, ATOMIC_DQ, DOT_PREC)
-    lo = lo + n_front * BLOCK_M
-    dk, dv = _dkdv_steps(dk, dv, k, v, kpos, Q, DO, LSE, DELTA, DQ_ACC, stride_qt, stride_dot, stride_dqt,
-                         q_row0, lo, i_hi, n_full, off_q, window, qk_scale, cap_log2, pre_cap,
-                         BLOCK_M, DIM, HEAD_DIM, False, HAS_WINDOW, HAS_SOFTCAP, ATOMIC_DQ, DOT_PREC)
-    lo = lo + n_full * BLOCK_M
-    dk, dv = _dkdv_steps(dk, dv, k, v, kpos, Q, DO, LSE, DELTA, DQ_ACC, stride_qt, stride_dot, stride_dqt,
-                         q_row0, lo, i_hi, n_back, off_q, window, qk_scale, cap_log2, pre_cap,
-                         BLOCK_M, DIM, HEAD_DIM, True, HAS_WINDOW, HAS_SOFTCAP, ATOMIC_DQ, DOT_PREC)
+        if ATOMIC_DQ:  # unscaled; rows this block does not own receive exact zeros
+            dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PREC)  # (BLOCK_M, HEAD_DIM)
+            _add_dq(DQ_ACC, dq, row, hq, stride_dqt, ok, offs_m, offs_d, DIM, HEAD_DIM, DQ_TMA)
     return dk, dv
 
 
@@ -155,10 +144,11 @@ def dkdv_kernel(
     stride_kct, stride_kch, stride_vct, stride_vch, stride_dot, stride_doh,
     REP: tl.constexpr, DIM: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT_PREC: tl.constexpr,
+    TMA: tl.constexpr, DQ_TMA: tl.constexpr,
 ):
     """One program per (key item, kv head): the item's key block summed over the REP query heads of
     the kv head, its own queries (split 0) and the reader queries of its split. DK/DV/DKC/DVC/WS*
-    are contiguous (rows, nheads_k, DIM); DQ_ACC contiguous (total_q, nheads, DIM)."""
+    are contiguous (rows, nheads_k, DIM); DQ_ACC is (total_q, nheads, DIM) fp32."""
     pid = tl.program_id(0)
     item = pid // nheads_k
     hk = pid % nheads_k
@@ -174,24 +164,21 @@ def dkdv_kernel(
     seg0 = tl.load(ITEMS + I_SEG0 * n_items + item)
     row0, n_keys, koff = _key_unit(unit, n_seg, CU, CTX_LEN, CTX_KEY_START, CTX_KEY_LEN)
     own = unit < n_seg
-    if own:
-        kp = K + hk * stride_kh
-        vp = V + hk * stride_vh
-        skt = stride_kt
-        svt = stride_vt
-    else:
-        kp = KC + hk * stride_kch
-        vp = VC + hk * stride_vch
-        skt = stride_kct
-        svt = stride_vct
 
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     x = blk * BLOCK_N + offs_n
     kok = x < n_keys
-    krow = (row0 + blk * BLOCK_N).to(tl.int64)
-    k = load_rows(kp + krow * skt + offs_n[:, None] * skt + offs_d[None, :], kok, offs_d, DIM, HEAD_DIM, True)
-    v = load_rows(vp + krow * svt + offs_n[:, None] * svt + offs_d[None, :], kok, offs_d, DIM, HEAD_DIM, True)
+    krow = row0 + blk * BLOCK_N
+    if own:
+        k = load_block(K, krow, hk, stride_kt, stride_kh, kok, offs_n, offs_d, DIM, HEAD_DIM, True, TMA)
+        v = load_block(V, krow, hk, stride_vt, stride_vh, kok, offs_n, offs_d, DIM, HEAD_DIM, True, TMA)
+    else:
+        k = load_block(KC, krow, hk, stride_kct, stride_kch, kok, offs_n, offs_d, DIM, HEAD_DIM, True, TMA)
+        v = load_block(VC, krow, hk, stride_vct, stride_vch, kok, offs_n, offs_d, DIM, HEAD_DIM, True, TMA)
+    if TMA:  # rows past the block's keys hold other tokens: zero them so their dQ terms vanish
+        k = zero_pad(tl.where(kok[:, None], k, 0.0), offs_d, DIM, HEAD_DIM, TMA)
+        v = zero_pad(v, offs_d, DIM, HEAD_DIM, TMA)
     kpos = koff + x
     kmin = koff + blk * BLOCK_N
     kmax = koff + tl.minimum(n_keys, blk * BLOCK_N + BLOCK_N) - 1
@@ -201,16 +188,13 @@ def dkdv_kernel(
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     for r in range(REP):
         hq = hk * REP + r
-        qh = Q + hq * stride_qh
-        doh = DO + hq * stride_doh
         lseh = LSE + hq.to(tl.int64) * total_q
         deltah = DELTA + hq.to(tl.int64) * total_q
-        dqh = DQ_ACC + hq * DIM
         if own & (z == 0):  # the segment's own queries, causally
-            dk, dv = _dkdv_segment(dk, dv, k, v, kpos, kmin, kmax, qh, doh, lseh, deltah, dqh,
-                                   stride_qt, stride_dot, stride_dqt, row0, 0, n_keys, koff, window,
-                                   qk_scale, cap_log2, pre_cap, BLOCK_M, DIM, HEAD_DIM, HAS_WINDOW, HAS_SOFTCAP,
-                                   ATOMIC_DQ, DOT_PREC)
+            dk, dv = _dkdv_segment(dk, dv, k, v, kpos, kmin, kmax, Q, DO, lseh, deltah, DQ_ACC, hq,
+                                   stride_qt, stride_qh, stride_dot, stride_doh, stride_dqt, row0, 0, n_keys,
+                                   koff, window, qk_scale, cap_log2, pre_cap, BLOCK_M, DIM, HEAD_DIM, HAS_WINDOW,
+                                   HAS_SOFTCAP, ATOMIC_DQ, DOT_PREC, TMA, DQ_TMA)
         if region >= 0:  # readers of this context block: the query rows [r0, r1) of this split
             s = seg0
             seg_a = tl.load(CU + s)
@@ -218,10 +202,10 @@ def dkdv_kernel(
                 seg_b = tl.load(CU + s + 1)
                 i_lo = tl.maximum(r0, seg_a) - seg_a
                 i_hi = tl.minimum(r1, seg_b) - seg_a
-                dk, dv = _dkdv_segment(dk, dv, k, v, kpos, kmin, kmax, qh, doh, lseh, deltah, dqh,
-                                       stride_qt, stride_dot, stride_dqt, seg_a, i_lo, i_hi,
-                                       tl.load(CTX_LEN + s), window, qk_scale, cap_log2, pre_cap,
-                                       BLOCK_M, DIM, HEAD_DIM, HAS_WINDOW, HAS_SOFTCAP, ATOMIC_DQ, DOT_PREC)
+                dk, dv = _dkdv_segment(dk, dv, k, v, kpos, kmin, kmax, Q, DO, lseh, deltah, DQ_ACC, hq,
+                                       stride_qt, stride_qh, stride_dot, stride_doh, stride_dqt, seg_a, i_lo, i_hi,
+                                       tl.load(CTX_LEN + s), window, qk_scale, cap_log2, pre_cap, BLOCK_M, DIM,
+                                       HEAD_DIM, HAS_WINDOW, HAS_SOFTCAP, ATOMIC_DQ, DOT_PREC, TMA, DQ_TMA)
                 s += 1
                 seg_a = seg_b
 
@@ -233,7 +217,7 @@ def dkdv_kernel(
         store_rows(WSK + ws_row * row_stride + tile, dk, kok, offs_d, DIM, HEAD_DIM)
         store_rows(WSV + ws_row * row_stride + tile, dv, kok, offs_d, DIM, HEAD_DIM)
     else:
-        _store_block(DK, DV, DKC, DVC, own, krow * row_stride + tile, dk, dv, kok, offs_d, DIM, HEAD_DIM)
+        _store_block(DK, DV, DKC, DVC, own, krow.to(tl.int64) * row_stride + tile, dk, dv, kok, offs_d, DIM, HEAD_DIM)
 
 
 @triton.jit
@@ -270,21 +254,19 @@ def reduce_kernel(WSK, WSV, DK, DV, DKC, DVC, ITEMS, CU, CTX_LEN, CTX_KEY_START,
 
 @triton.jit
 def _dq_steps(
-    dq, q, do, lse2, delta, K, V, stride_kt, stride_vt, row0, n_keys, off, x_lo, n_blocks, qpos, window,
-    qk_scale, cap_log2, pre_cap, BLOCK_N: tl.constexpr, DIM: tl.constexpr, HEAD_DIM: tl.constexpr,
-    MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr,
+    dq, q, do, lse2, delta, K, V, hk, stride_kt, stride_kh, stride_vt, stride_vh,
+    row0, n_keys, off, x_lo, n_blocks, qpos, window, qk_scale, cap_log2, pre_cap,
+    BLOCK_N: tl.constexpr, DIM: tl.constexpr, HEAD_DIM: tl.constexpr, MASK: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr,
 ):
     """Accumulate dQ (BLOCK_M, HEAD_DIM) fp32 over ``n_blocks`` key blocks of one region."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    k_tile = offs_n[:, None] * stride_kt + offs_d[None, :]
-    v_tile = offs_n[:, None] * stride_vt + offs_d[None, :]
     for b in range(n_blocks):
         x = x_lo + b * BLOCK_N
-        row = (row0 + x).to(tl.int64)
         inb = (x + offs_n) < n_keys
-        k = load_rows(K + row * stride_kt + k_tile, inb, offs_d, DIM, HEAD_DIM, MASK)
-        v = load_rows(V + row * stride_vt + v_tile, inb, offs_d, DIM, HEAD_DIM, MASK)
+        k = load_block(K, row0 + x, hk, stride_kt, stride_kh, inb, offs_n, offs_d, DIM, HEAD_DIM, MASK, TMA)
+        v = load_block(V, row0 + x, hk, stride_vt, stride_vh, inb, offs_n, offs_d, DIM, HEAD_DIM, MASK, TMA)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
         s, t = scores_log2(qk, qk_scale, cap_log2, pre_cap, HAS_SOFTCAP)
         p = tl.math.exp2(s - lse2[:, None])
@@ -301,23 +283,25 @@ def _dq_steps(
 
 @triton.jit
 def _dq_region(
-    dq, q, do, lse2, delta, K, V, stride_kt, stride_vt, row0, n_keys, off, qpos, qmin, qmax, window,
-    qk_scale, cap_log2, pre_cap, BLOCK_N: tl.constexpr, DIM: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr,
+    dq, q, do, lse2, delta, K, V, hk, stride_kt, stride_kh, stride_vt, stride_vh,
+    row0, n_keys, off, qpos, qmin, qmax, window, qk_scale, cap_log2, pre_cap,
+    BLOCK_N: tl.constexpr, DIM: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr,
 ):
+    """All visible key blocks of one region for a query tile: masked, unmasked, masked."""
     lo, n_front, n_full, n_back = key_blocks(n_keys, off, qmin, qmax, window, BLOCK_N, HAS_WINDOW)
     if HAS_WINDOW:
-        dq = _dq_steps(dq, q, do, lse2, delta, K, V, stride_kt, stride_vt, row0, n_keys, off, lo, n_front, qpos,
-                       window, qk_scale, cap_log2, pre_cap, BLOCK_N, DIM, HEAD_DIM, True, HAS_WINDOW, HAS_SOFTCAP,
-                       DOT_PREC)
+        dq = _dq_steps(dq, q, do, lse2, delta, K, V, hk, stride_kt, stride_kh, stride_vt, stride_vh, row0, n_keys,
+                       off, lo, n_front, qpos, window, qk_scale, cap_log2, pre_cap, BLOCK_N, DIM, HEAD_DIM, True,
+                       HAS_WINDOW, HAS_SOFTCAP, DOT_PREC, TMA)
     lo = lo + n_front * BLOCK_N
-    dq = _dq_steps(dq, q, do, lse2, delta, K, V, stride_kt, stride_vt, row0, n_keys, off, lo, n_full, qpos,
-                   window, qk_scale, cap_log2, pre_cap, BLOCK_N, DIM, HEAD_DIM, False, HAS_WINDOW, HAS_SOFTCAP,
-                   DOT_PREC)
+    dq = _dq_steps(dq, q, do, lse2, delta, K, V, hk, stride_kt, stride_kh, stride_vt, stride_vh, row0, n_keys,
+                   off, lo, n_full, qpos, window, qk_scale, cap_log2, pre_cap, BLOCK_N, DIM, HEAD_DIM, False,
+                   HAS_WINDOW, HAS_SOFTCAP, DOT_PREC, TMA)
     lo = lo + n_full * BLOCK_N
-    dq = _dq_steps(dq, q, do, lse2, delta, K, V, stride_kt, stride_vt, row0, n_keys, off, lo, n_back, qpos,
-                   window, qk_scale, cap_log2, pre_cap, BLOCK_N, DIM, HEAD_DIM, True, HAS_WINDOW, HAS_SOFTCAP,
-                   DOT_PREC)
+    dq = _dq_steps(dq, q, do, lse2, delta, K, V, hk, stride_kt, stride_kh, stride_vt, stride_vh, row0, n_keys,
+                   off, lo, n_back, qpos, window, qk_scale, cap_log2, pre_cap, BLOCK_N, DIM, HEAD_DIM, True,
+                   HAS_WINDOW, HAS_SOFTCAP, DOT_PREC, TMA)
     return dq
 
 
@@ -328,7 +312,7 @@ def dq_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kct, stride_kch, stride_vct, stride_vch, stride_dot, stride_doh, stride_dqt, stride_dqh,
     REP: tl.constexpr, DIM: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr,
 ):
     """dQ without atomics (deterministic): one program per (query tile, head), like the forward."""
     pid = tl.program_id(0)
@@ -343,12 +327,16 @@ def dq_kernel(
     ctx_start = tl.load(CTX_START + seg)
     ctx_len = tl.load(CTX_LEN + seg)
     hk = h // REP
-    offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_m = mb * BLOCK_M + offs_r
     offs_d = tl.arange(0, HEAD_DIM)
     ok = offs_m < seg_len
+    row = seg_start + mb * BLOCK_M
+    q = load_block(Q, row, h, stride_qt, stride_qh, ok, offs_r, offs_d, DIM, HEAD_DIM, True, TMA)
+    do = load_block(DO, row, h, stride_dot, stride_doh, ok, offs_r, offs_d, DIM, HEAD_DIM, True, TMA)
+    q = zero_pad(q, offs_d, DIM, HEAD_DIM, TMA)
+    do = zero_pad(do, offs_d, DIM, HEAD_DIM, TMA)
     rows = (seg_start + offs_m).to(tl.int64)
-    q = load_rows(Q + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], ok, offs_d, DIM, HEAD_DIM, True)
-    do = load_rows(DO + rows[:, None] * stride_dot + h * stride_doh + offs_d[None, :], ok, offs_d, DIM, HEAD_DIM, True)
     lse2 = tl.load(LSE + h.to(tl.int64) * total_q + rows, mask=ok, other=0.0) * 1.4426950408889634
     delta = tl.load(DELTA + h.to(tl.int64) * total_q + rows, mask=ok, other=0.0)
     qpos = ctx_len + offs_m
@@ -356,12 +344,12 @@ def dq_kernel(
     qmax = ctx_len + tl.minimum(seg_len, mb * BLOCK_M + BLOCK_M) - 1
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     if ctx_len > 0:
-        dq = _dq_region(dq, q, do, lse2, delta, KC + hk * stride_kch, VC + hk * stride_vch, stride_kct, stride_vct,
+        dq = _dq_region(dq, q, do, lse2, delta, KC, VC, hk, stride_kct, stride_kch, stride_vct, stride_vch,
                         ctx_start, ctx_len, 0, qpos, qmin, qmax, window, qk_scale, cap_log2, pre_cap,
-                        BLOCK_N, DIM, HEAD_DIM, HAS_WINDOW, HAS_SOFTCAP, DOT_PREC)
-    dq = _dq_region(dq, q, do, lse2, delta, K + hk * stride_kh, V + hk * stride_vh, stride_kt, stride_vt,
+                        BLOCK_N, DIM, HEAD_DIM, HAS_WINDOW, HAS_SOFTCAP, DOT_PREC, TMA)
+    dq = _dq_region(dq, q, do, lse2, delta, K, V, hk, stride_kt, stride_kh, stride_vt, stride_vh,
                     seg_start, seg_len, ctx_len, qpos, qmin, qmax, window, qk_scale, cap_log2, pre_cap,
-                    BLOCK_N, DIM, HEAD_DIM, HAS_WINDOW, HAS_SOFTCAP, DOT_PREC)
+                    BLOCK_N, DIM, HEAD_DIM, HAS_WINDOW, HAS_SOFTCAP, DOT_PREC, TMA)
     dq = dq * sm_scale
     store_rows(DQ + rows[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :], dq.to(DQ.dtype.element_ty),
                ok, offs_d, DIM, HEAD_DIM)

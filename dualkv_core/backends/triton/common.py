@@ -122,3 +122,30 @@ def store_rows(ptrs, value, row_ok, offs_d, DIM: tl.constexpr, HEAD_DIM: tl.cons
         tl.store(ptrs, value, mask=row_ok[:, None])
     else:
         tl.store(ptrs, value, mask=row_ok[:, None] & (offs_d < DIM)[None, :])
+
+
+@triton.jit
+def load_block(X, row, head, stride_t, stride_h, row_ok, offs_r, offs_d,
+               DIM: tl.constexpr, HEAD_DIM: tl.constexpr, ROW_MASK: tl.constexpr, TMA: tl.constexpr):
+    """(BLOCK, HEAD_DIM) tile: rows ``row + offs_r`` of ``head`` of a (rows, heads, DIM) tensor.
+
+    With TMA, X is a 2-D tensor descriptor over (rows, heads * DIM) with block (BLOCK, HEAD_DIM):
+    the copy engine reads the tile; rows past the tensor come back as zeros, rows inside it but past
+    ``row_ok`` are read as they are (callers mask their scores), and when DIM < HEAD_DIM the columns
+    past DIM belong to the next head (callers zero them where it matters: ``zero_pad``).
+    Otherwise X is a pointer; rows are masked by ``row_ok`` when ROW_MASK, padded columns are zero.
+    """
+    if TMA:
+        return X.load([row, head * DIM])
+    else:
+        ptrs = X + row.to(tl.int64) * stride_t + head * stride_h + (offs_r[:, None] * stride_t + offs_d[None, :])
+        return load_rows(ptrs, row_ok, offs_d, DIM, HEAD_DIM, ROW_MASK)
+
+
+@triton.jit
+def zero_pad(x, offs_d, DIM: tl.constexpr, HEAD_DIM: tl.constexpr, TMA: tl.constexpr):
+    """Zero the columns past the real head dim of a tile read through TMA (no-op otherwise)."""
+    if TMA and DIM != HEAD_DIM:
+        return tl.where((offs_d < DIM)[None, :], x, 0.0)
+    else:
+        return x

@@ -16,31 +16,28 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import key_blocks, load_rows, scores_log2, store_rows, visible
+from .common import key_blocks, load_block, scores_log2, store_rows, visible, zero_pad
 
 
 @triton.jit
 def _attend(
-    acc, m_i, l_i, q, K, V, stride_kt, stride_vt,
+    acc, m_i, l_i, q, K, V, hk, stride_kt, stride_kh, stride_vt, stride_vh,
     row0, n_keys, off, x_lo, n_blocks, qpos, window, qk_scale, cap_log2, pre_cap,
     BLOCK_N: tl.constexpr, DIM: tl.constexpr, HEAD_DIM: tl.constexpr, MASK: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr,
 ):
     """Online-softmax update over ``n_blocks`` key blocks of one region starting at key ``x_lo``.
 
     acc: (BLOCK_M, HEAD_DIM) fp32; m_i, l_i: (BLOCK_M,) fp32 running max (log2) and sum;
-    q: (BLOCK_M, HEAD_DIM); qpos: (BLOCK_M,) logical query positions. K/V point at the kv head.
+    q: (BLOCK_M, HEAD_DIM); qpos: (BLOCK_M,) logical query positions; hk: the kv head.
     """
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    k_tile = offs_n[:, None] * stride_kt + offs_d[None, :]
-    v_tile = offs_n[:, None] * stride_vt + offs_d[None, :]
     for b in range(n_blocks):
         x = x_lo + b * BLOCK_N
-        row = (row0 + x).to(tl.int64)
         inb = (x + offs_n) < n_keys
-        k = load_rows(K + row * stride_kt + k_tile, inb, offs_d, DIM, HEAD_DIM, MASK)
-        v = load_rows(V + row * stride_vt + v_tile, inb, offs_d, DIM, HEAD_DIM, MASK)
+        k = load_block(K, row0 + x, hk, stride_kt, stride_kh, inb, offs_n, offs_d, DIM, HEAD_DIM, MASK, TMA)
+        v = load_block(V, row0 + x, hk, stride_vt, stride_vh, inb, offs_n, offs_d, DIM, HEAD_DIM, MASK, TMA)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
         s, _ = scores_log2(qk, qk_scale, cap_log2, pre_cap, HAS_SOFTCAP)
         if MASK:
@@ -63,25 +60,25 @@ def _attend(
 
 @triton.jit
 def _attend_region(
-    acc, m_i, l_i, q, K, V, stride_kt, stride_vt,
+    acc, m_i, l_i, q, K, V, hk, stride_kt, stride_kh, stride_vt, stride_vh,
     row0, n_keys, off, qpos, qmin, qmax, window, qk_scale, cap_log2, pre_cap,
     BLOCK_N: tl.constexpr, DIM: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr,
 ):
     """All visible key blocks of one region: masked front, unmasked middle, masked back."""
     lo, n_front, n_full, n_back = key_blocks(n_keys, off, qmin, qmax, window, BLOCK_N, HAS_WINDOW)
     if HAS_WINDOW:
-        acc, m_i, l_i = _attend(acc, m_i, l_i, q, K, V, stride_kt, stride_vt, row0, n_keys, off, lo, n_front,
-                                qpos, window, qk_scale, cap_log2, pre_cap,
-                                BLOCK_N, DIM, HEAD_DIM, True, HAS_WINDOW, HAS_SOFTCAP, DOT_PREC)
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, K, V, hk, stride_kt, stride_kh, stride_vt, stride_vh, row0, n_keys,
+                                off, lo, n_front, qpos, window, qk_scale, cap_log2, pre_cap, BLOCK_N, DIM, HEAD_DIM,
+                                True, HAS_WINDOW, HAS_SOFTCAP, DOT_PREC, TMA)
     lo = lo + n_front * BLOCK_N
-    acc, m_i, l_i = _attend(acc, m_i, l_i, q, K, V, stride_kt, stride_vt, row0, n_keys, off, lo, n_full,
-                            qpos, window, qk_scale, cap_log2, pre_cap,
-                            BLOCK_N, DIM, HEAD_DIM, False, HAS_WINDOW, HAS_SOFTCAP, DOT_PREC)
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q, K, V, hk, stride_kt, stride_kh, stride_vt, stride_vh, row0, n_keys,
+                            off, lo, n_full, qpos, window, qk_scale, cap_log2, pre_cap, BLOCK_N, DIM, HEAD_DIM,
+                            False, HAS_WINDOW, HAS_SOFTCAP, DOT_PREC, TMA)
     lo = lo + n_full * BLOCK_N
-    acc, m_i, l_i = _attend(acc, m_i, l_i, q, K, V, stride_kt, stride_vt, row0, n_keys, off, lo, n_back,
-                            qpos, window, qk_scale, cap_log2, pre_cap,
-                            BLOCK_N, DIM, HEAD_DIM, True, HAS_WINDOW, HAS_SOFTCAP, DOT_PREC)
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q, K, V, hk, stride_kt, stride_kh, stride_vt, stride_vh, row0, n_keys,
+                            off, lo, n_back, qpos, window, qk_scale, cap_log2, pre_cap, BLOCK_N, DIM, HEAD_DIM,
+                            True, HAS_WINDOW, HAS_SOFTCAP, DOT_PREC, TMA)
     return acc, m_i, l_i
 
 
@@ -92,8 +89,9 @@ def fwd_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kct, stride_kch, stride_vct, stride_vch, stride_ot, stride_oh,
     REP: tl.constexpr, DIM: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr,
 ):
+    """Q, K, V, KC, VC are pointers, or (with TMA) 2-D tensor descriptors over (rows, heads * DIM)."""
     pid = tl.program_id(0)
     tile = pid // nheads
     h = pid % nheads  # heads are the fast axis: a tile's heads run together and share K/V in L2
@@ -107,11 +105,13 @@ def fwd_kernel(
     ctx_len = tl.load(CTX_LEN + seg)
     hk = h // REP
 
-    offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # query index inside the segment
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_m = mb * BLOCK_M + offs_r  # query index inside the segment
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < seg_len
-    rows = (seg_start + offs_m).to(tl.int64)
-    q = load_rows(Q + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], row_ok, offs_d, DIM, HEAD_DIM, True)
+    q = load_block(Q, seg_start + mb * BLOCK_M, h, stride_qt, stride_qh, row_ok, offs_r, offs_d,
+                   DIM, HEAD_DIM, True, TMA)
+    q = zero_pad(q, offs_d, DIM, HEAD_DIM, TMA)  # then padded key columns never count
     qpos = ctx_len + offs_m
     qmin = ctx_len + mb * BLOCK_M
     qmax = ctx_len + tl.minimum(seg_len, mb * BLOCK_M + BLOCK_M) - 1
@@ -121,16 +121,17 @@ def fwd_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     if ctx_len > 0:
         acc, m_i, l_i = _attend_region(
-            acc, m_i, l_i, q, KC + hk * stride_kch, VC + hk * stride_vch, stride_kct, stride_vct,
+            acc, m_i, l_i, q, KC, VC, hk, stride_kct, stride_kch, stride_vct, stride_vch,
             ctx_start, ctx_len, 0, qpos, qmin, qmax, window, qk_scale, cap_log2, pre_cap,
-            BLOCK_N, DIM, HEAD_DIM, HAS_WINDOW, HAS_SOFTCAP, DOT_PREC)
+            BLOCK_N, DIM, HEAD_DIM, HAS_WINDOW, HAS_SOFTCAP, DOT_PREC, TMA)
     acc, m_i, l_i = _attend_region(
-        acc, m_i, l_i, q, K + hk * stride_kh, V + hk * stride_vh, stride_kt, stride_vt,
+        acc, m_i, l_i, q, K, V, hk, stride_kt, stride_kh, stride_vt, stride_vh,
         seg_start, seg_len, ctx_len, qpos, qmin, qmax, window, qk_scale, cap_log2, pre_cap,
-        BLOCK_N, DIM, HEAD_DIM, HAS_WINDOW, HAS_SOFTCAP, DOT_PREC)
+        BLOCK_N, DIM, HEAD_DIM, HAS_WINDOW, HAS_SOFTCAP, DOT_PREC, TMA)
 
     l_safe = tl.where(row_ok, l_i, 1.0)
     out = acc / l_safe[:, None]
+    rows = (seg_start + offs_m).to(tl.int64)
     store_rows(O + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty),
                row_ok, offs_d, DIM, HEAD_DIM)
     lse = (m_i + tl.math.log2(l_safe)) * 0.6931471805599453

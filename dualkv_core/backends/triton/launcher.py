@@ -7,6 +7,7 @@ No host synchronisation: schedules are built on the device with sizes bounded fr
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -18,12 +19,38 @@ from .configs import KernelConfig
 from .fwd_kernel import fwd_kernel
 
 MAX_WINDOW = 1 << 30  # logical positions stay below this; a wider window is no window
+MAX_TMA_HEAD_DIM = 256  # a copy-engine box holds at most 256 elements per dimension
+
+
+def tma_supported(*tensors: torch.Tensor) -> bool:
+    """Tensor descriptors apply: Hopper or newer (or the interpreter), each tensor a (rows, heads * dim)
+    matrix (heads contiguous in a row) with 16-byte aligned base and row stride."""
+    t0 = tensors[0]
+    if os.environ.get("DUALKV_TRITON_TMA", "1") == "0":
+        return False
+    if configs.padded_head_dim(t0.shape[-1]) > MAX_TMA_HEAD_DIM:
+        return False
+    if t0.is_cuda and torch.cuda.get_device_capability(t0.device)[0] < 9:
+        return False
+    for t in tensors:
+        e = t.element_size()
+        if t.data_ptr() % 16 or t.stride(2) != 1 or t.stride(1) != t.shape[2] or (t.stride(0) * e) % 16:
+            return False
+    return True
+
+
+def _desc(t: torch.Tensor, rows: int, head_dim: int):
+    """A descriptor over (rows, heads, dim) seen as (rows, heads * dim), copying (rows, head_dim) boxes."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(t, [t.shape[0], t.shape[1] * t.shape[2]], [t.stride(0), 1], [rows, head_dim])
 
 
 class _Opts:
     """Scalars and compile-time switches shared by every kernel of one call."""
 
-    def __init__(self, q: torch.Tensor, k: torch.Tensor, scale: float, window, softcap):
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, scale: float, window, softcap, tma: bool):
+        self.tma = tma
         self.rep = q.shape[1] // k.shape[1]
         self.dim = q.shape[2]
         self.head_dim = configs.padded_head_dim(self.dim)
@@ -40,19 +67,25 @@ class _Opts:
 
     def constexprs(self) -> dict:
         return dict(REP=self.rep, DIM=self.dim, HEAD_DIM=self.head_dim, HAS_WINDOW=self.has_window,
-                    HAS_SOFTCAP=self.has_softcap, DOT_PREC=self.dot_prec)
+                    HAS_SOFTCAP=self.has_softcap, DOT_PREC=self.dot_prec, TMA=self.tma)
 
     def key(self, meta, total_q: int, extra=()) -> tuple:
         S = meta.cu_seqlens.numel() - 1
         C = meta.ctx_key_start.numel()
-        return (str(self.dot_prec), self.rep, configs.regime(total_q, S, C), self.has_window, self.has_softcap, *extra)
+        regime = configs.regime(total_q, S, C)
+        return (self.dot_prec, self.tma, self.rep, regime, self.has_window, self.has_softcap, *extra)
+
+    def tiles(self, rows: int, *tensors):
+        """The kernel's view of q-like / k-like tensors: descriptors with ``rows``-row boxes, or themselves."""
+        return [_desc(t, rows, self.head_dim) if self.tma else t for t in tensors]
 
 
 def _kv_strides(k, v, kc, vc) -> list[int]:
     return [k.stride(0), k.stride(1), v.stride(0), v.stride(1), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1)]
 
 
-def forward(q, k, v, k_ctx, v_ctx, meta, softmax_scale, window, softcap, config: KernelConfig | None = None):
+def forward(q, k, v, k_ctx, v_ctx, meta, softmax_scale, window, softcap, config: KernelConfig | None = None,
+            tma: bool | None = None):
     """out (total_q, nheads, headdim) in q's dtype, lse (nheads, total_q) float32.
 
     q: (total_q, nheads, headdim); k, v: (total_q, nheads_k, headdim); k_ctx, v_ctx:
@@ -63,15 +96,16 @@ def forward(q, k, v, k_ctx, v_ctx, meta, softmax_scale, window, softcap, config:
     lse = torch.empty((H, T), dtype=torch.float32, device=q.device)
     if T == 0:
         return out, lse
-    o = _Opts(q, k, softmax_scale, window, softcap)
     kc = k if k_ctx is None else k_ctx
     vc = v if v_ctx is None else v_ctx
+    o = _Opts(q, k, softmax_scale, window, softcap, tma_supported(q, k, v, kc, vc) if tma is None else tma)
 
     def run(cfg: KernelConfig):
         tiles = schedule.query_tiles(meta, T, cfg.block_m, window if o.has_window else None)
         n_tiles = tiles.shape[1]
         fwd_kernel[(n_tiles * H,)](
-            q, k, v, kc, vc, out, lse, tiles, meta.cu_seqlens, meta.seg_ctx_start, meta.seg_ctx_len,
+            *o.tiles(cfg.block_m, q), *o.tiles(cfg.block_n, k, v, kc, vc), out, lse,
+            tiles, meta.cu_seqlens, meta.seg_ctx_start, meta.seg_ctx_len,
             n_tiles, T, H, o.qk_scale, o.cap_log2, o.pre_cap, o.window,
             q.stride(0), q.stride(1), *_kv_strides(k, v, kc, vc), out.stride(0), out.stride(1),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -84,18 +118,20 @@ def forward(q, k, v, k_ctx, v_ctx, meta, softmax_scale, window, softcap, config:
 
 
 def backward(dout, q, k, v, k_ctx, v_ctx, out, lse, meta, softmax_scale, window, softcap, deterministic,
-             dkdv_config: KernelConfig | None = None, dq_config: KernelConfig | None = None):
+             dkdv_config: KernelConfig | None = None, dq_config: KernelConfig | None = None,
+             tma: bool | None = None, split_rows: int = schedule.SPLIT_ROWS):
     """dq (like q), dk, dv (like k, v), dk_ctx, dv_ctx (like k_ctx, v_ctx; None when k_ctx is None).
 
     Context gradients are summed over every reading query in fp32 and cast once. With
-    ``deterministic`` dQ comes from a query-parallel kernel instead of fp32 atomics.
+    ``deterministic`` dQ comes from a query-parallel kernel instead of fp32 atomics. ``split_rows``:
+    a context key block's readers are split over programs of about this many query rows each.
     """
     T, H, d = q.shape
     Hkv = k.shape[1]
-    o = _Opts(q, k, softmax_scale, window, softcap)
     separate = k_ctx is not None
     kc = k if k_ctx is None else k_ctx
     vc = v if v_ctx is None else v_ctx
+    o = _Opts(q, k, softmax_scale, window, softcap, tma_supported(q, k, v, kc, vc, dout) if tma is None else tma)
     dev = q.device
     dk = torch.empty((T, Hkv, d), dtype=k.dtype, device=dev)
     dv = torch.empty((T, Hkv, d), dtype=v.dtype, device=dev)
@@ -112,17 +148,21 @@ def backward(dout, q, k, v, k_ctx, v_ctx, out, lse, meta, softmax_scale, window,
 
     def run_dkdv(cfg: KernelConfig):
         _preprocess(out, dout, delta, dq_acc, o, atomic)
-        items = schedule.key_items(meta, T, n_ctx_rows, separate, cfg.block_n, window if o.has_window else None)
+        items = schedule.key_items(meta, T, n_ctx_rows, separate, cfg.block_n, window if o.has_window else None,
+                                   split_rows)
         n_items = items.table.shape[1]
         wsk = torch.empty((items.ws_rows, Hkv, d), dtype=torch.float32, device=dev)
         wsv = torch.empty_like(wsk)
         grid = (n_items * Hkv,)
+        dq_tma = atomic and o.tma and o.on_cuda  # the interpreter has no TMA reduce-add
+        dq_arg = o.tiles(cfg.block_m, dq_acc)[0] if dq_tma else dq_acc
         dkdv_kernel[grid](
-            q, k, v, kc, vc, dout, lse, delta, dq_acc, dk, dv, dkc, dvc, wsk, wsv,
+            *o.tiles(cfg.block_m, q), *o.tiles(cfg.block_n, k, v, kc, vc),
+            *o.tiles(cfg.block_m, dout), lse, delta, dq_arg, dk, dv, dkc, dvc, wsk, wsv,
             items.table, meta.cu_seqlens, meta.seg_ctx_len, meta.ctx_key_start, meta.ctx_key_len,
             n_items, meta.cu_seqlens.numel() - 1, T, Hkv, o.qk_scale, o.cap_log2, o.pre_cap, o.scale, o.window,
             q.stride(0), q.stride(1), *_kv_strides(k, v, kc, vc), dout.stride(0), dout.stride(1),
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ATOMIC_DQ=atomic,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ATOMIC_DQ=atomic, DQ_TMA=dq_tma,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **o.constexprs(),
         )
         reduce_kernel[grid](
@@ -138,7 +178,8 @@ def backward(dout, q, k, v, k_ctx, v_ctx, out, lse, meta, softmax_scale, window,
         tiles = schedule.query_tiles(meta, T, cfg.block_m, window if o.has_window else None)
         n_tiles = tiles.shape[1]
         dq_kernel[(n_tiles * H,)](
-            q, k, v, kc, vc, dout, lse, delta, dq, tiles, meta.cu_seqlens, meta.seg_ctx_start, meta.seg_ctx_len,
+            *o.tiles(cfg.block_m, q), *o.tiles(cfg.block_n, k, v, kc, vc), *o.tiles(cfg.block_m, dout),
+            lse, delta, dq, tiles, meta.cu_seqlens, meta.seg_ctx_start, meta.seg_ctx_len,
             n_tiles, T, H, o.qk_scale, o.cap_log2, o.pre_cap, o.scale, o.window,
             q.stride(0), q.stride(1), *_kv_strides(k, v, kc, vc), dout.stride(0), dout.stride(1),
             dq.stride(0), dq.stride(1),

@@ -22,6 +22,7 @@ import torch
 UNIT, BLOCK, SPLIT, NSPLIT, REGION, R0, R1, SEG0, WS_BASE = range(9)
 ITEM_ROWS = 9
 MAX_SPLITS = 8
+SPLIT_ROWS = 4096  # a context key block's readers are split into programs of at least this many rows
 
 
 def _cdiv(a, b):
@@ -99,7 +100,7 @@ def _region_splits(meta, ws_rows: int, split_rows: int) -> tuple[torch.Tensor, t
 
 
 def key_items(meta, total_q: int, n_ctx_rows: int, separate: bool, block_n: int,
-              window: int | None, split_rows: int = 4096) -> KeyItems:
+              window: int | None, split_rows: int = SPLIT_ROWS) -> KeyItems:
     """Work items of the dK/dV kernel: (key block, reader split) of every unit, heaviest first.
 
     Args:

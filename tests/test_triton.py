@@ -1,0 +1,249 @@
+"""The Triton backend under the CPU interpreter (TRITON_INTERPRET=1, set by conftest without CUDA):
+forward, LSE and every gradient against the pure-PyTorch reference, on tiny shapes.
+
+The interpreter runs each program in Python, so shapes stay small and blocks are 16/32 wide; the
+cases still cross block edges, the causal diagonal, window edges, ragged tails, split readers and
+both load paths (pointers and tensor descriptors).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+
+from dualkv.core import AttnMeta, PackedLayout, dualkv_attention, flash_attn_dualkv_varlen_func, reference_attention
+from dualkv.core.backends import triton as triton_backend
+from dualkv.core.reference import reference_attention_backward_meta, reference_attention_meta
+
+pytestmark = pytest.mark.skipif(not triton_backend.is_available(), reason="triton backend not available here")
+
+if triton_backend.is_available():
+    from dualkv.core.backends.triton import launcher, schedule
+    from dualkv.core.backends.triton.configs import KernelConfig
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fast_interpreter():
+    """The interpreter checks every int32 add/mul for overflow, which halves its speed; shapes here
+    are tiny, so nothing can overflow. Restored after the module."""
+    if torch.cuda.is_available():
+        yield
+        return
+    import triton.runtime.interpreter as interp
+
+    saved = interp.interpreter_builder.options
+    interp.interpreter_builder.options = replace(saved, sanitize_overflow=False)
+    yield
+    interp.interpreter_builder.options = saved
+
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SMALL = KernelConfig(16, 32, 4, 1)  # block_m != block_n: tiles and key blocks do not line up
+WIDE = KernelConfig(32, 16, 4, 1)
+
+
+def _inputs(prompts, responses, H, Hkv, d, dtype=torch.float32, seed=0):
+    layout = PackedLayout.from_lengths(prompts, responses, device=DEVICE)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    T = layout.total_tokens
+    q, k, v, do = (torch.randn(T, h, d, generator=g).to(DEVICE, dtype) for h in (H, Hkv, Hkv, H))
+    return layout, AttnMeta.from_layout(layout), q, k, v, do
+
+
+def _reference(q, k, v, do, meta, scale, window, softcap, k_ctx=None, v_ctx=None):
+    """fp64 reference: out, lse, and the gradients."""
+    up = [t.double() if t is not None else None for t in (q, k, v, do, k_ctx, v_ctx)]
+    out, lse = reference_attention_meta(up[0], up[1], up[2], meta, scale, window, softcap, up[4], up[5])
+    grads = reference_attention_backward_meta(up[3], up[0], up[1], up[2], meta, scale, window, softcap, up[4], up[5])
+    return out, lse, grads
+
+
+def _close(name, got, want, tol):
+    err = (got.double() - want.double()).abs().max().item()
+    scale = max(want.double().abs().max().item(), 1.0)
+    assert err <= tol * scale, f"{name}: max error {err:.3e} > {tol:.1e} x {scale:.2f}"
+
+
+def _check_all(q, k, v, do, meta, window=None, softcap=None, deterministic=False, tma=False, tol=2e-5,
+               fwd_cfg=SMALL, bwd_cfg=SMALL, split_rows=schedule.SPLIT_ROWS if triton_backend.is_available() else 0):
+    scale = 1 / math.sqrt(q.shape[2])
+    out, lse = launcher.forward(q, k, v, None, None, meta, scale, window, softcap, config=fwd_cfg, tma=tma)
+    grads = launcher.backward(do, q, k, v, None, None, out, lse, meta, scale, window, softcap, deterministic,
+                              dkdv_config=bwd_cfg, dq_config=fwd_cfg, tma=tma, split_rows=split_rows)
+    r_out, r_lse, r_grads = _reference(q, k, v, do, meta, scale, window, softcap)
+    assert out.dtype == q.dtype and lse.dtype == torch.float32 and lse.shape == (q.shape[1], q.shape[0])
+    _close("out", out, r_out, tol)
+    _close("lse", lse, r_lse, tol)
+    for name, g, r in zip(("dq", "dk", "dv"), grads[:3], r_grads[:3]):
+        assert g.dtype == q.dtype and g.shape == r.shape
+        _close(name, g, r, tol * 4)
+    assert grads[3] is None and grads[4] is None
+    return grads
+
+
+# (prompts, responses per group, H, Hkv, d): odd lengths, several groups, GQA 1:1, 4:1, 8:1.
+CASES = [
+    ([7, 1], [[1, 97], [113]], 2, 2, 16),
+    ([40], [[9, 33, 1]], 4, 1, 16),
+    ([5, 37, 2], [[20], [7, 1], [13, 3]], 8, 1, 32),
+]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("tma", [False, True])
+def test_matches_reference(case, tma):
+    prompts, responses, H, Hkv, d = CASES[case]
+    _, meta, q, k, v, do = _inputs(prompts, responses, H, Hkv, d, seed=case)
+    _check_all(q, k, v, do, meta, tma=tma, fwd_cfg=SMALL if case % 2 else WIDE, bwd_cfg=WIDE if case % 2 else SMALL)
+
+
+@pytest.mark.parametrize("window, softcap", [(1, None), (6, None), (45, None), (None, 1.5), (20, 4.0)])
+def test_window_and_softcap(window, softcap):
+    """Windows from 1 (self only) to ones reaching from a response back into its prompt's tail."""
+    _, meta, q, k, v, do = _inputs([41, 6], [[30, 8], [19]], 4, 2, 16, seed=window or 3)
+    _check_all(q, k, v, do, meta, window=window, softcap=softcap, tma=window == 6)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_split_readers(deterministic):
+    """Many readers per prompt block: the reader range is split over programs, partials reduced in order."""
+    _, meta, q, k, v, do = _inputs([9, 3], [[11, 5, 14, 1, 6, 9], [4, 17]], 2, 1, 16, seed=7)
+    items = schedule.key_items(meta, q.shape[0], 0, False, SMALL.block_n, None, split_rows=1)
+    assert int(items.table[schedule.NSPLIT].max()) > 1  # the split path is really taken
+    _check_all(q, k, v, do, meta, deterministic=deterministic, split_rows=1)
+
+
+def test_padded_head_dim_and_fp16():
+    """headdim 96 runs padded to 128 (through descriptors too); fp16 against the fp64 reference."""
+    _, meta, q, k, v, do = _inputs([13], [[10, 21]], 2, 1, 96, dtype=torch.float16, seed=11)
+    _check_all(q, k, v, do, meta, tma=True, tol=4e-3, fwd_cfg=KernelConfig(32, 32, 4, 1),
+               bwd_cfg=KernelConfig(32, 32, 4, 1))
+
+
+def test_deterministic_is_bitwise_repeatable():
+    _, meta, q, k, v, do = _inputs([21], [[17, 30]], 4, 2, 16, seed=5)
+    first = _check_all(q, k, v, do, meta, deterministic=True, split_rows=1)
+    again = _check_all(q, k, v, do, meta, deterministic=True, split_rows=1)
+    for a, b in zip(first[:3], again[:3]):
+        assert torch.equal(a, b)
+
+
+def test_public_op_autograd_matches_reference():
+    """dualkv_attention(backend="triton") through the custom op and autograd, against autograd
+    through the reference; prompt dK/dV include every response's contribution."""
+    layout, _, q, k, v, do = _inputs([11, 4], [[6, 9], [12]], 4, 2, 32, seed=3)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    ref_leaves = [t.double().clone().requires_grad_(True) for t in (q, k, v)]
+    out, lse = dualkv_attention(*leaves, layout, window=8, return_lse=True, backend="triton")
+    ref_out, ref_lse = reference_attention(*ref_leaves, layout, window=8, return_lse=True)
+    _close("out", out, ref_out, 2e-5)
+    _close("lse", lse, ref_lse, 2e-5)
+    grads = torch.autograd.grad(out, leaves, do)
+    ref_grads = torch.autograd.grad(ref_out, ref_leaves, do.double())
+    for name, g, r in zip("qkv", grads, ref_grads):
+        _close(f"d{name}", g, r, 1e-4)
+
+
+@pytest.mark.parametrize("tma", [False, True])
+def test_varlen_function_separate_context(tma, monkeypatch):
+    """The seed paper's signature: context K/V in their own tensors, gradients summed over readers."""
+    monkeypatch.setenv("DUALKV_TRITON_TMA", "1" if tma else "0")
+    g = torch.Generator().manual_seed(9)
+    P, lens, H, Hkv, d = 29, [7, 18, 1], 4, 2, 16
+    T = sum(lens)
+    q = torch.randn(T, H, d, generator=g).to(DEVICE)
+    kc, vc = (torch.randn(P, Hkv, d, generator=g).to(DEVICE) for _ in range(2))
+    kd, vd = (torch.randn(T, Hkv, d, generator=g).to(DEVICE) for _ in range(2))
+    cu = torch.tensor([0, 7, 25, 26], dtype=torch.int32, device=DEVICE)
+    grads = {}
+    for backend in ("triton", "reference"):
+        leaves = [t.clone().requires_grad_(True) for t in (q, kc, vc, kd, vd)]
+        out = flash_attn_dualkv_varlen_func(leaves[0], leaves[1], leaves[2], leaves[3], leaves[4], cu, cu, 18, P, 18,
+                                            backend=backend)
+        grads[backend] = (out, *torch.autograd.grad(out, leaves, torch.ones_like(out)))
+    for name, a, b in zip(["out", "dq", "dk_ctx", "dv_ctx", "dk", "dv"], grads["triton"], grads["reference"]):
+        _close(name, a, b, 1e-4)
+
+
+def test_query_tiles_cover_every_block_once():
+    layout = PackedLayout.from_lengths([37, 5], [[20, 7, 1], [33]])
+    meta = AttnMeta.from_layout(layout)
+    T, bm = layout.total_tokens, 16
+    tiles = schedule.query_tiles(meta, T, bm, None)
+    assert tiles.shape == (2, meta.cu_seqlens.numel() - 1 + math.ceil(T / bm))
+    seg, mb = tiles[0].tolist(), tiles[1].tolist()
+    got = sorted((s, m) for s, m in zip(seg, mb) if s >= 0)
+    lens = (meta.cu_seqlens[1:] - meta.cu_seqlens[:-1]).tolist()
+    assert got == sorted((s, m) for s, n in enumerate(lens) for m in range(math.ceil(n / bm)))
+    valid = [s >= 0 for s in seg]
+    assert valid == sorted(valid, reverse=True)  # padding at the end, heaviest (response) tiles first
+    assert seg[0] != 0 and lens[seg[0]] > 0
+
+
+def test_key_items_partition_readers():
+    """Every key block appears once per split; the splits of a prompt block tile its reader rows."""
+    layout = PackedLayout.from_lengths([9, 3], [[11, 5, 14], [4, 17]])
+    meta = AttnMeta.from_layout(layout)
+    items = schedule.key_items(meta, layout.total_tokens, 0, False, 8, None, split_rows=1)
+    t = items.table
+    valid = t[schedule.UNIT] >= 0
+    rows = {}
+    for col in t[:, valid].T.tolist():
+        unit, blk, z, nz, reg, r0, r1 = col[:7]
+        rows.setdefault((unit, blk), []).append((z, nz, reg, r0, r1))
+    lens = (meta.cu_seqlens[1:] - meta.cu_seqlens[:-1]).tolist()
+    assert set(rows) == {(s, b) for s, n in enumerate(lens) for b in range(math.ceil(n / 8))}
+    for (unit, _), splits in rows.items():
+        splits.sort()
+        nz, reg = splits[0][1], splits[0][2]
+        assert [z for z, *_ in splits] == list(range(nz))
+        if reg < 0:  # a response block: no readers
+            assert nz == 1
+            continue
+        start, end = int(meta.ctx_reader_start[reg]), int(meta.ctx_reader_end[reg])
+        assert splits[0][3] == start and splits[-1][4] == end
+        assert all(a[4] == b[3] for a, b in zip(splits, splits[1:]))
+    assert int(t[schedule.NSPLIT].max()) > 1
+
+
+def test_check_supported_errors(monkeypatch):
+    q = torch.zeros(4, 2, 16)
+    kv = torch.zeros(4, 1, 16)
+    with pytest.raises(ValueError, match="headdim"):
+        triton_backend.check_supported(torch.zeros(4, 2, 48), torch.zeros(4, 1, 48), torch.zeros(4, 1, 48), None, None)
+    with pytest.raises(ValueError, match="dtype"):
+        triton_backend.check_supported(q.double(), kv.double(), kv.double(), None, None)
+    with pytest.raises(ValueError, match="last dimension"):
+        triton_backend.check_supported(q, torch.zeros(4, 1, 32)[..., ::2], kv, None, None)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="bfloat16"):
+            triton_backend.check_supported(q.bfloat16(), kv.bfloat16(), kv.bfloat16(), None, None)
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        with pytest.raises(ValueError, match="CUDA tensor"):
+            triton_backend.check_supported(q, kv, kv, None, None)
+
+
+def test_public_op_rejects_unsupported_headdim():
+    layout = PackedLayout.from_lengths([3], [[2]], device=DEVICE)
+    q = torch.zeros(5, 2, 40, device=DEVICE)
+    kv = torch.zeros(5, 2, 40, device=DEVICE)
+    with pytest.raises(ValueError, match="headdim"):
+        dualkv_attention(q, kv, kv, layout, backend="triton")
+
+
+def test_random_layouts():
+    """Fresh random lengths, heads, window and load path on every run; the seed is in the failure."""
+    seed = random.SystemRandom().randrange(1 << 30)
+    rng = random.Random(seed)
+    prompts = [rng.randint(1, 30) for _ in range(rng.randint(1, 3))]
+    responses = [[rng.randint(1, 25) for _ in range(rng.randint(1, 3))] for _ in prompts]
+    Hkv = rng.choice([1, 2])
+    _, meta, q, k, v, do = _inputs(prompts, responses, Hkv * rng.choice([1, 2, 4]), Hkv, 16, seed=seed)
+    try:
+        _check_all(q, k, v, do, meta, window=rng.choice([None, rng.randint(1, 40)]), tma=rng.random() < 0.5)
+    except AssertionError as err:
+        raise AssertionError(f"seed {seed} (prompts {prompts}, responses {responses}): {err}") from err
