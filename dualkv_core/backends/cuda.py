@@ -34,6 +34,9 @@ SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256, 512)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 _NOT_BUILT = "the CUDA extension is not built: "
 _JIT_NAME = "dualkv_cuda_jit"
+# Where setup.py may put the prebuilt extension (dualkv._C; dualkv.core._C for a build mapped into
+# the dualkv_core package folder).
+_MODULE_NAMES = ("dualkv._C", "dualkv.core._C")
 
 _lock = threading.Lock()
 _state: dict = {"ops": None, "error": None, "how": None}
@@ -71,34 +74,40 @@ def _static_reason() -> str:
 
 
 def _prebuilt_available() -> bool:
-    try:
-        if importlib.util.find_spec("dualkv._C") is not None:
-            return True
-    except (ImportError, ValueError):
-        pass
+    for name in _MODULE_NAMES:
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return True
+        except (ImportError, ValueError):
+            pass
     return bool(_prebuilt_files())
 
 
 def _prebuilt_files() -> list[Path]:
     """A built ``_C`` library next to the sources (in-place / editable builds), newest first."""
     root = Path(__file__).resolve().parents[2]
-    found = [*root.glob("dualkv/_C*.so"), *root.glob("build/lib*/dualkv/_C*.so")]
+    patterns = ("dualkv/_C*.so", "dualkv_core/_C*.so", "build/lib*/dualkv/_C*.so", "build/lib*/dualkv/core/_C*.so")
+    found = [f for pattern in patterns for f in root.glob(pattern)]
     return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
 
 
 def _load_prebuilt() -> None:
-    """Imports dualkv._C, or loads a built library file directly; raises ImportError if neither works."""
-    try:
-        importlib.import_module("dualkv._C")
-        return
-    except ImportError as err:
-        files = _prebuilt_files()
-        if not files:
-            raise
+    """Imports the prebuilt extension, or loads a built library file directly; raises ImportError if
+    neither works."""
+    err = None
+    for name in _MODULE_NAMES:
         try:
-            torch.ops.load_library(str(files[0]))
-        except OSError as load_err:
-            raise ImportError(f"{err}; loading {files[0]} failed: {load_err}") from load_err
+            importlib.import_module(name)
+            return
+        except ImportError as e:
+            err = e
+    files = _prebuilt_files()
+    if not files:
+        raise err
+    try:
+        torch.ops.load_library(str(files[0]))
+    except OSError as load_err:
+        raise ImportError(f"{err}; loading {files[0]} failed: {load_err}") from load_err
 
 
 def unavailable_reason() -> str:

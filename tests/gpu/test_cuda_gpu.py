@@ -267,5 +267,9 @@ def test_compute_sanitizer_small_case(cuda_backend, tool, tmp_path):
     if proc.returncode != 0 and "kernel-name" in (proc.stdout + proc.stderr) and "ERROR SUMMARY" not in proc.stdout:
         proc = subprocess.run([*base, sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=900)
     log = proc.stdout + proc.stderr
+    if "Device not supported" in log:
+        pytest.skip("compute-sanitizer cannot attach to this device (sandboxed runtime)")
     assert "sanitizer script done" in log, log[-4000:]
-    assert proc.returncode == 0 and "ERROR SUMMARY: 0 errors" in log, log[-4000:]
+    # memcheck ends with "ERROR SUMMARY: 0 errors", racecheck with "RACECHECK SUMMARY: 0 hazards displayed (0 errors, ...)"
+    clean = "ERROR SUMMARY: 0 errors" in log or "RACECHECK SUMMARY: 0 hazards displayed (0 errors" in log
+    assert proc.returncode == 0 and clean, log[-4000:]
