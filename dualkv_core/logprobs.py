@@ -159,8 +159,8 @@ def linear_logprobs(
         return_entropy: also return the entropy of each row's distribution.
         chunk_size: rows per chunk; default keeps one fp32 (chunk, V) block near 256 MiB.
     Returns ``(logprobs (n,), entropy (n,) or None)``, float32 (float64 for float64 inputs),
-    differentiable with respect to hidden and weight (the weight gradient is accumulated in fp32
-    and cast once).
+    differentiable with respect to hidden and weight (the weight gradient is accumulated over the
+    chunks in one fp32 (V, D) buffer and cast once).
     """
     _check_lean_inputs(hidden, weight, targets, temperature, softcap, chunk_size)
     chunk = chunk_size or max(1, _CHUNK_ELEMENTS // weight.shape[0])

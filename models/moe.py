@@ -7,8 +7,9 @@ Expert weights are stored fused, as transformers holds them in memory: ``gate_up
 (gate rows first, then up rows) and ``down_proj (E, D, F)``. The routed pairs are sorted by expert
 once; the grouped path then runs two grouped GEMMs (``torch.nn.functional.grouped_mm`` /
 ``torch._grouped_mm``) over the contiguous groups (no host sync), the loop path one GEMM pair per
-expert that received tokens. Every MoE layer sees the packed
-tokens only (P + N*R), never the replicated N*(P+R).
+expert that received tokens. Each token's k weighted outputs are summed in fp32 in slot order (no
+atomics: deterministic). Every MoE layer sees the packed tokens only (P + N*R), never the
+replicated N*(P+R).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class RouterStats(NamedTuple):
 
 
 def router_stats(probs_TE: torch.Tensor, idx_Tk: torch.Tensor, token_weight_T: torch.Tensor) -> RouterStats:
+    """Statistics of one layer from its router probabilities (T, E), choices (T, k), token weights (T,)."""
     w_T = token_weight_T.float()
     E = probs_TE.shape[-1]
     count_E = torch.zeros(E, dtype=torch.float32, device=probs_TE.device)
