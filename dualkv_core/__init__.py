@@ -6,7 +6,7 @@ Exact shared-prompt attention: a micro-batch holds each prompt once and its N re
 
 from .interface import dualkv_attention, flash_attn_dualkv_varlen_func
 from .layout import PackedLayout
-from .logprobs import gather_logprobs, response_logprobs_from_logits
+from .logprobs import gather_logprobs, linear_logprobs, logprobs_from_logits, response_logprobs_from_logits
 from .reference import AttnMeta, reference_attention
 
 __all__ = [
@@ -17,4 +17,6 @@ __all__ = [
     "AttnMeta",
     "gather_logprobs",
     "response_logprobs_from_logits",
+    "logprobs_from_logits",
+    "linear_logprobs",
 ]
