@@ -94,7 +94,7 @@ class _HeadsToSeq(torch.autograd.Function):
         return (None, None, *_seq_to_heads([g.contiguous() for g in grads_LHd], ctx.group, ctx.sp))
 
 
-def _check_split(xs, sp, what):
+def _check_split(xs, what):
     for i, x in enumerate(xs):
         if not isinstance(x, torch.Tensor) or x.dim() != 3:
             raise ValueError(f"{what}[{i}]: expected a 3-D tensor (tokens, heads, headdim), got {tuple(getattr(x, 'shape', ()))}")
@@ -108,7 +108,7 @@ def seq_to_heads(sp_group, *xs_LHd: torch.Tensor) -> tuple[torch.Tensor, ...]:
     Rank r receives heads ``[r*H_i/sp, (r+1)*H_i/sp)`` of every rank's tokens, in rank (= packed)
     order. Differentiable (the backward is ``heads_to_seq``)."""
     sp = group_size(sp_group)
-    _check_split(xs_LHd, sp, "xs")
+    _check_split(xs_LHd, "xs")
     for i, x in enumerate(xs_LHd):
         if x.shape[1] % sp:
             raise ValueError(f"xs[{i}]: expected a head count divisible by the SP size {sp}, got {x.shape[1]} heads")
@@ -122,7 +122,7 @@ def seq_to_heads(sp_group, *xs_LHd: torch.Tensor) -> tuple[torch.Tensor, ...]:
 def heads_to_seq(sp_group, *xs_Tphd: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """(sp*L, h_i, d_i) head slices -> (L, sp*h_i, d_i) sequence slices; inverse of ``seq_to_heads``."""
     sp = group_size(sp_group)
-    _check_split(xs_Tphd, sp, "xs")
+    _check_split(xs_Tphd, "xs")
     for i, x in enumerate(xs_Tphd):
         if x.shape[0] % sp:
             raise ValueError(f"xs[{i}]: expected a token count divisible by the SP size {sp}, got {x.shape[0]}")

@@ -246,7 +246,11 @@ def _attention_configs(sp):
 @check
 def ulysses_matches_whole_sequence_attention(ctx):
     sp, rank, bad = ctx.world, ctx.rank, Mismatches()
-    layouts = [edge_case_layout(sp), PackedLayout.from_lengths([5, 1, 7], [[3, 4, 2], [2], [1, 6]])]
+    layouts = [
+        edge_case_layout(sp),
+        PackedLayout.from_lengths([5, 1, 7], [[3, 4, 2], [2], [1, 6]]),
+        PackedLayout.from_lengths([2], [[1, 2]]),  # T = 5: at sp 4 and 8 some ranks hold only padding
+    ]
     opts = [dict(), dict(window=4), dict(softcap=5.0, softmax_scale=0.3)]
     for li, lay in enumerate(layouts):
         T, shard = lay.total_tokens, shard_sequence(lay, rank=rank, size=sp)
@@ -559,6 +563,24 @@ def model_hybrid_kv_sharing_matches_single_device(ctx):
 @check
 def model_hybrid_moe_matches_single_device(ctx):
     return _check_model_case(ctx, "hybrid_moe")
+
+
+@check
+def model_on_a_micro_batch_smaller_than_the_sp_group(ctx):
+    """T = 5 tokens: at sp 4 and 8 whole ranks hold nothing but padding (and no log-prob slot)."""
+    skip = _models_available()
+    if skip:
+        return skip
+    bad = Mismatches()
+    model = tiny_model("moe")
+    lay = PackedLayout.from_lengths([2], [[1, 2]], input_ids=torch.tensor([5, 9, 7, 3, 8]))
+    shard = shard_sequence(lay, dist.group.WORLD)
+    ref = causal_lm_run(model, lay, None)
+    got = causal_lm_run(parallelize_sequence(model, dist.group.WORLD), lay, dist.group.WORLD)
+    unparallelize_sequence(model)
+    compare_runs(bad, f"T=5 (rank {ctx.rank}: {shard.num_valid} real tokens)", got[:3], ref[:3])
+    bad.close("load-balancing loss", got[3], ref[3], 1e-5, 1e-7)
+    bad.raise_if_any()
 
 
 @check
