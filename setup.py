@@ -1,5 +1,5 @@
 """Build script: maps the four source folders under the ``dualkv.*`` namespace and, on a machine
-with a CUDA toolkit and a CUDA build of torch, builds the ``dualkv._C`` extension from ``csrc/``.
+with a CUDA toolkit and a CUDA build of torch, builds the ``dualkv.core._C`` extension from ``csrc/``.
 
 CPU machines skip the extension with one line saying so; ``backend="cuda"`` then raises a clear
 error at run time, and everything else works.
@@ -47,7 +47,7 @@ def cuda_extensions():
     sys.path.insert(0, str(ROOT / "csrc"))
     from build_config import extension_kwargs  # csrc/build_config.py: flags shared with the JIT loader
 
-    return [CUDAExtension(name="dualkv._C", sources=sources, **extension_kwargs())], {"build_ext": BuildExtension}
+    return [CUDAExtension(name="dualkv.core._C", sources=sources, **extension_kwargs())], {"build_ext": BuildExtension}
 
 
 packages, package_dir = find_packages_mapped()

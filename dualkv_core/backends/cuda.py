@@ -9,7 +9,7 @@ sequence into an fp32 workspace with atomics; a convert kernel casts that worksp
 ``deterministic=True`` instead walks every reader of a prompt key tile in one block (no atomics,
 bit-identical run to run; fewer, longer work items).
 
-Loading: the prebuilt extension ``dualkv._C`` (``pip install --no-build-isolation .`` on a machine
+Loading: the prebuilt extension ``dualkv.core._C`` (``pip install --no-build-isolation .`` on a machine
 with a CUDA toolkit and a CUDA build of torch), else a just-in-time build of csrc/ on first use,
 cached by torch in its extensions directory. CPU installs have neither: ``backend="cuda"`` then
 raises a clear "the CUDA extension is not built" error.
@@ -36,7 +36,7 @@ _NOT_BUILT = "the CUDA extension is not built: "
 _JIT_NAME = "dualkv_cuda_jit"
 # Where setup.py may put the prebuilt extension (dualkv._C; dualkv.core._C for a build mapped into
 # the dualkv_core package folder).
-_MODULE_NAMES = ("dualkv._C", "dualkv.core._C")
+_MODULE_NAMES = ("dualkv.core._C", "dualkv._C")
 
 _lock = threading.Lock()
 _state: dict = {"ops": None, "error": None, "how": None}
