@@ -48,26 +48,31 @@ def _config(tmp_path, *args):
         ["--groups", "4", "--responses", "4", "--steps", "3", "--no-progress", "--output-dir", str(tmp_path), *args]))
 
 
-def _state(trainer):
-    return {k: v.detach().clone() for k, v in trainer.policy.state_dict().items()}
+def _local(x):
+    """A plain tensor copy (one-rank runs: the local shard of a DTensor is all of it)."""
+    if isinstance(x, dict):
+        return {k: _local(v) for k, v in x.items()}
+    if isinstance(x, torch.Tensor):
+        return (x.to_local() if hasattr(x, "to_local") else x).detach().clone()
+    return x
 
 
 def _train(cfg):
     trainer = Trainer(cfg)
     try:
         history = trainer.run()
-        return history, _state(trainer), trainer.optimizer.state_dict()
+        return history, _local(dict(trainer.policy.state_dict())), _local(trainer.optimizer.state_dict())
     finally:
         trainer.close()
 
 
-@pytest.mark.parametrize("algorithm", ["grpo", "dapo"])
+@pytest.mark.parametrize("algorithm", [["--algorithm", "grpo", "--kl-beta", "0.04"], ["--algorithm", "dapo"]])
 def test_resume_equals_uninterrupted(tmp_path, algorithm):
-    full = _config(tmp_path / "full", "--algorithm", algorithm)
+    full = _config(tmp_path / "full", *algorithm)
     hist_full, params_full, opt_full = _train(full)
-    first = replace(_config(tmp_path / "cut", "--algorithm", algorithm), steps=2)  # "interrupted" after step 2
+    first = replace(_config(tmp_path / "cut", *algorithm), steps=2)  # "interrupted" after step 2
     _train(first)
-    resumed = replace(_config(tmp_path / "cut", "--algorithm", algorithm), resume="auto")
+    resumed = replace(_config(tmp_path / "cut", *algorithm), resume="auto")
     hist_res, params_res, opt_res = _train(resumed)
     assert [h["step"] for h in hist_res] == [2]
     for key in ("reward_mean", "loss", "grad_norm", "packed_tokens"):
@@ -78,6 +83,30 @@ def test_resume_equals_uninterrupted(tmp_path, algorithm):
     for pid, st in opt_full["state"].items():
         for name, v in st.items():
             assert torch.equal(v, opt_res["state"][pid][name]), (pid, name)
+
+
+def test_bad_arguments_and_rollout_files_are_rejected(tmp_path):
+    parse = build_parser().parse_args
+    with pytest.raises(ValueError, match="mini_batches: expected a divisor of groups=6, got 4"):
+        config_from_args(parse(["--groups", "6", "--mini-batches", "4"]))
+    with pytest.raises(ValueError, match="output_dir: checkpoints, resume and HF export need an output directory"):
+        config_from_args(parse(["--export-hf"]))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"uid": 1, "prompt_ids": [1, 2], "response_ids": [3], "reward": 1}) + "\n"
+                   + json.dumps({"uid": 1, "prompt_ids": [1, 5], "response_ids": [4], "reward": 0}) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: prompt_ids differ from those of .*bad.jsonl:1 although both have uid 1"):
+        Trainer(config_from_args(parse(["--rollouts", str(bad), "--groups", "1"])))
+    bad.write_text(json.dumps({"uid": 1, "prompt_ids": [1, 2], "response_ids": [], "reward": 1}) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl:1 response_ids: expected at least 1 token, got an empty list"):
+        Trainer(config_from_args(parse(["--rollouts", str(bad), "--groups", "1"])))
+    good = tmp_path / "good.jsonl"
+    good.write_text(json.dumps({"uid": 1, "prompt_ids": [1, 2], "response_ids": [300], "reward": 1}) + "\n")
+    trainer = Trainer(config_from_args(parse(["--rollouts", str(good), "--groups", "1", "--no-progress", "--steps", "1"])))
+    try:
+        with pytest.raises(ValueError, match=r"response_ids\[0\]: token id 300 is outside the model's vocabulary \(vocab_size=256\)"):
+            trainer.run()
+    finally:
+        trainer.close()
 
 
 def test_resume_rejects_incomplete_checkpoint(tmp_path):
@@ -93,7 +122,7 @@ def test_resume_rejects_incomplete_checkpoint(tmp_path):
 
 _DIST_ARGS = ["--rollouts", "synthetic", "--groups", "4", "--responses", "3", "--synthetic-prompt-len", "5:12",
               "--synthetic-response-len", "1:6", "--steps", "1", "--lr", "1e-3", "--param-dtype", "fp32",
-              "--no-progress", "--export-hf", "--algorithm", "grpo", "--loss-agg", "token-mean",
+              "--no-progress", "--export-hf", "--algorithm", "grpo", "--loss-agg", "token-mean", "--kl-beta", "0.04",
               # Adam divides each gradient by its own magnitude; with eps well above fp32 rounding of the
               # gradients (~1e-9) the update compares the gradients instead of their rounding noise.
               "--adam-eps", "1e-4"]

@@ -51,9 +51,17 @@ class HFSampler:
         plain = plain.to_empty(device="cpu")
         plain.load_state_dict(state)
         plain.tie_weights()
-        with tempfile.TemporaryDirectory() as tmp:
-            plain.save_pretrained(tmp)
-            self.hf_model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).to(self.device).eval()
+        from transformers.utils import logging as hf_logging
+
+        bar = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                plain.save_pretrained(tmp)
+                self.hf_model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).to(self.device).eval()
+        finally:
+            if bar:
+                hf_logging.enable_progress_bar()
 
     def sync(self) -> None:
         """Copy the policy's current weights into the sampling model (a collective)."""

@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     a = p.add_argument_group("algorithm")
     a.add_argument("--algorithm", choices=("grpo", "dapo"), default="grpo")
-    a.add_argument("--kl-beta", type=float, default=None, help="KL weight (recipe default: GRPO 0.04, DAPO 0)")
+    a.add_argument("--kl-beta", type=float, default=None,
+                   help="KL weight (recipe default: GRPO 0.04, DAPO 0; 0 for a preset trained from scratch)")
     a.add_argument("--kl-estimator", choices=("k1", "k2", "k3", "low_var_kl"), default=None)
     a.add_argument("--clip-low", type=float, default=None, help="eps_low (default 0.2)")
     a.add_argument("--clip-high", type=float, default=None, help="eps_high (GRPO 0.2, DAPO 0.28)")
@@ -113,7 +114,10 @@ def _loss_config(args) -> LossConfig:
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    lr = args.lr if args.lr is not None else (_LR_CHECKPOINT if Path(args.model).is_dir() else _LR_SCRATCH)
+    scratch = not Path(args.model).is_dir()
+    lr = args.lr if args.lr is not None else (_LR_SCRATCH if scratch else _LR_CHECKPOINT)
+    if scratch and args.kl_beta is None and args.reference is None:
+        args.kl_beta = 0.0  # a randomly initialised policy has no reference worth staying close to
     dtype = args.param_dtype if args.param_dtype != "auto" else ("bf16" if torch.cuda.is_available() else "fp32")
     return TrainConfig(
         model=args.model, rollouts=args.rollouts, groups=args.groups, n=args.responses, steps=args.steps, seed=args.seed,
@@ -132,12 +136,13 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
         cfg = config_from_args(args)
+        trainer = Trainer(cfg)  # validates the rollout file and the parallel layout first
     except ValueError as e:
-        build_parser().error(str(e))
-    trainer = Trainer(cfg)
+        parser.error(str(e))
     try:
         if trainer.ctx.is_main:
             print(f"dualkv-grpo: {cfg.loss.algorithm} on {cfg.rollouts}, model {cfg.model} "

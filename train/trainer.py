@@ -124,15 +124,26 @@ def _build_model(hf: dict | None, path: Path | None, seed: int):
 class Trainer:
     def __init__(self, cfg: TrainConfig, ctx: DistContext | None = None) -> None:
         self.cfg = cfg
+        # A rollout file is read (and validated) before anything else is built.
+        self.file_source = FileRolloutSource(cfg.rollouts, cfg.groups, seed=cfg.seed) if cfg.is_file_source else None
         self.ctx = ctx or init_distributed(cfg.parallel.sp)
+        try:
+            self._build()
+        except BaseException:
+            if ctx is None:
+                destroy_distributed(self.ctx)
+            raise
+
+    def _build(self) -> None:
+        cfg = self.cfg
         self.timer = PhaseTimer()
         self.task = ArithmeticTask(cfg.arithmetic) if cfg.rollouts == "arithmetic" else None
         hf, path = _model_config(cfg, self.task)
         self.policy = _build_model(hf, path, cfg.seed)
         reference = None
         if cfg.loss.needs_reference:
-            reference = _build_model(*(_model_config(cfg, self.task) if cfg.reference is None else (None, Path(cfg.reference))),
-                                     cfg.seed)
+            ref_hf, ref_path = (hf, path) if cfg.reference is None else (None, Path(cfg.reference))
+            reference = _build_model(ref_hf, ref_path, cfg.seed)
             parallelize_policy(reference, self.ctx, cfg.parallel, trainable=False)
         parallelize_policy(self.policy, self.ctx, cfg.parallel)
         o = cfg.optim
@@ -162,7 +173,7 @@ class Trainer:
                                   response_len=cfg.synthetic_response_len, vocab_size=self.policy.config.vocab_size,
                                   seed=cfg.seed)
             return SyntheticRolloutSource(syn), None
-        return FileRolloutSource(cfg.rollouts, cfg.groups, seed=cfg.seed), None
+        return self.file_source, None
 
     # ------------------------------------------------------------------ steps
     def rollouts(self, step: int) -> RolloutBatch:
