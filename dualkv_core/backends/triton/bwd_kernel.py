@@ -34,7 +34,7 @@ I_SEG0 = tl.constexpr(schedule.SEG0)
 I_WS_BASE = tl.constexpr(schedule.WS_BASE)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["total_q"])
 def preprocess_kernel(O, DO, DELTA, DQ_ACC, total_q, nheads, stride_ot, stride_oh, stride_dot, stride_doh,
                       DIM: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, ZERO_DQ: tl.constexpr):
     """delta[h, t] = sum_d O * dO in fp32; zeroes the dQ accumulator rows when atomics will fill it."""
@@ -135,7 +135,7 @@ def _store_block(DK, DV, DKC, DVC, own, off, dk, dv, kok, offs_d, DIM: tl.conste
         store_rows(DVC + off, dv.to(DVC.dtype.element_ty), kok, offs_d, DIM, HEAD_DIM)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_items", "n_seg", "total_q", "window"])
 def dkdv_kernel(
     Q, K, V, KC, VC, DO, LSE, DELTA, DQ_ACC, DK, DV, DKC, DVC, WSK, WSV,
     ITEMS, CU, CTX_LEN, CTX_KEY_START, CTX_KEY_LEN,
@@ -220,7 +220,7 @@ def dkdv_kernel(
         _store_block(DK, DV, DKC, DVC, own, krow.to(tl.int64) * row_stride + tile, dk, dv, kok, offs_d, DIM, HEAD_DIM)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_items", "n_seg"])
 def reduce_kernel(WSK, WSV, DK, DV, DKC, DVC, ITEMS, CU, CTX_LEN, CTX_KEY_START, CTX_KEY_LEN,
                   n_items, n_seg, nheads_k, DIM: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
     """Sum the split partials of one context key block in split order (deterministic), cast once."""
@@ -305,7 +305,7 @@ def _dq_region(
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_tiles", "total_q", "window"])
 def dq_kernel(
     Q, K, V, KC, VC, DO, LSE, DELTA, DQ, TILES, CU, CTX_START, CTX_LEN,
     n_tiles, total_q, nheads, qk_scale, cap_log2, pre_cap, sm_scale, window,
@@ -355,7 +355,7 @@ def dq_kernel(
                ok, offs_d, DIM, HEAD_DIM)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def scale_cast_kernel(X, Y, n, scale, BLOCK: tl.constexpr):
     """Y = (X * scale).to(Y.dtype) over n contiguous elements (the one cast of the dQ accumulator)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)

@@ -82,7 +82,7 @@ def _attend_region(
     return acc, m_i, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_tiles", "total_q", "window"])
 def fwd_kernel(
     Q, K, V, KC, VC, O, LSE, TILES, CU, CTX_START, CTX_LEN,
     n_tiles, total_q, nheads, qk_scale, cap_log2, pre_cap, window,

@@ -1,0 +1,267 @@
+"""Tuning and timing of the Triton backend: forward and backward timed separately, several kernel
+configurations in one call, on the issue's shapes; plus a compile report that needs no GPU.
+
+    # compare kernel configurations on one shape (forward and backward separately)
+    python benchmarks/tune_triton.py variants --shape n28-p4k-r2k
+    # the table with the default configurations (or --autotune to let the tuner pick per shape)
+    python benchmarks/tune_triton.py table --shapes n28-p4k-r2k,n28-p16k-r2k
+    # registers / shared memory / spills of every candidate, compiled for sm_90 on any machine
+    python benchmarks/tune_triton.py compile-report --head-dims 64,128
+
+Useful TFLOP/s follow DESIGN.md: forward 4*d*H*pairs, backward 2.5x that, forward+backward 3.5x,
+where ``pairs`` are the attended query-key pairs of the packed layout. Times are medians of
+event-timed repeats (``triton.testing.do_bench``). ``--precompile N`` compiles every variant in N
+processes first (small inputs, same specialisations), so the timing process only loads binaries.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+# (N, P, R, H, H_kv, d): the issue's configurations.
+SHAPES = {
+    "n28-p4k-r2k": (28, 4096, 2048, 32, 8, 128),
+    "n28-p16k-r2k": (28, 16384, 2048, 32, 8, 128),
+    "n16-p32k-r2k": (16, 32768, 2048, 32, 8, 128),
+    "n16-p64k-r2k": (16, 65536, 2048, 32, 8, 128),
+    "n32-p8k-r2k": (32, 8192, 2048, 32, 8, 128),
+    "n8-p16k-r512": (8, 16384, 512, 32, 8, 128),
+    "n16-p128k-r2k": (16, 131072, 2048, 32, 8, 128),
+    "d256-p16k": (16, 16384, 2048, 16, 8, 256),
+    "d256-p32k": (16, 32768, 2048, 16, 8, 256),
+    "d512-p16k": (16, 16384, 2048, 16, 2, 512),
+}
+# Peers measured on one H200 (DESIGN.md / issue 3), forward+backward ms: (Flex packed, cuDNN cascade).
+PEER_MS = {
+    "n28-p4k-r2k": (48, 44), "n28-p16k-r2k": (163, 131), "n16-p32k-r2k": (236, 181),
+    "n16-p64k-r2k": (621, 457), "n32-p8k-r2k": (94, 81), "n8-p16k-r512": (30, 23),
+    "d256-p16k": (243, 152), "d256-p32k": (570, 345),  # d=256: (Flex, FA2 cascade)
+}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way to run the backend: kernel configs as (block_m, block_n, warps, stages) or None (default)."""
+
+    name: str
+    fwd: tuple | None = None
+    dkdv: tuple | None = None
+    dq: tuple | None = None
+    tma: bool | None = None
+    deterministic: bool = False
+
+
+def default_variants() -> list[Variant]:
+    """The configurations compared by ``variants`` (d=128)."""
+    return [
+        Variant("default"),
+        Variant("fwd M128-N64-w8-s3", fwd=(128, 64, 8, 3)),
+        Variant("fwd M128-N128-w8-s3", fwd=(128, 128, 8, 3)),
+        Variant("fwd pointers", fwd=(128, 64, 8, 3), dkdv=(32, 128, 8, 2), tma=False),
+        Variant("dkdv M32-N128-w8-s3", dkdv=(32, 128, 8, 3)),
+        Variant("dkdv M64-N128-w8-s2", dkdv=(64, 128, 8, 2)),
+        Variant("dkdv M32-N64-w4-s3", dkdv=(32, 64, 4, 3)),
+        Variant("deterministic", deterministic=True),
+        Variant("deterministic dq M64-N64-w4-s3", dq=(64, 64, 4, 3), deterministic=True),
+    ]
+
+
+def attended_pairs(P: int, N: int, R: int, G: int = 1) -> int:
+    """Query-key pairs of the packed layout: each prompt causally, each response over P + its own causal part."""
+    return G * (P * (P + 1) // 2 + N * (R * P + R * (R + 1) // 2))
+
+
+def make_case(N, P, R, H, Hkv, d, dtype=torch.bfloat16, device="cuda", seed=0):
+    from dualkv.core import AttnMeta, PackedLayout
+
+    layout = PackedLayout.from_lengths([P], [[R] * N], device=device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    T = layout.total_tokens
+    q, k, v, do = (torch.randn(T, h, d, device=device, dtype=dtype, generator=g) for h in (H, Hkv, Hkv, H))
+    return AttnMeta.from_layout(layout), q, k, v, do
+
+
+def _cfg(t):
+    from dualkv.core.backends.triton.configs import KernelConfig
+
+    return None if t is None else KernelConfig(*t)
+
+
+def run_variant(var: Variant, meta, q, k, v, do):
+    """Closures for one forward and one backward with this variant (outputs of the forward reused)."""
+    from dualkv.core.backends.triton import launcher
+
+    scale = 1 / math.sqrt(q.shape[2])
+    out, lse = launcher.forward(q, k, v, None, None, meta, scale, None, None, config=_cfg(var.fwd), tma=var.tma)
+
+    def fwd():
+        launcher.forward(q, k, v, None, None, meta, scale, None, None, config=_cfg(var.fwd), tma=var.tma)
+
+    def bwd():
+        launcher.backward(do, q, k, v, None, None, out, lse, meta, scale, None, None, var.deterministic,
+                          dkdv_config=_cfg(var.dkdv), dq_config=_cfg(var.dq), tma=var.tma)
+
+    return fwd, bwd
+
+
+def _bench(fn, budget_ms: float = 400.0) -> float:
+    from triton.testing import do_bench
+
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    one = (time.perf_counter() - t0) * 1e3
+    rep = max(3 * one, min(budget_ms, 25 * one))
+    return do_bench(fn, warmup=max(one, 1.0), rep=rep, return_mode="median")
+
+
+def time_shape(name: str, variants: list[Variant]) -> list[dict]:
+    N, P, R, H, Hkv, d = SHAPES[name]
+    meta, q, k, v, do = make_case(N, P, R, H, Hkv, d)
+    fwd_flop = 4 * d * H * attended_pairs(P, N, R)
+    rows = []
+    for var in variants:
+        fwd, bwd = run_variant(var, meta, q, k, v, do)
+        f_ms, b_ms = _bench(fwd), _bench(bwd)
+        row = dict(shape=name, variant=var.name, fwd_ms=f_ms, bwd_ms=b_ms, total_ms=f_ms + b_ms,
+                   fwd_tflops=fwd_flop / f_ms / 1e9, bwd_tflops=2.5 * fwd_flop / b_ms / 1e9,
+                   total_tflops=3.5 * fwd_flop / (f_ms + b_ms) / 1e9, peers_ms=PEER_MS.get(name))
+        rows.append(row)
+        print(f"{name:15s} {var.name:34s} fwd {f_ms:8.2f} ms ({row['fwd_tflops']:5.0f})  bwd {b_ms:8.2f} ms "
+              f"({row['bwd_tflops']:5.0f})  total {row['total_ms']:8.2f} ms ({row['total_tflops']:5.0f} TFLOP/s)"
+              + (f"  peers flex/cascade {PEER_MS[name]}" if name in PEER_MS else ""), flush=True)
+    return rows
+
+
+def _precompile_worker(args):
+    name, var = args
+    N, P, R, H, Hkv, d = SHAPES[name]
+    meta, q, k, v, do = make_case(2, 300, 100, H, Hkv, d)  # same specialisations, tiny work
+    fwd, bwd = run_variant(var, meta, q, k, v, do)
+    fwd(), bwd()
+    torch.cuda.synchronize()
+    return name, var.name
+
+
+def precompile(jobs: list[tuple[str, Variant]], procs: int) -> None:
+    t0 = time.perf_counter()
+    with mp.get_context("spawn").Pool(procs) as pool:
+        for name, var in pool.imap_unordered(_precompile_worker, jobs):
+            print(f"compiled {name} / {var} ({time.perf_counter() - t0:.0f} s)", flush=True)
+
+
+def compile_report(head_dims: list[int], dtype: str = "bf16") -> None:
+    """Compile every candidate config for sm_90 (no GPU needed): registers, shared memory, spills."""
+    from dualkv.core.backends.triton import configs
+    from dualkv.core.backends.triton.bwd_kernel import dkdv_kernel, dq_kernel
+    from dualkv.core.backends.triton.fwd_kernel import fwd_kernel
+    from dualkv.core.backends.triton.launcher import MAX_TMA_HEAD_DIM
+
+    kernels = {"fwd": fwd_kernel, "dkdv": dkdv_kernel, "dq": dq_kernel}
+    for d in head_dims:
+        hd = configs.padded_head_dim(d)
+        tma = hd <= MAX_TMA_HEAD_DIM
+        for kind, fn in kernels.items():
+            for cfg in configs.candidates(kind, d, 2):
+                usage = _compile_sm90(fn, kind, d, hd, dtype, cfg, tma)
+                print(f"d={d:3d} {kind:4s} {cfg!s:16s} tma={tma!s:5s} {usage}", flush=True)
+
+
+def _compile_sm90(fn, kind, d, hd, dtype, cfg, tma) -> str:
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    const = dict(REP=4, DIM=d, HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_WINDOW=False,
+                 HAS_SOFTCAP=False, DOT_PREC="tf32", TMA=tma)
+    if kind == "dkdv":
+        const.update(ATOMIC_DQ=True, DQ_TMA=tma)
+    sig, attrs = {}, {}
+    for i, arg in enumerate(fn.arg_names):
+        if arg in const:
+            sig[arg] = "constexpr"
+        elif arg in ("Q", "DO", "K", "V", "KC", "VC") or (arg == "DQ_ACC" and kind == "dkdv"):
+            rows = cfg.block_n if arg in ("K", "V", "KC", "VC") else cfg.block_m
+            ty = "fp32" if arg == "DQ_ACC" else dtype
+            sig[arg] = f"tensordesc<{ty}[{rows}, {hd}]>" if tma else f"*{ty}"
+        elif arg.isupper():
+            sig[arg] = "*i32" if arg in ("TILES", "ITEMS", "CU", "CTX_START", "CTX_LEN", "CTX_KEY_START",
+                                         "CTX_KEY_LEN") else ("*fp32" if arg in ("LSE", "DELTA", "WSK", "WSV",
+                                                                               "DQ_ACC") else f"*{dtype}")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif arg in ("qk_scale", "cap_log2", "pre_cap", "sm_scale"):
+            sig[arg] = "fp32"
+        else:
+            sig[arg] = "i32"
+            if arg.startswith("stride"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    try:
+        src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    except Exception as err:  # noqa: BLE001 - reported, not raised: the report covers every candidate
+        return f"FAILED {type(err).__name__}: {str(err).splitlines()[0][:200]}"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        res = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    usage = next((ln.strip() for ln in res.splitlines() if "REG:" in ln), res.strip())
+    fields = dict(p.split(":") for p in usage.split() if ":" in p and p.split(":")[0] in ("REG", "STACK"))
+    wgmma = k.asm["ptx"].count("wgmma.mma_async")
+    return f"smem={k.metadata.shared:6d} regs={fields.get('REG')} spill_bytes={fields.get('STACK')} wgmma={wgmma}"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    v = sub.add_parser("variants", help="compare kernel configurations on one shape")
+    v.add_argument("--shape", default="n28-p4k-r2k", choices=list(SHAPES))
+    t = sub.add_parser("table", help="time shapes with the default (or tuned) configurations")
+    t.add_argument("--shapes", default=",".join(s for s in SHAPES if s != "n16-p128k-r2k"))
+    t.add_argument("--autotune", action="store_true", help="DUALKV_TRITON_AUTOTUNE=1: tune each key first")
+    for p in (v, t):
+        p.add_argument("--precompile", type=int, default=0, help="compile in this many processes first")
+        p.add_argument("--out", default=None, help="write the rows as JSON here")
+    c = sub.add_parser("compile-report", help="sm_90 registers / shared memory / spills, no GPU needed")
+    c.add_argument("--head-dims", default="64,96,128,192,256,512")
+    args = ap.parse_args()
+
+    if args.cmd == "compile-report":
+        compile_report([int(x) for x in args.head_dims.split(",")])
+        return
+    if args.cmd == "variants":
+        jobs = [(args.shape, var) for var in default_variants()]
+    else:
+        if args.autotune:
+            os.environ["DUALKV_TRITON_AUTOTUNE"] = "1"
+        jobs = [(s, Variant("default")) for s in args.shapes.split(",")]
+    autotune = args.cmd == "table" and args.autotune
+    if args.precompile and not autotune:  # tuning compiles its candidates itself
+        precompile(jobs, args.precompile)
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"triton {__import__('triton').__version__}, {time.strftime('%Y-%m-%d')}", flush=True)
+    rows = []
+    for shape in dict.fromkeys(s for s, _ in jobs):
+        rows += time_shape(shape, [var for s, var in jobs if s == shape])
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), rows=rows,
+                           variants=[asdict(v) for _, v in jobs]), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
