@@ -460,6 +460,16 @@ def dp_sp_meshes_run_each_replica_micro_batch(ctx):
 
 
 @check
+def mesh_rejects_sizes_that_do_not_divide(ctx):
+    with pytest.raises(ValueError, match=f"sp_size: expected a divisor of the world size {ctx.world}, got 3"):
+        init_sp_mesh(3, device_type="cpu")
+    with pytest.raises(ValueError, match="dp_size: expected dp_size \\* sp_size == world size"):
+        init_sp_mesh(1, dp_size=ctx.world + 1, device_type="cpu")
+    with pytest.raises(ValueError, match="sp_size: expected an int >= 1"):
+        init_sp_mesh(0, device_type="cpu")
+
+
+@check
 def unprepared_model_is_rejected(ctx):
     model = ContractLM()
     lay = edge_case_layout(ctx.world)
@@ -709,7 +719,7 @@ def run_checks(names, out_dir):
         try:
             outcome = CHECKS[name](_Ctx(rank, world))
             results[name] = outcome if isinstance(outcome, str) else None
-        except Exception:  # noqa: BLE001 - reported to the parent test
+        except BaseException:  # noqa: BLE001 - pytest.raises fails with a BaseException; all reported
             results[name] = "fail: " + traceback.format_exc()
         with open(os.path.join(out_dir, f"{rank}-{name}.json"), "w") as fh:
             json.dump(results[name], fh)

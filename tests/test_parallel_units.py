@@ -178,3 +178,14 @@ def test_kv_replication_factor_is_minimal(H, K, sp):
     f = kv_replication_factor(H, K, sp)
     assert (K * f) % sp == 0 and H % (K * f) == 0
     assert all((K * g) % sp for g in range(1, f))
+
+
+def test_mesh_needs_an_initialised_process_group():
+    import torch.distributed as dist
+
+    from dualkv.parallel import init_sp_mesh
+
+    if dist.is_initialized():
+        pytest.skip("a default process group exists in this test process")
+    with pytest.raises(ValueError, match="torch.distributed: expected an initialised default process group"):
+        init_sp_mesh(2)
