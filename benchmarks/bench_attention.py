@@ -58,9 +58,13 @@ VALIDATION_SHAPE = "4,777,129"
 
 
 def providers_for(cfg: AttnConfig, requested: list[str] | None) -> list[str]:
-    if requested:
-        return requested
-    return AUTO_PROVIDERS["d512" if cfg.d > 256 else "small"]
+    """The head dim's providers (``AUTO_PROVIDERS``), or the requested ones among them, in the
+    requested order; a provider outside every auto list (e.g. ``reference``) is kept as asked."""
+    auto = AUTO_PROVIDERS["d512" if cfg.d > 256 else "small"]
+    if not requested:
+        return auto
+    known = {p for ps in AUTO_PROVIDERS.values() for p in ps}
+    return [p for p in requested if p in auto or p not in known]
 
 
 def parse_args(argv=None):
@@ -85,7 +89,7 @@ def parse_args(argv=None):
     ap.add_argument("--deadline-s", type=float, default=None, help="start no new run after this many seconds")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--order", choices=("config", "provider"), default="config",
-                    help="run config by config, or provider by provider (PROVIDER_ORDER) under a deadline")
+                    help="run config by config, or provider by provider (--providers order) under a deadline")
     ap.add_argument("--no-plots", action="store_true")
     return ap.parse_args(argv)
 
@@ -159,7 +163,7 @@ def main(argv=None) -> Path:
     start = time.monotonic()
     cases = [(cfg, p) for cfg in configs for p in providers_for(cfg, requested)]
     if args.order == "provider":  # every config of the first provider, then the next provider, ...
-        rank = {p: i for i, p in enumerate(PROVIDER_ORDER)}
+        rank = {p: i for i, p in enumerate(requested or PROVIDER_ORDER)}
         cases.sort(key=lambda c: rank.get(c[1], len(rank)))
     bar = _progress(len(cases))
     extra = [AttnConfig.parse(s, **D128) for s in args.validate_configs.split(";") if s.strip()]
