@@ -758,6 +758,13 @@ def _read_outcomes(out_dir, name, world, err):
     return outcomes
 
 
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_world_runs_every_check(world):
+    """Spawns the world (the slow part, so --durations shows it here) and gets an outcome per check and rank."""
+    outcomes = world_results(world)
+    assert set(outcomes) == set(CHECKS) and all(len(o) == world for o in outcomes.values())
+
+
 @pytest.mark.parametrize("name", list(CHECKS))
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_sp(world, name):
