@@ -1,17 +1,16 @@
 """Tuning and timing of the Triton backend: forward and backward timed separately, several kernel
 configurations in one call, on the issue's shapes; plus a compile report that needs no GPU.
 
-    # compare kernel configurations on one shape (forward and backward separately)
-    python benchmarks/tune_triton.py variants --shape n28-p4k-r2k
-    # the table with the default configurations (or --autotune to let the tuner pick per shape)
-    python benchmarks/tune_triton.py table --shapes n28-p4k-r2k,n28-p16k-r2k
+    # time every kernel candidate on one shape (forward, dK/dV, dQ apart), then a table of shapes
+    # with the best configurations (other head dims use their defaults)
+    python benchmarks/tune_triton.py tune --shape n28-p4k-r2k --table n28-p4k-r2k,n8-p16k-r512 --precompile 8
     # registers / shared memory / spills of every candidate, compiled for sm_90 on any machine
     python benchmarks/tune_triton.py compile-report --head-dims 64,128
 
 Useful TFLOP/s follow DESIGN.md: forward 4*d*H*pairs, backward 2.5x that, forward+backward 3.5x,
 where ``pairs`` are the attended query-key pairs of the packed layout. Times are medians of
-event-timed repeats (``triton.testing.do_bench``). ``--precompile N`` compiles every variant in N
-processes first (small inputs, same specialisations), so the timing process only loads binaries.
+event-timed repeats (``triton.testing.do_bench``). ``--precompile N`` compiles every candidate in
+N processes first (small inputs, same specialisations), so the timing process only loads binaries.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ import math
 import multiprocessing as mp
 import os
 import time
-from dataclasses import asdict, dataclass
 
 import torch
 
@@ -47,31 +45,13 @@ PEER_MS = {
 }
 
 
-@dataclass(frozen=True)
-class Variant:
-    """One way to run the backend: kernel configs as (block_m, block_n, warps, stages) or None (default)."""
-
-    name: str
-    fwd: tuple | None = None
-    dkdv: tuple | None = None
-    dq: tuple | None = None
-    tma: bool | None = None
-    deterministic: bool = False
-
-
-def default_variants() -> list[Variant]:
-    """The configurations compared by ``variants`` (d=128)."""
-    return [
-        Variant("default"),
-        Variant("fwd M128-N64-w8-s3", fwd=(128, 64, 8, 3)),
-        Variant("fwd M128-N128-w8-s3", fwd=(128, 128, 8, 3)),
-        Variant("fwd pointers", fwd=(128, 64, 8, 3), dkdv=(32, 128, 8, 2), tma=False),
-        Variant("dkdv M32-N128-w8-s3", dkdv=(32, 128, 8, 3)),
-        Variant("dkdv M64-N128-w8-s2", dkdv=(64, 128, 8, 2)),
-        Variant("dkdv M32-N64-w4-s3", dkdv=(32, 64, 4, 3)),
-        Variant("deterministic", deterministic=True),
-        Variant("deterministic dq M64-N64-w4-s3", dq=(64, 64, 4, 3), deterministic=True),
-    ]
+# Candidates timed by ``tune`` (d=128), per kernel: (block_m, block_n, warps, stages).
+TUNE_CANDIDATES = {
+    "fwd": [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3)],
+    "dkdv": [(32, 128, 8, 2), (32, 128, 8, 3), (32, 128, 8, 4), (64, 128, 8, 2), (16, 128, 8, 3), (64, 64, 4, 2)],
+    "dq": [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)],
+    "dkdv_atomic": [(32, 128, 8, 3), (64, 128, 8, 2)],
+}
 
 
 def attended_pairs(P: int, N: int, R: int, G: int = 1) -> int:
@@ -95,19 +75,34 @@ def _cfg(t):
     return None if t is None else KernelConfig(*t)
 
 
-def run_variant(var: Variant, meta, q, k, v, do):
-    """Closures for one forward and one backward with this variant (outputs of the forward reused)."""
+def kernel_closure(kind: str, cfg, meta, q, k, v, do):
+    """A closure running one kernel (with what it needs before it) under ``cfg``."""
     from dualkv.core.backends.triton import launcher
 
     scale = 1 / math.sqrt(q.shape[2])
-    out, lse = launcher.forward(q, k, v, None, None, meta, scale, None, None, config=_cfg(var.fwd), tma=var.tma)
+    if kind == "fwd":
+        return lambda: launcher.forward(q, k, v, None, None, meta, scale, None, None, config=_cfg(cfg))
+    out, lse = launcher.forward(q, k, v, None, None, meta, scale, None, None)
+    bwd = launcher.Backward(do, q, k, v, None, None, out, lse, meta, scale, None, None, kind == "dkdv_atomic")
+    bwd.preprocess()
+    if kind == "dq":
+        return lambda: bwd.dq_kernel(_cfg(cfg))
+    return lambda: (bwd.preprocess(), bwd.dkdv(_cfg(cfg)))
+
+
+def full_closures(configs: dict, meta, q, k, v, do):
+    """Forward and backward with explicit configs ({"fwd", "dkdv", "dq"} tuples or None = defaults)."""
+    from dualkv.core.backends.triton import launcher
+
+    scale = 1 / math.sqrt(q.shape[2])
+    out, lse = launcher.forward(q, k, v, None, None, meta, scale, None, None, config=_cfg(configs.get("fwd")))
 
     def fwd():
-        launcher.forward(q, k, v, None, None, meta, scale, None, None, config=_cfg(var.fwd), tma=var.tma)
+        launcher.forward(q, k, v, None, None, meta, scale, None, None, config=_cfg(configs.get("fwd")))
 
     def bwd():
-        launcher.backward(do, q, k, v, None, None, out, lse, meta, scale, None, None, var.deterministic,
-                          dkdv_config=_cfg(var.dkdv), dq_config=_cfg(var.dq), tma=var.tma)
+        launcher.backward(do, q, k, v, None, None, out, lse, meta, scale, None, None, False,
+                          dkdv_config=_cfg(configs.get("dkdv")), dq_config=_cfg(configs.get("dq")))
 
     return fwd, bwd
 
@@ -125,39 +120,59 @@ def _bench(fn, budget_ms: float = 400.0) -> float:
     return do_bench(fn, warmup=max(one, 1.0), rep=rep, return_mode="median")
 
 
-def time_shape(name: str, variants: list[Variant]) -> list[dict]:
+def tune(name: str) -> dict:
+    """Time every candidate of every kernel on one shape; returns {kind: [(cfg, ms), ...]} and the best."""
     N, P, R, H, Hkv, d = SHAPES[name]
     meta, q, k, v, do = make_case(N, P, R, H, Hkv, d)
     fwd_flop = 4 * d * H * attended_pairs(P, N, R)
-    rows = []
-    for var in variants:
-        fwd, bwd = run_variant(var, meta, q, k, v, do)
-        f_ms, b_ms = _bench(fwd), _bench(bwd)
-        row = dict(shape=name, variant=var.name, fwd_ms=f_ms, bwd_ms=b_ms, total_ms=f_ms + b_ms,
-                   fwd_tflops=fwd_flop / f_ms / 1e9, bwd_tflops=2.5 * fwd_flop / b_ms / 1e9,
-                   total_tflops=3.5 * fwd_flop / (f_ms + b_ms) / 1e9, peers_ms=PEER_MS.get(name))
-        rows.append(row)
-        print(f"{name:15s} {var.name:34s} fwd {f_ms:8.2f} ms ({row['fwd_tflops']:5.0f})  bwd {b_ms:8.2f} ms "
-              f"({row['bwd_tflops']:5.0f})  total {row['total_ms']:8.2f} ms ({row['total_tflops']:5.0f} TFLOP/s)"
-              + (f"  peers flex/cascade {PEER_MS[name]}" if name in PEER_MS else ""), flush=True)
-    return rows
+    # matmuls per pair relative to the forward's two: dK/dV kernel 4, dQ kernel 3, atomic dK/dV 5
+    work = {"fwd": 1.0, "dkdv": 2.0, "dq": 1.5, "dkdv_atomic": 2.5}
+    timings = {}
+    for kind, cands in TUNE_CANDIDATES.items():
+        timings[kind] = []
+        for cfg in cands:
+            ms = _bench(kernel_closure(kind, cfg, meta, q, k, v, do))
+            timings[kind].append((cfg, ms))
+            print(f"{name} {kind:11s} {str(cfg):18s} {ms:8.2f} ms  {work[kind] * fwd_flop / ms / 1e9:5.0f} TFLOP/s "
+                  "(kernel's own matmuls)", flush=True)
+    best = {kind: min(rows, key=lambda r: r[1])[0] for kind, rows in timings.items() if kind != "dkdv_atomic"}
+    print(f"best: {best}", flush=True)
+    return dict(timings=timings, best=best)
 
 
-def _precompile_worker(args):
-    name, var = args
+def time_shape(name: str, configs: dict, label: str) -> dict:
+    N, P, R, H, Hkv, d = SHAPES[name]
+    meta, q, k, v, do = make_case(N, P, R, H, Hkv, d)
+    fwd_flop = 4 * d * H * attended_pairs(P, N, R)
+    fwd, bwd = full_closures(configs if d == 128 else {}, meta, q, k, v, do)
+    f_ms, b_ms = _bench(fwd), _bench(bwd)
+    row = dict(shape=name, configs=label if d == 128 else "defaults", fwd_ms=f_ms, bwd_ms=b_ms, total_ms=f_ms + b_ms,
+               fwd_tflops=fwd_flop / f_ms / 1e9, bwd_tflops=2.5 * fwd_flop / b_ms / 1e9,
+               total_tflops=3.5 * fwd_flop / (f_ms + b_ms) / 1e9, peers_ms=PEER_MS.get(name))
+    print(f"{name:15s} fwd {f_ms:8.2f} ms ({row['fwd_tflops']:4.0f})  bwd {b_ms:8.2f} ms ({row['bwd_tflops']:4.0f})  "
+          f"fwd+bwd {row['total_ms']:8.2f} ms ({row['total_tflops']:4.0f} TFLOP/s)"
+          + (f"  peers {PEER_MS[name]}" if name in PEER_MS else ""), flush=True)
+    return row
+
+
+def _precompile_worker(job):
+    name, kind, cfg = job
     N, P, R, H, Hkv, d = SHAPES[name]
     meta, q, k, v, do = make_case(2, 300, 100, H, Hkv, d)  # same specialisations, tiny work
-    fwd, bwd = run_variant(var, meta, q, k, v, do)
-    fwd(), bwd()
+    if kind == "all":
+        for fn in full_closures({}, meta, q, k, v, do):
+            fn()
+    else:
+        kernel_closure(kind, cfg, meta, q, k, v, do)()
     torch.cuda.synchronize()
-    return name, var.name
+    return job
 
 
-def precompile(jobs: list[tuple[str, Variant]], procs: int) -> None:
+def precompile(jobs: list[tuple], procs: int) -> None:
     t0 = time.perf_counter()
     with mp.get_context("spawn").Pool(procs) as pool:
-        for name, var in pool.imap_unordered(_precompile_worker, jobs):
-            print(f"compiled {name} / {var} ({time.perf_counter() - t0:.0f} s)", flush=True)
+        for job in pool.imap_unordered(_precompile_worker, jobs):
+            print(f"compiled {job} ({time.perf_counter() - t0:.0f} s)", flush=True)
 
 
 def compile_report(head_dims: list[int], dtype: str = "bf16") -> None:
@@ -228,14 +243,11 @@ def _compile_sm90(fn, kind, d, hd, dtype, cfg, tma) -> str:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    v = sub.add_parser("variants", help="compare kernel configurations on one shape")
-    v.add_argument("--shape", default="n28-p4k-r2k", choices=list(SHAPES))
-    t = sub.add_parser("table", help="time shapes with the default (or tuned) configurations")
-    t.add_argument("--shapes", default=",".join(s for s in SHAPES if s != "n16-p128k-r2k"))
-    t.add_argument("--autotune", action="store_true", help="DUALKV_TRITON_AUTOTUNE=1: tune each key first")
-    for p in (v, t):
-        p.add_argument("--precompile", type=int, default=0, help="compile in this many processes first")
-        p.add_argument("--out", default=None, help="write the rows as JSON here")
+    t = sub.add_parser("tune", help="time every kernel candidate on one shape, then the table with the best")
+    t.add_argument("--shape", default="n28-p4k-r2k", choices=list(SHAPES))
+    t.add_argument("--table", default="", help="comma-separated shapes to time with the best configs after")
+    t.add_argument("--precompile", type=int, default=0, help="compile in this many processes first")
+    t.add_argument("--out", default=None, help="write timings and rows as JSON here")
     c = sub.add_parser("compile-report", help="sm_90 registers / shared memory / spills, no GPU needed")
     c.add_argument("--head-dims", default="64,96,128,192,256,512")
     args = ap.parse_args()
@@ -243,24 +255,20 @@ def main():
     if args.cmd == "compile-report":
         compile_report([int(x) for x in args.head_dims.split(",")])
         return
-    if args.cmd == "variants":
-        jobs = [(args.shape, var) for var in default_variants()]
-    else:
-        if args.autotune:
-            os.environ["DUALKV_TRITON_AUTOTUNE"] = "1"
-        jobs = [(s, Variant("default")) for s in args.shapes.split(",")]
-    autotune = args.cmd == "table" and args.autotune
-    if args.precompile and not autotune:  # tuning compiles its candidates itself
+    table = [s for s in args.table.split(",") if s]
+    if args.precompile:
+        jobs = [(args.shape, kind, cfg) for kind, cands in TUNE_CANDIDATES.items() for cfg in cands]
+        jobs += [(s, "all", None) for s in table if SHAPES[s][5] != 128]
         precompile(jobs, args.precompile)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"triton {__import__('triton').__version__}, {time.strftime('%Y-%m-%d')}", flush=True)
-    rows = []
-    for shape in dict.fromkeys(s for s, _ in jobs):
-        rows += time_shape(shape, [var for s, var in jobs if s == shape])
+    tuned = tune(args.shape)
+    rows = [time_shape(s, tuned["best"], "tuned on " + args.shape) for s in table]
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), rows=rows,
-                           variants=[asdict(v) for _, v in jobs]), f, indent=1)
+            json.dump(dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"),
+                           timings={k: [(list(c), ms) for c, ms in v] for k, v in tuned["timings"].items()},
+                           best=tuned["best"], rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

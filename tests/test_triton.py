@@ -69,11 +69,12 @@ def _close(name, got, want, tol):
 
 
 def _check_all(q, k, v, do, meta, window=None, softcap=None, deterministic=False, tma=False, tol=2e-5,
-               fwd_cfg=SMALL, bwd_cfg=SMALL, split_rows=schedule.SPLIT_ROWS if triton_backend.is_available() else 0):
+               fwd_cfg=SMALL, bwd_cfg=SMALL, split_rows=4096, atomic_dq=None):
     scale = 1 / math.sqrt(q.shape[2])
     out, lse = launcher.forward(q, k, v, None, None, meta, scale, window, softcap, config=fwd_cfg, tma=tma)
     grads = launcher.backward(do, q, k, v, None, None, out, lse, meta, scale, window, softcap, deterministic,
-                              dkdv_config=bwd_cfg, dq_config=fwd_cfg, tma=tma, split_rows=split_rows)
+                              dkdv_config=bwd_cfg, dq_config=fwd_cfg, tma=tma, split_rows=split_rows,
+                              atomic_dq=atomic_dq)
     r_out, r_lse, r_grads = _reference(q, k, v, do, meta, scale, window, softcap)
     assert out.dtype == q.dtype and lse.dtype == torch.float32 and lse.shape == (q.shape[1], q.shape[0])
     _close("out", out, r_out, tol)
@@ -96,9 +97,11 @@ CASES = [
 @pytest.mark.parametrize("case", range(len(CASES)))
 @pytest.mark.parametrize("tma", [False, True])
 def test_matches_reference(case, tma):
+    """dQ from its own kernel with descriptors, from fp32 atomics in the dK/dV kernel with pointers."""
     prompts, responses, H, Hkv, d = CASES[case]
     _, meta, q, k, v, do = _inputs(prompts, responses, H, Hkv, d, seed=case)
-    _check_all(q, k, v, do, meta, tma=tma, fwd_cfg=SMALL if case % 2 else WIDE, bwd_cfg=WIDE if case % 2 else SMALL)
+    _check_all(q, k, v, do, meta, tma=tma, fwd_cfg=SMALL if case % 2 else WIDE, bwd_cfg=WIDE if case % 2 else SMALL,
+               atomic_dq=not tma)
 
 
 @pytest.mark.parametrize("window, softcap", [(1, None), (6, None), (45, None), (None, 1.5), (20, 4.0)])
@@ -108,13 +111,13 @@ def test_window_and_softcap(window, softcap):
     _check_all(q, k, v, do, meta, window=window, softcap=softcap, tma=window == 6)
 
 
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_split_readers(deterministic):
+@pytest.mark.parametrize("atomic_dq", [False, True])
+def test_split_readers(atomic_dq):
     """Many readers per prompt block: the reader range is split over programs, partials reduced in order."""
     _, meta, q, k, v, do = _inputs([9, 3], [[11, 5, 14, 1, 6, 9], [4, 17]], 2, 1, 16, seed=7)
     items = schedule.key_items(meta, q.shape[0], 0, False, SMALL.block_n, None, split_rows=1)
     assert int(items.table[schedule.NSPLIT].max()) > 1  # the split path is really taken
-    _check_all(q, k, v, do, meta, deterministic=deterministic, split_rows=1)
+    _check_all(q, k, v, do, meta, split_rows=1, atomic_dq=atomic_dq)
 
 
 def test_padded_head_dim_and_fp16():
@@ -124,7 +127,8 @@ def test_padded_head_dim_and_fp16():
                bwd_cfg=KernelConfig(32, 32, 4, 1))
 
 
-def test_deterministic_is_bitwise_repeatable():
+def test_deterministic_is_bitwise_repeatable(monkeypatch):
+    monkeypatch.setenv("DUALKV_TRITON_ATOMIC_DQ", "1")  # deterministic overrides the atomic default
     _, meta, q, k, v, do = _inputs([21], [[17, 30]], 4, 2, 16, seed=5)
     first = _check_all(q, k, v, do, meta, deterministic=True, split_rows=1)
     again = _check_all(q, k, v, do, meta, deterministic=True, split_rows=1)

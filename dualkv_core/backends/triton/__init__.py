@@ -8,13 +8,14 @@ launch, so they read the same K/V through L2.
 
 Backward: ``delta = rowsum(dO * O)``; a key-parallel dK/dV kernel (a prompt key block takes its own
 prompt queries causally plus every reader query of its group, the long reader range split over
-several programs whose fp32 partials are summed in a fixed order and cast once); dQ either from
-fp32 atomics inside that kernel (the default) or from a separate query-parallel kernel.
+several programs whose fp32 partials are summed in a fixed order and cast once); then dQ from a
+query-parallel kernel, written once.
 
-Determinism: dK, dV (and the context gradients) are bit-identical run to run in both modes. dQ with
-``deterministic=False`` (the default) is accumulated with fp32 atomics, so its last bits can change
-between runs; ``deterministic=True`` computes dQ in its own kernel without atomics (bit-identical),
-which recomputes the scores once more: roughly +40% matmul work in the backward.
+Determinism: every gradient is bit-identical run to run by default (no atomics anywhere), so
+``deterministic`` costs nothing here. ``DUALKV_TRITON_ATOMIC_DQ=1`` switches dQ to fp32 atomics
+(TMA reduce-add) inside the dK/dV kernel, which saves the recomputation of the scores (5 instead of
+7 matmuls per block pair) but makes dQ's last bits vary between runs; it was slower on the H200 at
+d=128 (see benchmarks/results/triton_tuning.md), and ``deterministic=True`` always turns it off.
 
 Supported: fp16 and bf16 on CUDA (fp32 too, exact IEEE dots, slow); head dims 16..512 (96 and 192
 run padded to 128 and 256); any GQA ratio; sliding windows; tanh softcap. Without a GPU the

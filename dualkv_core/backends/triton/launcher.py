@@ -119,86 +119,116 @@ def forward(q, k, v, k_ctx, v_ctx, meta, softmax_scale, window, softcap, config:
 
 def backward(dout, q, k, v, k_ctx, v_ctx, out, lse, meta, softmax_scale, window, softcap, deterministic,
              dkdv_config: KernelConfig | None = None, dq_config: KernelConfig | None = None,
-             tma: bool | None = None, split_rows: int = schedule.SPLIT_ROWS):
+             tma: bool | None = None, split_rows: int = schedule.SPLIT_ROWS, atomic_dq: bool | None = None):
     """dq (like q), dk, dv (like k, v), dk_ctx, dv_ctx (like k_ctx, v_ctx; None when k_ctx is None).
 
-    Context gradients are summed over every reading query in fp32 and cast once. With
-    ``deterministic`` dQ comes from a query-parallel kernel instead of fp32 atomics. ``split_rows``:
-    a context key block's readers are split over programs of about this many query rows each.
+    Context gradients are summed over every reading query in fp32 and cast once. dQ comes from a
+    query-parallel kernel (bit-identical run to run); ``atomic_dq=True`` (never with
+    ``deterministic``) accumulates it with fp32 atomics inside the dK/dV kernel instead.
+    ``split_rows``: a context key block's readers are split over programs of about this many rows.
     """
-    T, H, d = q.shape
-    Hkv = k.shape[1]
-    separate = k_ctx is not None
-    kc = k if k_ctx is None else k_ctx
-    vc = v if v_ctx is None else v_ctx
-    o = _Opts(q, k, softmax_scale, window, softcap, tma_supported(q, k, v, kc, vc, dout) if tma is None else tma)
-    dev = q.device
-    dk = torch.empty((T, Hkv, d), dtype=k.dtype, device=dev)
-    dv = torch.empty((T, Hkv, d), dtype=v.dtype, device=dev)
-    dkc = torch.empty(kc.shape, dtype=kc.dtype, device=dev) if separate else dk
-    dvc = torch.empty(vc.shape, dtype=vc.dtype, device=dev) if separate else dv
-    dq = torch.empty((T, H, d), dtype=q.dtype, device=dev)
-    if T == 0:
-        dkc.zero_(), dvc.zero_()
-        return dq, dk, dv, (dkc if separate else None), (dvc if separate else None)
-    atomic = not deterministic
-    delta = torch.empty((H, T), dtype=torch.float32, device=dev)
-    dq_acc = torch.empty((T, H, d), dtype=torch.float32, device=dev) if atomic else delta
-    n_ctx_rows = kc.shape[0] if separate else 0
+    if deterministic or atomic_dq is None:
+        atomic_dq = False if deterministic else configs.atomic_dq_default()
+    bwd = Backward(dout, q, k, v, k_ctx, v_ctx, out, lse, meta, softmax_scale, window, softcap, atomic_dq, tma,
+                   split_rows)
+    if q.shape[0] > 0:
+        bwd.run(dkdv_config, dq_config)
+    return bwd.results()
 
-    def run_dkdv(cfg: KernelConfig):
-        _preprocess(out, dout, delta, dq_acc, o, atomic)
-        items = schedule.key_items(meta, T, n_ctx_rows, separate, cfg.block_n, window if o.has_window else None,
-                                   split_rows)
+
+class Backward:
+    """The backward of one call, launch by launch: ``preprocess``, ``dkdv``, ``dq`` (for timing them apart)."""
+
+    def __init__(self, dout, q, k, v, k_ctx, v_ctx, out, lse, meta, softmax_scale, window, softcap, atomic_dq,
+                 tma=None, split_rows=schedule.SPLIT_ROWS):
+        T, H, d = q.shape
+        Hkv = k.shape[1]
+        self.separate = k_ctx is not None
+        kc = k if k_ctx is None else k_ctx
+        vc = v if v_ctx is None else v_ctx
+        self.o = _Opts(q, k, softmax_scale, window, softcap,
+                       tma_supported(q, k, v, kc, vc, dout) if tma is None else tma)
+        self.args = (q, k, v, kc, vc, dout, out, lse, meta)
+        self.window = window if self.o.has_window else None
+        self.split_rows = split_rows
+        self.atomic = atomic_dq
+        dev = q.device
+        self.dk = torch.empty((T, Hkv, d), dtype=k.dtype, device=dev)
+        self.dv = torch.empty((T, Hkv, d), dtype=v.dtype, device=dev)
+        self.dkc = torch.empty(kc.shape, dtype=kc.dtype, device=dev) if self.separate else self.dk
+        self.dvc = torch.empty(vc.shape, dtype=vc.dtype, device=dev) if self.separate else self.dv
+        self.dq = torch.empty((T, H, d), dtype=q.dtype, device=dev)
+        self.delta = torch.empty((H, T), dtype=torch.float32, device=dev)
+        self.dq_acc = torch.empty((T, H, d), dtype=torch.float32, device=dev) if atomic_dq else self.delta
+        if T == 0 and self.separate:
+            self.dkc.zero_(), self.dvc.zero_()
+
+    def results(self):
+        ctx = (self.dkc, self.dvc) if self.separate else (None, None)
+        return self.dq, self.dk, self.dv, *ctx
+
+    def run(self, dkdv_config: KernelConfig | None = None, dq_config: KernelConfig | None = None):
+        o, meta, T = self.o, self.args[8], self.args[0].shape[0]
+        key = o.key(meta, T, (self.atomic, self.separate))
+        self.preprocess()
+        cfg = dkdv_config or configs.choose("dkdv", key, o.dim, o.elem, o.on_cuda, self.dkdv)
+        self.dkdv(cfg)
+        if not self.atomic:
+            self.dq_kernel(dq_config or configs.choose("dq", key, o.dim, o.elem, o.on_cuda, self.dq_kernel))
+
+    def preprocess(self, block: int = 64):
+        """delta = rowsum(dO * O) (and a zeroed dQ accumulator for the atomic path)."""
+        out, dout, o = self.args[6], self.args[5], self.o
+        T, H, _ = out.shape
+        preprocess_kernel[(math.ceil(T / block) * H,)](
+            out, dout, self.delta, self.dq_acc, T, H, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1),
+            DIM=o.dim, HEAD_DIM=o.head_dim, BLOCK=block, ZERO_DQ=self.atomic, num_warps=4,
+        )
+
+    def dkdv(self, cfg: KernelConfig):
+        """dK/dV (and the atomic dQ), the fixed-order sum of split partials, the dQ cast."""
+        q, k, v, kc, vc, dout, _, lse, meta = self.args
+        o, T, Hkv, d = self.o, q.shape[0], k.shape[1], q.shape[2]
+        n_ctx_rows = kc.shape[0] if self.separate else 0
+        items = schedule.key_items(meta, T, n_ctx_rows, self.separate, cfg.block_n, self.window, self.split_rows)
         n_items = items.table.shape[1]
-        wsk = torch.empty((items.ws_rows, Hkv, d), dtype=torch.float32, device=dev)
+        wsk = torch.empty((items.ws_rows, Hkv, d), dtype=torch.float32, device=q.device)
         wsv = torch.empty_like(wsk)
         grid = (n_items * Hkv,)
-        dq_tma = atomic and o.tma and o.on_cuda  # the interpreter has no TMA reduce-add
-        dq_arg = o.tiles(cfg.block_m, dq_acc)[0] if dq_tma else dq_acc
+        dq_tma = self.atomic and o.tma and o.on_cuda  # the interpreter has no TMA reduce-add
+        dq_arg = o.tiles(cfg.block_m, self.dq_acc)[0] if dq_tma else self.dq_acc
+        n_seg = meta.cu_seqlens.numel() - 1
         dkdv_kernel[grid](
             *o.tiles(cfg.block_m, q), *o.tiles(cfg.block_n, k, v, kc, vc),
-            *o.tiles(cfg.block_m, dout), lse, delta, dq_arg, dk, dv, dkc, dvc, wsk, wsv,
+            *o.tiles(cfg.block_m, dout), lse, self.delta, dq_arg, self.dk, self.dv, self.dkc, self.dvc, wsk, wsv,
             items.table, meta.cu_seqlens, meta.seg_ctx_len, meta.ctx_key_start, meta.ctx_key_len,
-            n_items, meta.cu_seqlens.numel() - 1, T, Hkv, o.qk_scale, o.cap_log2, o.pre_cap, o.scale, o.window,
+            n_items, n_seg, T, Hkv, o.qk_scale, o.cap_log2, o.pre_cap, o.scale, o.window,
             q.stride(0), q.stride(1), *_kv_strides(k, v, kc, vc), dout.stride(0), dout.stride(1),
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ATOMIC_DQ=atomic, DQ_TMA=dq_tma,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ATOMIC_DQ=self.atomic, DQ_TMA=dq_tma,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **o.constexprs(),
         )
         reduce_kernel[grid](
-            wsk, wsv, dk, dv, dkc, dvc, items.table, meta.cu_seqlens, meta.seg_ctx_len, meta.ctx_key_start,
-            meta.ctx_key_len, n_items, meta.cu_seqlens.numel() - 1, Hkv,
+            wsk, wsv, self.dk, self.dv, self.dkc, self.dvc, items.table, meta.cu_seqlens, meta.seg_ctx_len,
+            meta.ctx_key_start, meta.ctx_key_len, n_items, n_seg, Hkv,
             DIM=o.dim, HEAD_DIM=o.head_dim, BLOCK_N=cfg.block_n, num_warps=4,
         )
-        if atomic:
-            n = dq.numel()
-            scale_cast_kernel[(triton.cdiv(n, 4096),)](dq_acc, dq, n, o.scale, BLOCK=4096, num_warps=4)
+        if self.atomic:
+            n = self.dq.numel()
+            scale_cast_kernel[(triton.cdiv(n, 4096),)](self.dq_acc, self.dq, n, o.scale, BLOCK=4096, num_warps=4)
 
-    def run_dq(cfg: KernelConfig):
-        tiles = schedule.query_tiles(meta, T, cfg.block_m, window if o.has_window else None)
+    def dq_kernel(self, cfg: KernelConfig):
+        """dQ, query-parallel, written once in the input dtype."""
+        q, k, v, kc, vc, dout, _, lse, meta = self.args
+        o, T, H = self.o, q.shape[0], q.shape[1]
+        tiles = schedule.query_tiles(meta, T, cfg.block_m, self.window)
         n_tiles = tiles.shape[1]
+        dq = self.dq
         dq_kernel[(n_tiles * H,)](
             *o.tiles(cfg.block_m, q), *o.tiles(cfg.block_n, k, v, kc, vc), *o.tiles(cfg.block_m, dout),
-            lse, delta, dq, tiles, meta.cu_seqlens, meta.seg_ctx_start, meta.seg_ctx_len,
+            lse, self.delta, dq, tiles, meta.cu_seqlens, meta.seg_ctx_start, meta.seg_ctx_len,
             n_tiles, T, H, o.qk_scale, o.cap_log2, o.pre_cap, o.scale, o.window,
             q.stride(0), q.stride(1), *_kv_strides(k, v, kc, vc), dout.stride(0), dout.stride(1),
             dq.stride(0), dq.stride(1),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **o.constexprs(),
         )
-
-    key = o.key(meta, T, (atomic, separate))
-    cfg = dkdv_config or configs.choose("dkdv", key, o.dim, o.elem, o.on_cuda, run_dkdv)
-    run_dkdv(cfg)
-    if not atomic:
-        cfg_dq = dq_config or configs.choose("dq", key, o.dim, o.elem, o.on_cuda, run_dq)
-        run_dq(cfg_dq)
-    return dq, dk, dv, (dkc if separate else None), (dvc if separate else None)
-
-
-def _preprocess(out, dout, delta, dq_acc, o: _Opts, zero_dq: bool, block: int = 64):
-    T, H, _ = out.shape
-    preprocess_kernel[(math.ceil(T / block) * H,)](
-        out, dout, delta, dq_acc, T, H, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1),
-        DIM=o.dim, HEAD_DIM=o.head_dim, BLOCK=block, ZERO_DQ=zero_dq, num_warps=4,
-    )
