@@ -176,9 +176,10 @@ def dkdv_kernel(
     else:
         k = load_block(KC, krow, hk, stride_kct, stride_kch, kok, offs_n, offs_d, DIM, HEAD_DIM, True, TMA)
         v = load_block(VC, krow, hk, stride_vct, stride_vch, kok, offs_n, offs_d, DIM, HEAD_DIM, True, TMA)
-    if TMA:  # rows past the block's keys hold other tokens: zero them so their dQ terms vanish
-        k = zero_pad(tl.where(kok[:, None], k, 0.0), offs_d, DIM, HEAD_DIM, TMA)
-        v = zero_pad(v, offs_d, DIM, HEAD_DIM, TMA)
+    if TMA and ATOMIC_DQ:  # rows past the block's keys hold other tokens: zero them so their dQ terms vanish
+        k = tl.where(kok[:, None], k, 0.0)
+    k = zero_pad(k, offs_d, DIM, HEAD_DIM, TMA)
+    v = zero_pad(v, offs_d, DIM, HEAD_DIM, TMA)
     kpos = koff + x
     kmin = koff + blk * BLOCK_N
     kmax = koff + tl.minimum(n_keys, blk * BLOCK_N + BLOCK_N) - 1
