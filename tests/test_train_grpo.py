@@ -159,3 +159,31 @@ def test_torchrun_dp2_sp2_equals_single_process(tmp_path, model, budget):
     num = sum(float((w4[k] - w1[k]).double().square().sum()) for k in w1)
     den = sum(float((w1[k] - w0[k]).double().square().sum()) for k in w1)
     assert den > 0 and (num / den) ** 0.5 <= 1e-5  # the parameter updates agree
+
+
+def test_torchrun_rank_without_groups_runs_padding(tmp_path):
+    """DAPO drops the uniform-reward group, leaving one group for two dp ranks: rank 1 runs a zero-weight
+    padding micro-batch so FSDP stays in step, and the update equals the one-process run."""
+    from dualkv.train.rollout import RolloutBatch, RolloutGroup
+    from dualkv.train.rollout_files import save_rollout_file
+
+    gen = torch.Generator().manual_seed(0)
+    groups = [RolloutGroup(torch.randint(0, 256, (9,), generator=gen), [torch.randint(0, 256, (n,), generator=gen)
+                                                                        for n in (3, 5, 2)], torch.tensor(rewards), uid=g)
+              for g, rewards in enumerate([[1.0, 0.0, 1.0], [1.0, 1.0, 1.0]])]
+    path = save_rollout_file(RolloutBatch(groups), tmp_path / "rollouts.jsonl")
+    args = ["--rollouts", str(path), "--groups", "2", "--steps", "1", "--algorithm", "dapo", "--param-dtype", "fp32",
+            "--no-progress", "--lr", "1e-3"]
+    runs = []
+    for nproc in (1, 2):
+        out_dir = tmp_path / f"n{nproc}"
+        launcher = [sys.executable, "-m", "dualkv.train.grpo"] if nproc == 1 else [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "dualkv.train.grpo"]
+        out = subprocess.run(launcher + args + ["--output-dir", str(out_dir)], cwd=ROOT, env=_env(),
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-4000:]
+        runs.append(json.loads((out_dir / "metrics.jsonl").read_text()))
+    one, two = runs
+    assert one["groups_used"] == two["groups_used"] == 1
+    for key in ("loss", "grad_norm", "entropy"):
+        assert two[key] == pytest.approx(one[key], rel=1e-5), key

@@ -153,9 +153,7 @@ class PolicyUpdater:
             data = build_micro_batch(groups, mb, self.cfg.packing, self.device)
             lp = policy_logprobs(model, data.layout, self.sp_group, self.cfg.temperature).float().cpu()
             counters["forward_flops"] += forward_flops(model.config, data.layout)
-            if mb.padding:
-                continue
-            row = 0
+            row = 0  # (a padding micro-batch stores too: its update pass reads them, with weight 0)
             for gi in mb.groups:
                 g = groups[gi]
                 values = [lp[row + i, :n].clone() for i, n in enumerate(g.response_lens)]
@@ -171,12 +169,12 @@ class PolicyUpdater:
         aux = _aux_loss(self.policy, self.sp_group)
         total = loss if aux is None else loss + aux * aux_scale
         (total * (data.weight * self.grad_scale)).backward()
-        if data.weight:
-            sums["loss"] += loss.detach().float()
-            for k, v in stats.items():
-                sums[k] += v.float()
-            if aux is not None:
-                sums["aux_loss"] += aux.detach().float() * aux_scale
+        # Every rank records the same keys (padding micro-batches with weight 0): they are all-reduced.
+        sums["loss"] += loss.detach().float() * data.weight
+        for k, v in stats.items():
+            sums[k] += v.float() * data.weight
+        if aux is not None:
+            sums["aux_loss"] += aux.detach().float() * (aux_scale * data.weight)
 
     def _update_mini_batch(self, groups: list[RolloutGroup], counters: dict) -> dict[str, torch.Tensor]:
         plan = self._my_plan(groups)
@@ -227,7 +225,8 @@ class PolicyUpdater:
         prepared = self.prepare(batch)
         if prepared is None:
             return {"skipped": 1.0, "groups_used": 0.0}
-        chunks = split_mini_batches(prepared.num_groups, self.cfg.mini_batches)
+        # DAPO's filter may leave fewer groups than mini-batches: then one group per mini-batch.
+        chunks = split_mini_batches(prepared.num_groups, min(self.cfg.mini_batches, prepared.num_groups))
         minis = [[prepared.groups[i] for i in c] for c in chunks]
         self.policy.train()
         reuse = self.cfg.use_rollout_logprobs
