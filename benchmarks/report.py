@@ -198,8 +198,8 @@ _MODE_NAMES = {"fwd": "forward", "bwd": "backward", "fwdbwd": "forward+backward"
 
 def detail_table(rows: list[dict]) -> str:
     head = ("| config | provider | status | fwd ms | bwd ms | fwd+bwd ms | TFLOP/s fwd | bwd | fwd+bwd "
-            "| peak extra GiB | inputs GiB | reps (fwd/bwd/both) |")
-    out = [head, "|" + " --- |" * 12]
+            "| peak extra GiB | inputs GiB | reps (fwd/bwd/both) | run |")
+    out = [head, "|" + " --- |" * 13]
 
     def num(r, k, fmt):
         v = r.get(k)
@@ -212,7 +212,7 @@ def detail_table(rows: list[dict]) -> str:
             f"| {r['label']} d={r['d']} H={r['H']}/{r['H_kv']} | {r['provider']} | {status} | {num(r, 'fwd_ms', '.2f')} "
             f"| {num(r, 'bwd_ms', '.2f')} | {num(r, 'fwdbwd_ms', '.2f')} | {num(r, 'fwd_tflops', '.0f')} "
             f"| {num(r, 'bwd_tflops', '.0f')} | {num(r, 'fwdbwd_tflops', '.0f')} | {num(r, 'peak_extra_gib', '.2f')} "
-            f"| {num(r, 'input_gib', '.2f')} | {reps} |"
+            f"| {num(r, 'input_gib', '.2f')} | {reps} | {r.get('_date', '')} |"
         )
     return "\n".join(out)
 
@@ -231,11 +231,15 @@ def write_markdown(path: Path, results: list[dict], rows: list[dict] | None = No
     for mode in ("fwdbwd", "fwd", "bwd"):
         lines += [markdown_table(rows, mode), ""]
     lines += ["All rows:", "", detail_table(rows), ""]
-    failed = [r for res in results for r in res.get("validation", []) if r.get("ok") is False]
-    checked = [r for res in results for r in res.get("validation", []) if r.get("ok")]
-    if checked or failed:
-        lines.append(f"Validation against dualkv.core.reference_attention: {len(checked)} passed, {len(failed)} failed.")
-        lines += [f"- {r['provider']} {r['config']}: {r['status']}" for r in failed]
+    for res in results:
+        val = res.get("validation", [])
+        failed = [r for r in val if r.get("ok") is False]
+        passed = [f"{r['provider']} ({r['config'].split('_')[-2]})" for r in val if r.get("ok")]
+        if val:
+            lines.append(f"Validation against dualkv.core.reference_attention, run of {res['meta'].get('date')}: "
+                         f"{len(passed)} passed ({', '.join(passed)}), {len(failed)} failed.")
+            lines += [f"- {r['provider']} {r['config']}: {r['status']}" for r in failed]
+            lines.append("")
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -258,7 +262,8 @@ def plot_results(rows: list[dict], stem: Path, title: str = "") -> list[Path]:
     paths = []
     for metric, ylabel, log in (("fwdbwd_tflops", "useful TFLOP/s, forward+backward", False),
                                 ("fwdbwd_ms", "forward+backward ms (log scale)", True)):
-        fig, axes = plt.subplots(1, len(groups), figsize=(max(6, 3.2 * sum(len({r['config'] for r in g}) for g in groups.values())), 4.5),
+        n_configs = sum(len({r["config"] for r in g}) for g in groups.values())
+        fig, axes = plt.subplots(1, len(groups), figsize=(min(18.0, 3.0 + 1.4 * n_configs), 5.0),
                                  squeeze=False, gridspec_kw=dict(width_ratios=[len({r["config"] for r in g}) for g in groups.values()]))
         for ax, ((d, H, Hkv, dtype), grp) in zip(axes[0], groups.items()):
             provs = [p for p in _providers(grp)  # providers that cannot run this head dim at all are left out
@@ -293,9 +298,10 @@ def plot_results(rows: list[dict], stem: Path, title: str = "") -> list[Path]:
         from matplotlib.patches import Patch
 
         shown = _providers([r for r in rows if not r["status"].startswith("unsupported")])
-        axes[0][-1].legend(handles=[Patch(color=_color(p), label=p) for p in shown], fontsize=7, loc="best")
+        fig.legend(handles=[Patch(color=_color(p), label=p) for p in shown], fontsize=8, loc="lower center",
+                   ncol=min(len(shown), 8), frameon=False)
         fig.suptitle(f"Shared-prompt attention, {title}", fontsize=10)
-        fig.tight_layout()
+        fig.tight_layout(rect=(0, 0.06, 1, 1))
         path = Path(f"{stem}_{metric.split('_')[1]}.png")
         fig.savefig(path, dpi=130)
         plt.close(fig)
