@@ -2,7 +2,7 @@
 configurations in one call, on the issue's shapes; plus a compile report that needs no GPU.
 
     # time every kernel candidate on one shape (forward, dK/dV, dQ apart), then a table of shapes
-    # with the best configurations (other head dims use their defaults)
+    # with the best configurations (shapes of another head dim use the library defaults)
     python benchmarks/tune_triton.py tune --shape n28-p4k-r2k --table n28-p4k-r2k,n8-p16k-r512 --precompile 8
     # registers / shared memory / spills of every candidate, compiled for sm_90 on any machine
     python benchmarks/tune_triton.py compile-report --head-dims 64,128
@@ -52,6 +52,17 @@ TUNE_CANDIDATES = {
     "dq": [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)],
     "dkdv_atomic": [(32, 128, 8, 3), (64, 128, 8, 2)],
 }
+
+
+def tune_candidates(d: int) -> dict:
+    """TUNE_CANDIDATES at d=128; the library's pruned candidates at other head dims."""
+    if d == 128:
+        return TUNE_CANDIDATES
+    from dualkv.core.backends.triton import configs
+
+    cands = {kind: [(c.block_m, c.block_n, c.num_warps, c.num_stages) for c in configs.candidates(kind, d, 2)]
+             for kind in ("fwd", "dkdv", "dq")}
+    return dict(cands, dkdv_atomic=cands["dkdv"][:1])
 
 
 def attended_pairs(P: int, N: int, R: int, G: int = 1) -> int:
@@ -128,14 +139,19 @@ def tune(name: str) -> dict:
     # matmuls per pair relative to the forward's two: dK/dV kernel 4, dQ kernel 3, atomic dK/dV 5
     work = {"fwd": 1.0, "dkdv": 2.0, "dq": 1.5, "dkdv_atomic": 2.5}
     timings = {}
-    for kind, cands in TUNE_CANDIDATES.items():
+    for kind, cands in tune_candidates(d).items():
         timings[kind] = []
         for cfg in cands:
-            ms = _bench(kernel_closure(kind, cfg, meta, q, k, v, do))
+            try:
+                ms = _bench(kernel_closure(kind, cfg, meta, q, k, v, do))
+            except Exception as err:  # noqa: BLE001 - a candidate that does not build is reported and skipped
+                print(f"{name} {kind:11s} {str(cfg):18s} failed: {type(err).__name__}: {str(err)[:120]}", flush=True)
+                continue
             timings[kind].append((cfg, ms))
             print(f"{name} {kind:11s} {str(cfg):18s} {ms:8.2f} ms  {work[kind] * fwd_flop / ms / 1e9:5.0f} TFLOP/s "
                   "(kernel's own matmuls)", flush=True)
     best = {kind: min(rows, key=lambda r: r[1])[0] for kind, rows in timings.items() if kind != "dkdv_atomic"}
+    best["head_dim"] = d
     print(f"best: {best}", flush=True)
     return dict(timings=timings, best=best)
 
@@ -144,9 +160,10 @@ def time_shape(name: str, configs: dict, label: str) -> dict:
     N, P, R, H, Hkv, d = SHAPES[name]
     meta, q, k, v, do = make_case(N, P, R, H, Hkv, d)
     fwd_flop = 4 * d * H * attended_pairs(P, N, R)
-    fwd, bwd = full_closures(configs if d == 128 else {}, meta, q, k, v, do)
+    tuned_d = configs.get("head_dim")
+    fwd, bwd = full_closures(configs if d == tuned_d else {}, meta, q, k, v, do)
     f_ms, b_ms = _bench(fwd), _bench(bwd)
-    row = dict(shape=name, configs=label if d == 128 else "defaults", fwd_ms=f_ms, bwd_ms=b_ms, total_ms=f_ms + b_ms,
+    row = dict(shape=name, configs=label if d == tuned_d else "defaults", fwd_ms=f_ms, bwd_ms=b_ms, total_ms=f_ms + b_ms,
                fwd_tflops=fwd_flop / f_ms / 1e9, bwd_tflops=2.5 * fwd_flop / b_ms / 1e9,
                total_tflops=3.5 * fwd_flop / (f_ms + b_ms) / 1e9, peers_ms=PEER_MS.get(name))
     print(f"{name:15s} fwd {f_ms:8.2f} ms ({row['fwd_tflops']:4.0f})  bwd {b_ms:8.2f} ms ({row['bwd_tflops']:4.0f})  "
@@ -257,8 +274,9 @@ def main():
         return
     table = [s for s in args.table.split(",") if s]
     if args.precompile:
-        jobs = [(args.shape, kind, cfg) for kind, cands in TUNE_CANDIDATES.items() for cfg in cands]
-        jobs += [(s, "all", None) for s in table if SHAPES[s][5] != 128]
+        d = SHAPES[args.shape][5]
+        jobs = [(args.shape, kind, cfg) for kind, cands in tune_candidates(d).items() for cfg in cands]
+        jobs += [(s, "all", None) for s in table if SHAPES[s][5] != d]
         precompile(jobs, args.precompile)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"triton {__import__('triton').__version__}, {time.strftime('%Y-%m-%d')}", flush=True)
