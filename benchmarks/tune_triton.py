@@ -163,8 +163,8 @@ def time_shape(name: str, configs: dict, label: str) -> dict:
     tuned_d = configs.get("head_dim")
     fwd, bwd = full_closures(configs if d == tuned_d else {}, meta, q, k, v, do)
     f_ms, b_ms = _bench(fwd), _bench(bwd)
-    row = dict(shape=name, configs=label if d == tuned_d else "defaults", fwd_ms=f_ms, bwd_ms=b_ms, total_ms=f_ms + b_ms,
-               fwd_tflops=fwd_flop / f_ms / 1e9, bwd_tflops=2.5 * fwd_flop / b_ms / 1e9,
+    row = dict(shape=name, configs=label if d == tuned_d else "defaults", fwd_ms=f_ms, bwd_ms=b_ms,
+               total_ms=f_ms + b_ms, fwd_tflops=fwd_flop / f_ms / 1e9, bwd_tflops=2.5 * fwd_flop / b_ms / 1e9,
                total_tflops=3.5 * fwd_flop / (f_ms + b_ms) / 1e9, peers_ms=PEER_MS.get(name))
     print(f"{name:15s} fwd {f_ms:8.2f} ms ({row['fwd_tflops']:4.0f})  bwd {b_ms:8.2f} ms ({row['bwd_tflops']:4.0f})  "
           f"fwd+bwd {row['total_ms']:8.2f} ms ({row['total_tflops']:4.0f} TFLOP/s)"

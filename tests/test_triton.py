@@ -214,6 +214,31 @@ def test_key_items_partition_readers():
     assert int(t[schedule.NSPLIT].max()) > 1
 
 
+def test_configs_pruning_and_tuner():
+    """Candidates fit a Hopper block; the tuner keeps the fastest and skips configs that do not build."""
+    from dualkv.core.backends.triton import configs
+
+    for kind in ("fwd", "dkdv", "dq"):
+        for d in triton_backend.HEAD_DIMS:
+            for cfg in configs.candidates(kind, d, 2):
+                assert configs.smem_bytes(kind, cfg, configs.padded_head_dim(d), 2) <= configs.SMEM_LIMIT
+    assert not configs.keep("fwd", KernelConfig(128, 128, 8, 4), 256, 2)  # ~600 KB of tiles
+
+    class OutOfResources(Exception):
+        pass
+
+    cands = [KernelConfig(64, 64, 4, 2), KernelConfig(128, 64, 8, 3), KernelConfig(128, 128, 8, 3)]
+    times = {cands[0]: 3.0, cands[1]: 1.0}
+
+    def run(cfg):
+        if cfg not in times:
+            raise OutOfResources("out of resource: shared memory")
+        run.last = cfg
+
+    assert configs._tune(cands, run, bench=lambda fn: (fn(), times[run.last])[1]) == cands[1]
+    assert configs.choose("fwd", (), 128, 2, on_cuda=False) == configs.INTERPRET_CONFIG
+
+
 def test_check_supported_errors(monkeypatch):
     q = torch.zeros(4, 2, 16)
     kv = torch.zeros(4, 1, 16)
