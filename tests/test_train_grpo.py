@@ -40,12 +40,12 @@ def test_embedded_default_runs_to_completion(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "tiny-qwen3" in out.stderr and "arithmetic" in out.stderr
     assert "reward=" in out.stderr and "rho=" in out.stderr and "tok/s=" in out.stderr  # the progress bar
-    assert "done: 2 steps" in out.stderr
+    assert "done: 2 steps, mean reward" in out.stderr
 
 
 def _config(tmp_path, *args):
     return config_from_args(build_parser().parse_args(
-        ["--groups", "4", "--responses", "4", "--steps", "3", "--no-progress", "--output-dir", str(tmp_path), *args]))
+        ["--groups", "4", "--responses", "16", "--steps", "3", "--no-progress", "--output-dir", str(tmp_path), *args]))
 
 
 def _local(x):
@@ -75,6 +75,7 @@ def test_resume_equals_uninterrupted(tmp_path, algorithm):
     resumed = replace(_config(tmp_path / "cut", *algorithm), resume="auto")
     hist_res, params_res, opt_res = _train(resumed)
     assert [h["step"] for h in hist_res] == [2]
+    assert all(h["skipped"] == 0 for h in hist_full)  # every step trained (DAPO may skip all-uniform batches)
     for key in ("reward_mean", "loss", "grad_norm", "packed_tokens"):
         assert hist_res[0][key] == hist_full[2][key], key
     assert params_full.keys() == params_res.keys()

@@ -164,6 +164,10 @@ def test_arithmetic_task_reward_is_exact():
     task = ArithmeticTask(ArithmeticConfig(max_operand=9, ops="+-*", num_shots=2))
     tok = task.tokenizer
     probs = task.sample(50, torch.Generator().manual_seed(0))
+    assert len({p.text.rsplit(";", 1)[0] for p in probs}) == 1  # one preamble shared by every prompt
+    for shot in task.preamble.split(";")[:-1]:
+        q, a = shot.split("=")
+        assert eval(q) == int(a)  # the preamble's examples are solved correctly
     for p in probs:
         text = tok.decode(p.prompt_ids)
         assert text.startswith("<bos>") and text.endswith("=") and text.count(";") == 2

@@ -1,7 +1,7 @@
 """The built-in verifiable task: integer arithmetic with an exact-answer reward and a tiny tokenizer.
 
-A prompt is a few solved examples followed by a question, e.g. ``<bos>1+2=3;4+0=4;3+4=``; the policy
-answers with digits and ``<eos>``. The reward is 1.0 when the number the response starts with is
+A prompt is a fixed preamble of solved examples (the same for every prompt, like a system prompt)
+followed by a question, e.g. ``<bos>1+2=3;4+0=4;3+4=``; the policy answers with digits and ``<eos>``. The reward is 1.0 when the number the response starts with is
 exactly the answer (``7<eos>``, or ``7`` cut off by the length limit, or ``7;...``), else 0.0:
 verifiable without a reward model, as in RL post-training on maths.
 """
@@ -44,11 +44,13 @@ class ArithmeticTokenizer:
 
 @dataclass(frozen=True)
 class ArithmeticConfig:
-    """Problems ``a op b`` with operands in [0, max_operand]; ``num_shots`` solved examples first."""
+    """Problems ``a op b`` with operands in [0, max_operand], after a preamble of ``num_shots`` solved
+    examples (drawn once with ``preamble_seed``, shared by every prompt)."""
 
-    max_operand: int = 4
+    max_operand: int = 2
     ops: str = "+"
-    num_shots: int = 2
+    num_shots: int = 0
+    preamble_seed: int = 1234
 
     def __post_init__(self) -> None:
         if self.max_operand < 1:
@@ -76,6 +78,8 @@ class ArithmeticTask:
     def __init__(self, cfg: ArithmeticConfig | None = None) -> None:
         self.cfg = cfg or ArithmeticConfig()
         self.tokenizer = ArithmeticTokenizer()
+        gen = torch.Generator().manual_seed(self.cfg.preamble_seed)
+        self.preamble = "".join(q + str(ans) + ";" for q, ans in (self._draw(gen) for _ in range(self.cfg.num_shots)))
 
     @property
     def max_answer_digits(self) -> int:
@@ -91,9 +95,8 @@ class ArithmeticTask:
     def sample(self, num: int, gen: torch.Generator) -> list[Problem]:
         out = []
         for _ in range(num):
-            shots = "".join(q + str(ans) + ";" for q, ans in (self._draw(gen) for _ in range(self.cfg.num_shots)))
             question, answer = self._draw(gen)
-            text = shots + question
+            text = self.preamble + question
             ids = torch.tensor(self.tokenizer.encode(text, bos=True), dtype=torch.long)
             out.append(Problem(prompt_ids=ids, answer=answer, text=text))
         return out

@@ -51,17 +51,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rollouts", default="arithmetic",
                    help="'arithmetic' (sample from the policy, exact-answer reward), 'synthetic', or a .jsonl/.parquet file")
     g.add_argument("--groups", type=int, default=8, help="prompt groups per step")
-    g.add_argument("--responses", type=int, default=8, help="N, responses per prompt (arithmetic / synthetic rollouts)")
+    g.add_argument("--responses", type=int, default=16, help="N, responses per prompt (arithmetic / synthetic rollouts)")
     g.add_argument("--max-new-tokens", type=int, default=3, help="response length limit when sampling")
     g.add_argument("--temperature", type=float, default=1.0, help="sampling and log-prob temperature")
-    g.add_argument("--max-operand", type=int, default=4, help="arithmetic: operands in [0, max]")
+    g.add_argument("--max-operand", type=int, default=2, help="arithmetic: operands in [0, max]")
     g.add_argument("--ops", default="+", help="arithmetic: operators to draw from (+-*)")
-    g.add_argument("--shots", type=int, default=2, help="arithmetic: solved examples before the question")
+    g.add_argument("--shots", type=int, default=0, help="arithmetic: solved examples in a preamble shared by every prompt")
     g.add_argument("--synthetic-prompt-len", type=_range, default=(16, 64), help="synthetic: prompt lengths MIN:MAX")
     g.add_argument("--synthetic-response-len", type=_range, default=(4, 32), help="synthetic: response lengths MIN:MAX")
 
     a = p.add_argument_group("algorithm")
-    a.add_argument("--algorithm", choices=("grpo", "dapo"), default="grpo")
+    a.add_argument("--algorithm", choices=("grpo", "dapo"), default="dapo")
     a.add_argument("--kl-beta", type=float, default=None,
                    help="KL weight (recipe default: GRPO 0.04, DAPO 0; 0 for a preset trained from scratch)")
     a.add_argument("--kl-estimator", choices=("k1", "k2", "k3", "low_var_kl"), default=None)
@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="token budget of one micro-batch, on the length the packing runs (split over its SP group)")
     u.add_argument("--mini-batches", type=int, default=1, help="optimizer steps per rollout batch")
     u.add_argument("--epochs", type=int, default=1, help="passes over each rollout batch")
-    u.add_argument("--steps", type=int, default=int(os.environ.get(STEPS_ENV, 30)))
+    u.add_argument("--steps", type=int, default=int(os.environ.get(STEPS_ENV, 120)))
     u.add_argument("--lr", type=float, default=None,
                    help=f"AdamW learning rate (default {_LR_CHECKPOINT:g} for a checkpoint, {_LR_SCRATCH:g} for a preset "
                         "trained from scratch)")
@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="FSDP compute dtype (auto: bf16 on CUDA, fp32 on CPU); gradients reduce in fp32")
     d.add_argument("--activation-checkpointing", action="store_true")
     d.add_argument("--compile", action="store_true", help="torch.compile every decoder layer")
+    d.add_argument("--cpu-threads", type=int, default=None,
+                   help="intra-op threads of a CPU run (default: $OMP_NUM_THREADS, else 1: small models run fastest "
+                        "on one thread)")
 
     o = p.add_argument_group("output")
     o.add_argument("--output-dir", default=None, help="metrics.jsonl, TensorBoard, checkpoints, HF export")
@@ -138,6 +141,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        threads = args.cpu_threads or int(os.environ.get("OMP_NUM_THREADS", 1))
+        torch.set_num_threads(max(threads, 1))
     try:
         cfg = config_from_args(args)
         trainer = Trainer(cfg)  # validates the rollout file and the parallel layout first
@@ -150,10 +156,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
                   f"= dp {trainer.ctx.dp_size} x sp {trainer.ctx.sp_size}", file=sys.stderr)
         history = trainer.run()
         if trainer.ctx.is_main and history:
-            last = history[-1]
-            first_r, last_r = history[0].get("reward_mean"), last.get("reward_mean")
-            print(f"done: {len(history)} steps, reward {first_r:.3f} -> {last_r:.3f}, rho {last['rho']:.2f}",
-                  file=sys.stderr)
+            k = max(1, min(10, len(history) // 2))
+            first, last = (sum(h["reward_mean"] for h in part) / len(part) for part in (history[:k], history[-k:]))
+            rho = sum(h["rho"] for h in history) / len(history)
+            print(f"done: {len(history)} steps, mean reward {first:.3f} (first {k} steps) -> {last:.3f} (last {k}), "
+                  f"rho {rho:.2f}", file=sys.stderr)
         return history
     finally:
         trainer.close()

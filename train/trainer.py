@@ -65,8 +65,8 @@ class TrainConfig:
     model: str = "tiny-qwen3"
     rollouts: str = "arithmetic"
     groups: int = 8
-    n: int = 8
-    steps: int = 20
+    n: int = 16
+    steps: int = 120
     seed: int = 0
     output_dir: str | None = None
     save_every: int = 0
@@ -79,7 +79,7 @@ class TrainConfig:
     synthetic_response_len: tuple[int, int] = (4, 32)
     peak_tflops: float | None = None
     progress: bool = True
-    loss: LossConfig = field(default_factory=LossConfig.grpo)
+    loss: LossConfig = field(default_factory=LossConfig.dapo)
     update: UpdateConfig = field(default_factory=UpdateConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -105,6 +105,9 @@ def _model_config(cfg: TrainConfig, task: ArithmeticTask | None):
     from dualkv.models import preset_hf_config
 
     if Path(cfg.model).is_dir():
+        if task is not None:
+            raise ValueError(f"rollouts: the arithmetic task speaks its own {task.tokenizer.vocab_size}-token vocabulary, "
+                             f"so it trains a preset from scratch; for the checkpoint {cfg.model} give a rollout file")
         return None, Path(cfg.model)
     hf = preset_hf_config(cfg.model)
     if task is not None:
