@@ -38,6 +38,8 @@ def test_batch_sizes_and_rho():
 @pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
 @pytest.mark.parametrize("per_response", [True, False])
 def test_file_round_trip(tmp_path, suffix, per_response):
+    if suffix == ".parquet":
+        pytest.importorskip("pyarrow")
     b = _batch(with_logprobs=True)
     path = save_rollout_file(b, tmp_path / f"r{suffix}", per_response=per_response)
     back = load_rollout_file(path)
@@ -98,7 +100,7 @@ def test_bad_rollout_files_are_rejected(tmp_path, rows, message):
 
 
 def test_bad_files_parquet_and_paths(tmp_path):
-    import pyarrow as pa
+    pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
 
     path = tmp_path / "bad.parquet"
