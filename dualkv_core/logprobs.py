@@ -80,8 +80,8 @@ class _LinearLogProbs(torch.autograd.Function):
             z, _ = _scaled_logits(hidden_nD[s:s + chunk], weight_VD, temperature, softcap)
             lse = torch.logsumexp(z, dim=-1)
             lp_n[s:s + chunk] = z.gather(-1, targets_n[s:s + chunk, None]).squeeze(-1) - lse
-            if want_entropy:
-                ent_n[s:s + chunk] = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+            if want_entropy:  # H = lse - sum_v p_v z_v, as a row-wise dot (no extra (c, V) block)
+                ent_n[s:s + chunk] = lse - torch.linalg.vecdot(torch.softmax(z, dim=-1), z)
         ctx.save_for_backward(hidden_nD, weight_VD, targets_n)
         ctx.options = (temperature, softcap, chunk)
         ctx.set_materialize_grads(False)
@@ -98,20 +98,9 @@ class _LinearLogProbs(torch.autograd.Function):
         for s in range(0, hidden_nD.shape[0], chunk):
             h_cD = hidden_nD[s:s + chunk]
             z, t = _scaled_logits(h_cD, weight_VD, temperature, softcap)
-            p = torch.softmax(z, dim=-1)
-            dz = torch.zeros_like(z)
-            if g_lp is not None:
-                g = g_lp[s:s + chunk].to(acc)
-                dz = dz - p * g[:, None]
-                dz.scatter_add_(-1, targets_n[s:s + chunk, None], g[:, None])
-            if g_ent is not None:
-                mean_z = (p * z).sum(-1, keepdim=True)
-                dz = dz - g_ent[s:s + chunk].to(acc)[:, None] * p * (z - mean_z)
-            if temperature != 1.0:
-                dz = dz / temperature
-            if t is not None:
-                dz = dz * (1.0 - t * t)
+            dz = _dlogits(z, t, g_lp, g_ent, targets_n[s:s + chunk], s, chunk, temperature)
             dl = dz.to(weight_VD.dtype)
+            del z, dz, t
             if need_h:
                 grad_h[s:s + chunk] = dl @ weight_VD
             if need_w:
@@ -119,6 +108,33 @@ class _LinearLogProbs(torch.autograd.Function):
         if need_w:
             grad_w = grad_w.to(weight_VD.dtype)
         return grad_h, grad_w, None, None, None, None, None
+
+
+def _dlogits(z, t, g_lp, g_ent, targets_c, s, chunk, temperature):
+    """d loss / d (capped, unscaled) logits of one chunk, in place in two (c, V) fp32 blocks.
+
+    With p = softmax(z): d/dz of g*lp is g*(onehot - p); of g_ent*H it is -g_ent*p*(z - <p, z>).
+    So dz = p * (-g - g_ent*(z - <p, z>)) + g*onehot, built in p's buffer with z as scratch.
+    """
+    p = torch.softmax(z, dim=-1)
+    g = None if g_lp is None else g_lp[s:s + chunk].to(z.dtype)
+    if g_ent is not None:
+        mean_z = torch.linalg.vecdot(p, z)[:, None]
+        z.sub_(mean_z).mul_(-g_ent[s:s + chunk].to(z.dtype)[:, None])
+        if g is not None:
+            z.sub_(g[:, None])
+        dz = p.mul_(z)
+    elif g is not None:
+        dz = p.mul_(-g[:, None])
+    else:
+        return p.zero_()
+    if g is not None:
+        dz.scatter_add_(-1, targets_c[:, None], g[:, None])
+    if temperature != 1.0:
+        dz.div_(temperature)
+    if t is not None:  # through cap*tanh(l/cap): times (1 - tanh^2)
+        dz.mul_(t.square_().neg_().add_(1.0))
+    return dz
 
 
 def _check_lean_inputs(hidden, weight, targets, temperature, softcap, chunk_size):
