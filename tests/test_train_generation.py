@@ -10,13 +10,7 @@ from dualkv.train.generation import HFSampler, split_responses
 from dualkv.train.sources import GenerationConfig, GenerationRolloutSource, step_generator
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: one intra-op thread is fastest (and robust to a busy machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_split_responses_hand_case():

@@ -15,13 +15,7 @@ from dualkv.train.update import PolicyUpdater, UpdateConfig, split_mini_batches
 RTOL = 1e-5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: one intra-op thread is fastest (and robust to a busy machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _rollouts(seed=0, groups=3, n=4):
