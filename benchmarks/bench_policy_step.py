@@ -1,0 +1,299 @@
+"""Policy-update step on one device through the real training code: DualKV vs replicated packing.
+
+Each configuration builds a ``dualkv.train.Trainer`` (the object ``python -m dualkv.train.grpo`` runs)
+with synthetic rollouts (prompt of P tokens, responses R_i ~ U(131, 2048), random 0/1 rewards,
+seeded), GRPO with a KL term (so all three phases run), AdamW on the full parameters, and runs
+``--warmup`` untimed steps then ``--steps`` measured ones. Reported, per (packing, mb), from the
+trainer's own step metrics (medians over the measured steps):
+
+- ``old_log_prob``, ``ref_log_prob`` and ``update`` phase seconds (device-synchronised wall time);
+- tokens/s = tokens the model ran in the update phase / update seconds, and effective tokens/s (the
+  replicated tokens the step is equivalent to, so both packings are on one scale);
+- MFU as ``dualkv.train.metrics`` computes it: FLOPs / (old + ref + update seconds * world * peak),
+  FLOPs = the model FLOPs of the tokens actually run (a forward = T*F_token + logits + attention
+  pairs; ref/old passes 1 forward, update 3 forwards); and ``useful_mfu``, the same with the FLOPs
+  of the DualKV (prompt-once) layout of the same batch for both packings, so the replicated
+  baseline is not credited for recomputing the prompt;
+- peak memory (``torch.cuda.max_memory_allocated`` over the measured steps), OOM recorded.
+
+Micro-batches: the trainer never splits a prompt group, so a micro-batch of mb responses is one
+group of N = mb responses (``--micro-batch-tokens 1`` puts every group in a micro-batch of its own);
+a step trains ``--responses-per-step`` (default 16) responses = 16/mb groups. rho = N(P+R)/(P+NR)
+is the batch's replicated / packed token ratio; it is tabulated next to the measured speedups.
+
+    python -m benchmarks.bench_policy_step                                  # qwen3-1.7b, P = 8K, mb 4, 8, 16
+    python -m benchmarks.bench_policy_step --preset tiny-qwen3 --prompt 64 --response-range 8:16 \\
+        --mbs 4,8 --responses-per-step 8 --device cpu                       # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    __package__ = "benchmarks"
+
+import torch
+
+from benchmarks.bench_memory_scaling import parse_range
+from benchmarks.harness import _is_oom, fmt_size, parse_size
+from benchmarks.report import ResultWriter, environment
+
+MODULE = "benchmarks.bench_policy_step"
+PACKINGS = ("dualkv", "replicated")
+PHASES = ("old_log_prob", "ref_log_prob", "update")
+COLUMNS = ["packing", "P", "mb", "groups", "status", "rho", "packed_tokens", "replicated_tokens",
+           "time_old_log_prob", "time_ref_log_prob", "time_update", "time_compute", "tokens_per_s",
+           "effective_tokens_per_s", "tflops", "mfu", "useful_mfu", "peak_memory_gib", "steps"]
+
+
+def predicted_rho(N: int, P: float, R: float) -> float:
+    """rho = N(P+R) / (P+NR): replicated over packed tokens of one group with mean response length R."""
+    return N * (P + R) / (P + N * R)
+
+
+def train_config(args, packing: str, mb: int):
+    from dualkv.train.distributed import ParallelConfig
+    from dualkv.train.losses import LossConfig
+    from dualkv.train.trainer import OptimConfig, TrainConfig
+    from dualkv.train.update import UpdateConfig
+
+    cuda = args.device.startswith("cuda")
+    return TrainConfig(
+        model=args.preset, rollouts="synthetic", groups=args.responses_per_step // mb, n=mb,
+        steps=args.warmup + args.steps, seed=args.seed, synthetic_prompt_len=(args.prompt, args.prompt),
+        synthetic_response_len=tuple(args.response_range), peak_tflops=args.peak_tflops, progress=False,
+        loss=LossConfig.grpo(kl_beta=args.kl_beta),
+        update=UpdateConfig(packing=packing, micro_batch_tokens=1),
+        optim=OptimConfig(lr=1e-6),
+        parallel=ParallelConfig(sp=1, param_dtype="bf16" if cuda else "fp32",
+                                activation_checkpointing=args.activation_checkpointing),
+    )
+
+
+def useful_flops(trainer, step: int) -> float:
+    """FLOPs of the step's batch on the DualKV layout (prompt once), whatever the packing run."""
+    from dualkv.core import PackedLayout
+    from dualkv.train.metrics import forward_flops
+
+    batch = trainer.source.rollouts(step)
+    passes = 1 + (1 if trainer.cfg.loss.needs_reference else 0) + 3 * trainer.cfg.update.epochs
+    fwd = sum(forward_flops(trainer.policy.config, PackedLayout.from_lengths([g.prompt_len], [g.response_lens], device="cpu"))
+              for g in batch.groups)
+    return float(passes * fwd)
+
+
+def _median(recs: list[dict], key: str):
+    vals = [r[key] for r in recs if r.get(key) is not None]
+    return statistics.median(vals) if vals else None
+
+
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run_config(args, packing: str, mb: int) -> dict:
+    from dualkv.train.metrics import peak_flops
+    from dualkv.train.trainer import Trainer
+
+    row = dict(packing=packing, P=args.prompt, mb=mb, groups=args.responses_per_step // mb)
+    trainer = None
+    try:
+        trainer = Trainer(train_config(args, packing, mb))
+        for step in range(args.warmup):
+            trainer.train_step(step)
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        recs, useful = [], []
+        for step in range(args.warmup, args.warmup + args.steps):
+            rec = trainer.train_step(step)
+            compute = sum(rec.get(f"time_{k}", 0.0) for k in PHASES)
+            rec["time_compute"] = compute
+            peak = peak_flops(args.peak_tflops)
+            rec["useful_mfu"] = useful_flops(trainer, step) / (compute * trainer.ctx.world_size * peak) if peak and compute else None
+            recs.append(rec)
+        row.update(status="ok", steps=len(recs), rho=_median(recs, "rho"),
+                   packed_tokens=_median(recs, "packed_tokens"), replicated_tokens=_median(recs, "replicated_tokens"),
+                   peak_memory_gib=max((r["peak_memory_gib"] for r in recs if r.get("peak_memory_gib") is not None),
+                                       default=None))
+        for key in [f"time_{k}" for k in PHASES] + ["time_compute", "tokens_per_s", "effective_tokens_per_s", "tflops",
+                                                    "mfu", "useful_mfu"]:
+            row[key] = _median(recs, key)
+    except Exception as e:  # noqa: BLE001
+        if not _is_oom(e):
+            raise
+        row["status"] = "OOM"
+    finally:
+        if trainer is not None:
+            trainer.close()
+        trainer = None
+        _free()
+    return row
+
+
+# -------------------------------------------------------------------------------------- outputs
+def speedups(rows: list[dict]) -> list[dict]:
+    """Per mb: rho next to the replicated/dualkv ratio of the update phase and of the whole step."""
+    out = []
+    by = {(r["mb"], r["packing"]): r for r in rows}
+    for mb in dict.fromkeys(r["mb"] for r in rows):
+        d, rep = by.get((mb, "dualkv")), by.get((mb, "replicated"))
+        rho = d.get("rho") if d else None
+        item = dict(mb=mb, rho=rho, update_speedup=None, step_speedup=None,
+                    replicated_status=rep["status"] if rep else None)
+        if d and rep and d["status"] == "ok" and rep["status"] == "ok":
+            item["update_speedup"] = rep["time_update"] / d["time_update"]
+            item["step_speedup"] = rep["time_compute"] / d["time_compute"]
+        out.append(item)
+    return out
+
+
+def _f(v, spec):
+    return "n/a" if v is None else format(v, spec)
+
+
+def tables(rows: list[dict], args) -> str:
+    out = [f"One policy-update step, P = {fmt_size(args.prompt)}, {args.responses_per_step} responses per step, "
+           f"R_i ~ U{tuple(args.response_range)}; medians of {args.steps} measured steps after {args.warmup} warm-up:", "",
+           "| packing | mb | status | old_log_prob s | ref_log_prob s | update s | tokens/s | effective tokens/s "
+           "| MFU | useful MFU | peak GiB |", "|" + " --- |" * 11]
+    for r in rows:
+        if r["status"] != "ok":
+            out.append(f"| {r['packing']} | {r['mb']} | {r['status']} |" + " |" * 8)
+            continue
+        out.append(f"| {r['packing']} | {r['mb']} | ok | {_f(r['time_old_log_prob'], '.3f')} "
+                   f"| {_f(r['time_ref_log_prob'], '.3f')} | {_f(r['time_update'], '.3f')} | {_f(r['tokens_per_s'], '.0f')} "
+                   f"| {_f(r['effective_tokens_per_s'], '.0f')} | {_f(r['mfu'], '.1%')} | {_f(r['useful_mfu'], '.1%')} "
+                   f"| {_f(r['peak_memory_gib'], '.2f')} |")
+    out += ["", "rho = N(P+R)/(P+NR) (the batch's replicated / packed tokens) next to the measured speedup "
+            "(replicated time / dualkv time):", "",
+            "| mb | rho | update-phase speedup | 3-phase speedup |", "| --- | --- | --- | --- |"]
+    for s in speedups(rows):
+        na = s["replicated_status"] if s["update_speedup"] is None and s["replicated_status"] not in (None, "ok") else None
+        out.append(f"| {s['mb']} | {_f(s['rho'], '.2f')} | {na or _f(s['update_speedup'], '.2f')} "
+                   f"| {na or _f(s['step_speedup'], '.2f')} |")
+    out += ["", "MFU = (old + ref forward FLOPs + 3 x update forward FLOPs) / ((old + ref + update seconds) x devices x "
+            "peak bf16 FLOP/s), forward FLOPs = T x F_token + response tokens x 2 x D x V + sum over layers of "
+            "4 x H x d x attended pairs, T the tokens the packing runs (dualkv.train.metrics). Useful MFU counts "
+            "the prompt-once layout's FLOPs for both packings."]
+    return "\n".join(out) + "\n"
+
+
+def plot(rows: list[dict], path: Path, title: str) -> Path | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not rows:
+        return None
+    mbs = list(dict.fromkeys(r["mb"] for r in rows))
+    by = {(r["mb"], r["packing"]): r for r in rows}
+    fig, ax = plt.subplots(figsize=(2.0 + 1.6 * len(mbs), 4.2))
+    width = 0.38
+    for j, p in enumerate(PACKINGS):
+        for i, mb in enumerate(mbs):
+            r, x = by.get((mb, p)), i - 0.2 + j * width
+            if r is None:
+                continue
+            if r["status"] != "ok":
+                ax.text(x, 0.02, r["status"].split(":")[0], rotation=90, ha="center", fontsize=8,
+                        transform=ax.get_xaxis_transform())
+                continue
+            bottom = 0.0
+            for k, phase in enumerate(PHASES):
+                v = r.get(f"time_{phase}") or 0.0
+                ax.bar(x, v, width, bottom=bottom, color=f"C{k}", hatch="//" if p == "replicated" else None,
+                       edgecolor="white", label=phase if (i == 0 and j == 0) else None)
+                bottom += v
+    ax.set_xticks(range(len(mbs)), [f"mb={m}\n(dualkv | repl.)" for m in mbs], fontsize=8)
+    ax.set_ylabel("seconds per step")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_title(f"Policy-update step phases, {title}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
+
+
+# ----------------------------------------------------------------------------------------- main
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="qwen3-1.7b", help="dualkv.models preset (random weights)")
+    ap.add_argument("--prompt", type=parse_size, default=8192, help="prompt length P (e.g. 8K)")
+    ap.add_argument("--response-range", type=parse_range, default=(131, 2048), help="response lengths MIN:MAX")
+    ap.add_argument("--mbs", default="4,8,16", help="comma-separated responses per micro-batch (= per group)")
+    ap.add_argument("--responses-per-step", type=int, default=16, help="responses trained per step (a multiple of each mb)")
+    ap.add_argument("--packings", default=",".join(PACKINGS))
+    ap.add_argument("--kl-beta", type=float, default=0.04, help="GRPO KL weight (> 0 runs the ref_log_prob phase)")
+    ap.add_argument("--no-activation-checkpointing", dest="activation_checkpointing", action="store_false")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps per configuration")
+    ap.add_argument("--steps", type=int, default=3, help="measured steps per configuration")
+    ap.add_argument("--peak-tflops", type=float, default=None, help="per-device peak for MFU (default: known GPUs)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="the trainer's device (CUDA when available)")
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--stem", default=None)
+    ap.add_argument("--deadline-s", type=float, default=None, help="stop starting new configurations after this many seconds")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    args.mbs = [int(m) for m in args.mbs.split(",")]
+    args.packings = [p.strip() for p in args.packings.split(",")]
+    if set(args.packings) - set(PACKINGS):
+        ap.error(f"--packings: expected a subset of {PACKINGS}, got {args.packings}")
+    if any(args.responses_per_step % m for m in args.mbs):
+        ap.error(f"--responses-per-step: expected a multiple of every mb {args.mbs}, got {args.responses_per_step}")
+    if args.steps < 1:
+        ap.error("--steps: expected >= 1")
+    if args.device.startswith("cuda") != torch.cuda.is_available():
+        ap.error(f"--device: the trainer runs on CUDA exactly when CUDA is available; got {args.device}")
+    return args
+
+
+def main(argv=None) -> Path:
+    from tqdm.auto import tqdm
+
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        torch.set_num_threads(1)  # as dualkv.train.grpo does on a CPU
+    device = torch.device(args.device)
+    meta = environment(device, MODULE, sys.argv[1:] if argv is None else list(argv))
+    meta.update(preset=args.preset, P=args.prompt, response_range=list(args.response_range),
+                responses_per_step=args.responses_per_step, algorithm="grpo", kl_beta=args.kl_beta,
+                activation_checkpointing=args.activation_checkpointing, warmup=args.warmup, steps=args.steps,
+                seed=args.seed)
+    card = meta["card"]["name"].split()[-1].lower() if device.type == "cuda" else "cpu"
+    stem = args.stem or f"policy_step_{card}_{datetime.now(timezone.utc):%Y%m%d-%H%M}"
+    writer = ResultWriter(args.out, stem, meta, COLUMNS)
+    start = time.monotonic()
+    for mb, packing in tqdm([(mb, p) for mb in args.mbs for p in args.packings], desc="policy step", dynamic_ncols=True):
+        if args.deadline_s is not None and time.monotonic() - start > args.deadline_s:
+            writer.add(dict(packing=packing, P=args.prompt, mb=mb, status="not run: --deadline-s reached"))
+            continue
+        writer.add(run_config(args, packing, mb))
+    writer.meta["rho_table"] = speedups(writer.rows)
+    writer.flush()
+    v = meta["versions"]
+    md = writer.dir / f"{stem}.md"
+    md.write_text(f"# {stem}\n\n- {meta['card']['name']}, {meta['date']}: `{meta['command']}`  \n"
+                  f"  torch {v.get('torch')}, CUDA {v.get('cuda')}, Triton {v.get('triton')}, dualkv {v.get('dualkv')} "
+                  f"(commit {meta.get('git_commit')})\n- model {args.preset} (random weights), GRPO kl_beta "
+                  f"{args.kl_beta}, AdamW, activation checkpointing {'on' if args.activation_checkpointing else 'off'}\n\n"
+                  + tables(writer.rows, args))
+    png = plot(writer.rows, writer.dir / f"{stem}.png", meta["card"]["name"])
+    print(md, png, sep="\n")
+    return writer.json_path
+
+
+if __name__ == "__main__":
+    main()
