@@ -141,14 +141,16 @@ def run_config(args, packing: str, mb: int) -> dict:
 
 
 # -------------------------------------------------------------------------------------- outputs
-def speedups(rows: list[dict]) -> list[dict]:
-    """Per mb: rho next to the replicated/dualkv ratio of the update phase and of the whole step."""
+def speedups(rows: list[dict], P: int | None = None, r_mean: float | None = None) -> list[dict]:
+    """Per mb: rho (the batch's token ratio; and the formula at P and the expected R when given) next to
+    the replicated/dualkv time ratio of the update phase and of the three phases."""
     out = []
     by = {(r["mb"], r["packing"]): r for r in rows}
     for mb in dict.fromkeys(r["mb"] for r in rows):
         d, rep = by.get((mb, "dualkv")), by.get((mb, "replicated"))
         rho = d.get("rho") if d else None
-        item = dict(mb=mb, rho=rho, update_speedup=None, step_speedup=None,
+        expected = predicted_rho(mb, P, r_mean) if P is not None and r_mean is not None else None
+        item = dict(mb=mb, rho=rho, predicted_rho=expected, update_speedup=None, step_speedup=None,
                     replicated_status=rep["status"] if rep else None)
         if d and rep and d["status"] == "ok" and rep["status"] == "ok":
             item["update_speedup"] = rep["time_update"] / d["time_update"]
@@ -176,10 +178,10 @@ def tables(rows: list[dict], args) -> str:
                    f"| {_f(r['peak_memory_gib'], '.2f')} |")
     out += ["", "rho = N(P+R)/(P+NR) (the batch's replicated / packed tokens) next to the measured speedup "
             "(replicated time / dualkv time):", "",
-            "| mb | rho | update-phase speedup | 3-phase speedup |", "| --- | --- | --- | --- |"]
-    for s in speedups(rows):
+            "| mb | rho (batch) | rho (E[R]) | update-phase speedup | 3-phase speedup |", "| --- | --- | --- | --- | --- |"]
+    for s in speedups(rows, args.prompt, sum(args.response_range) / 2):
         na = s["replicated_status"] if s["update_speedup"] is None and s["replicated_status"] not in (None, "ok") else None
-        out.append(f"| {s['mb']} | {_f(s['rho'], '.2f')} | {na or _f(s['update_speedup'], '.2f')} "
+        out.append(f"| {s['mb']} | {_f(s['rho'], '.2f')} | {_f(s['predicted_rho'], '.2f')} | {na or _f(s['update_speedup'], '.2f')} "
                    f"| {na or _f(s['step_speedup'], '.2f')} |")
     out += ["", "MFU = (old + ref forward FLOPs + 3 x update forward FLOPs) / ((old + ref + update seconds) x devices x "
             "peak bf16 FLOP/s), forward FLOPs = T x F_token + response tokens x 2 x D x V + sum over layers of "
@@ -261,11 +263,19 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> Path:
-    from tqdm.auto import tqdm
-
     args = parse_args(argv)
+    threads = torch.get_num_threads()
     if not torch.cuda.is_available():
         torch.set_num_threads(1)  # as dualkv.train.grpo does on a CPU
+    try:
+        return _run(args, argv)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args, argv) -> Path:
+    from tqdm.auto import tqdm
+
     device = torch.device(args.device)
     meta = environment(device, MODULE, sys.argv[1:] if argv is None else list(argv))
     meta.update(preset=args.preset, P=args.prompt, response_range=list(args.response_range),
@@ -281,7 +291,7 @@ def main(argv=None) -> Path:
             writer.add(dict(packing=packing, P=args.prompt, mb=mb, status="not run: --deadline-s reached"))
             continue
         writer.add(run_config(args, packing, mb))
-    writer.meta["rho_table"] = speedups(writer.rows)
+    writer.meta["rho_table"] = speedups(writer.rows, args.prompt, sum(args.response_range) / 2)
     writer.flush()
     v = meta["versions"]
     md = writer.dir / f"{stem}.md"
