@@ -12,9 +12,10 @@ P grows over ``--prompts`` until a packing runs out of memory (recorded as OOM; 
 (packing, mb) are not run). Peak = ``torch.cuda.max_memory_allocated`` over the step (weights,
 gradients, activations, workspaces). Per packing the linear model
 
-    memory = M0 + c_P * P + c_R * (mb * R)        (mb * R = sum of the sampled R_i)
+    memory = M0 + c_P * P_held + c_R * (mb * R)   (mb * R = sum of the sampled R_i)
 
-is fitted by least squares over the measured points and plotted with them. On a CPU there is no
+with P_held the prompt tokens the packing holds (P for dualkv: the prompt term paid once; mb * P for
+replicated: paid per copy) is fitted by least squares over the measured points and plotted with them. On a CPU there is no
 memory counter: peaks are recorded as None and the fit is skipped.
 
     python -m benchmarks.bench_memory_scaling                              # qwen3-1.7b, P = 8K, 16K, ...
@@ -72,6 +73,11 @@ def fit_memory(points: list[tuple[float, float, float]]) -> dict | None:
 
 def predict(fit: dict, P: float, mbR: float) -> float:
     return fit["M0"] + fit["c_P"] * P + fit["c_R"] * mbR
+
+
+def prompt_tokens_held(packing: str, P: int, mb: int) -> int:
+    """Prompt tokens the packing runs: once (dualkv) or once per response (replicated)."""
+    return P if packing == "dualkv" else mb * P
 
 
 # ---------------------------------------------------------------------------------------- model
@@ -160,7 +166,7 @@ def measure(model, packing: str, P: int, mb: int, device, seed: int, weights_gib
 
 # -------------------------------------------------------------------------------------- outputs
 def fits_of(rows: list[dict]) -> dict[str, dict | None]:
-    return {p: fit_memory([(r["P"], r["sum_R"], r.get("peak_gib")) for r in rows
+    return {p: fit_memory([(prompt_tokens_held(p, r["P"], r["mb"]), r["sum_R"], r.get("peak_gib")) for r in rows
                            if r["packing"] == p and r["status"] == "ok"]) for p in PACKINGS}
 
 
@@ -176,17 +182,20 @@ def tables(rows: list[dict], fits: dict) -> str:
             return r["status"].split(":")[0]
         return "n/a" if r.get("peak_gib") is None else f"{r['peak_gib']:.2f}"
 
-    for P, mb in dict.fromkeys((r["P"], r["mb"]) for r in rows):
-        first = next(r for r in rows if r["P"] == P and r["mb"] == mb)
+    for P, mb in sorted(dict.fromkeys((r["P"], r["mb"]) for r in rows), key=lambda k: (k[1], k[0])):
+        first = next((r for r in rows if r["P"] == P and r["mb"] == mb and "sum_R" in r), None)
+        if first is None:  # neither packing was measured at this point
+            continue
         out.append(f"| {fmt_size(P)} | {mb} | {first['sum_R']} | {first['rho']:.2f} | "
                    f"{cell(by.get((P, mb, 'dualkv')))} | {cell(by.get((P, mb, 'replicated')))} |")
-    out += ["", "Fit memory = M0 + c_P * P + c_R * (mb * R), least squares over the measured points:", ""]
+    out += ["", "Fit memory = M0 + c_P * P_held + c_R * (mb * R), P_held = the prompt tokens held (dualkv: P once; "
+                    "replicated: mb * P), least squares over the measured points:", ""]
     for p, f in fits.items():
         if f is None:
             out.append(f"- {p}: not fitted (fewer than 3 measured points, or no memory counter on this device)")
         else:
-            out.append(f"- {p}: M0 = {f['M0']:.3f} GiB, c_P = {f['c_P'] * 2**20:.4f} GiB per M prompt tokens, "
-                       f"c_R = {f['c_R'] * 2**20:.4f} GiB per M response tokens, R^2 = {f['r2']:.4f} ({f['n']} points)")
+            out.append(f"- {p}: M0 = {f['M0']:.3f} GiB, c_P = {f['c_P'] * 2**20:.1f} GiB per M prompt tokens, "
+                       f"c_R = {f['c_R'] * 2**20:.1f} GiB per M response tokens, R^2 = {f['r2']:.4f} ({f['n']} points)")
     return "\n".join(out) + "\n"
 
 
@@ -207,7 +216,7 @@ def plot(rows: list[dict], fits: dict, path: Path, title: str) -> Path | None:
             color = f"C{j}"
             ax.plot([r["P"] / 1024 for r in ok], [r["peak_gib"] for r in ok], "o", color=color, label=f"{p} measured")
             if fits.get(p) and ok:
-                ax.plot([r["P"] / 1024 for r in ok], [predict(fits[p], r["P"], r["sum_R"]) for r in ok], "--",
+                ax.plot([r["P"] / 1024 for r in ok], [predict(fits[p], prompt_tokens_held(p, r["P"], r["mb"]), r["sum_R"]) for r in ok], "--",
                         color=color, label=f"{p} fit")
             for r in pts:
                 if r["status"] == "OOM":
@@ -242,6 +251,8 @@ def parse_args(argv=None):
     ap.add_argument("--response-range", type=parse_range, default=R_RANGE,
                     help="response lengths MIN:MAX, uniform (default 131:2048)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                    help="measure nothing: one report (table, fit, plot) from earlier results of the same settings")
     return ap.parse_args(argv)
 
 
@@ -249,6 +260,8 @@ def main(argv=None) -> Path:
     from tqdm.auto import tqdm
 
     args = parse_args(argv)
+    if args.merge:
+        return merge(args.merge, args.out, args.stem or Path(args.merge[0]).stem)
     device = torch.device(args.device)
     prompts = sorted(parse_size(p) for p in args.prompts.split(","))
     mbs = [int(m) for m in args.mbs.split(",")]
@@ -265,7 +278,8 @@ def main(argv=None) -> Path:
     model = build(args.preset, args.layers, device, args.seed)
     weights_gib = torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else None
     start, oom_at = time.monotonic(), {}
-    cases = [(p, mb, P) for p in packings for mb in mbs for P in prompts]
+    # prompt length outermost: a deadline cuts the longest prompts, never a whole packing or mb
+    cases = [(p, mb, P) for P in prompts for mb in mbs for p in packings]
     for packing, mb, P in tqdm(cases, desc="memory scaling", dynamic_ncols=True):
         base = dict(packing=packing, P=P, mb=mb)
         if (packing, mb) in oom_at:
@@ -278,20 +292,43 @@ def main(argv=None) -> Path:
         if row["status"] == "OOM":
             oom_at[packing, mb] = P
         writer.add(row)
-    fits = fits_of(writer.rows)
-    writer.meta["fits"] = fits
+    return write_report(writer)
+
+
+SETTINGS = ("preset", "layers", "dtype", "activation_checkpointing", "response_lengths", "seed")
+
+
+def merge(paths: list[str], out: str, stem: str) -> Path:
+    """One report from several result files of the same settings (later files win, 'not run' never does)."""
+    from benchmarks.report import merge_runs
+
+    try:
+        meta, rows = merge_runs(paths, ("packing", "P", "mb"), SETTINGS)
+    except ValueError as e:
+        raise SystemExit(f"--merge: {e}") from None
+    writer = ResultWriter(out, stem, meta, COLUMNS)
+    writer.rows = sorted(rows, key=lambda r: (r["P"], r["mb"], PACKINGS.index(r["packing"])))
+    return write_report(writer)
+
+
+def write_report(writer) -> Path:
+    """JSON/CSV with the fits, the markdown table and the plot of a finished run (or a merge)."""
+    meta, rows = writer.meta, writer.rows
+    fits = fits_of(rows)
+    meta["fits"] = fits
     writer.flush()
-    md = writer.dir / f"{stem}.md"
+    md = writer.dir / f"{writer.stem}.md"
     v = meta["versions"]
-    head = (f"# {stem}\n\n- {meta['card']['name']}, {meta['date']}: `{meta['command']}`  \n"
+    r_range = meta["response_lengths"]
+    layers = "" if meta.get("layers") is None else f" (first {meta['layers']} layers)"
+    head = (f"# {writer.stem}\n\n- {meta['card']['name']}, {meta['date']}: `{meta['command']}`  \n"
             f"  torch {v.get('torch')}, CUDA {v.get('cuda')}, Triton {v.get('triton')}, dualkv {v.get('dualkv')} "
-            f"(commit {meta.get('git_commit')})\n- model {args.preset}"
-            f"{'' if args.layers is None else f' (first {args.layers} layers)'}, bf16 weights, random init, "
-            f"activation checkpointing on every layer, GRPO loss over response_logprobs; "
-            f"R_i ~ U{tuple(args.response_range)}, "
-            f"seed {args.seed}\n\n")
-    md.write_text(head + tables(writer.rows, fits))
-    png = plot(writer.rows, fits, writer.dir / f"{stem}.png", meta["card"]["name"])
+            f"(commit {meta.get('git_commit')})\n- model {meta['preset']}"
+            f"{layers}, bf16 weights, random init, "
+            f"activation checkpointing on every layer, GRPO loss over response_logprobs; R_i ~ {r_range}, "
+            f"seed {meta['seed']}\n\n")
+    md.write_text(head + tables(rows, fits))
+    png = plot(rows, fits, writer.dir / f"{writer.stem}.png", meta["card"]["name"])
     print(md, png or "(no plot: no memory measurements)", sep="\n")
     return writer.json_path
 

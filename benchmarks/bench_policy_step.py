@@ -24,6 +24,7 @@ is the batch's replicated / packed token ratio; it is tabulated next to the meas
     python -m benchmarks.bench_policy_step                                  # qwen3-1.7b, P = 8K, mb 4, 8, 16
     python -m benchmarks.bench_policy_step --preset tiny-qwen3 --prompt 64 --response-range 8:16 \\
         --mbs 4,8 --responses-per-step 8 --device cpu                       # smoke test
+    python -m benchmarks.bench_policy_step --merge a.json b.json --stem policy_step_h200  # one report
 """
 
 from __future__ import annotations
@@ -163,9 +164,11 @@ def _f(v, spec):
     return "n/a" if v is None else format(v, spec)
 
 
-def tables(rows: list[dict], args) -> str:
-    out = [f"One policy-update step, P = {fmt_size(args.prompt)}, {args.responses_per_step} responses per step, "
-           f"R_i ~ U{tuple(args.response_range)}; medians of {args.steps} measured steps after {args.warmup} warm-up:", "",
+def tables(rows: list[dict], meta: dict) -> str:
+    """The phase table and the rho table; ``meta`` holds the run settings (P, response_range, ...)."""
+    P, r_range = meta["P"], tuple(meta["response_range"])
+    out = [f"One policy-update step, P = {fmt_size(P)}, {meta['responses_per_step']} responses per step, "
+           f"R_i ~ U{r_range}; medians of {meta['steps']} measured steps after {meta['warmup']} warm-up:", "",
            "| packing | mb | status | old_log_prob s | ref_log_prob s | update s | tokens/s | effective tokens/s "
            "| MFU | useful MFU | peak GiB |", "|" + " --- |" * 11]
     for r in rows:
@@ -179,7 +182,7 @@ def tables(rows: list[dict], args) -> str:
     out += ["", "rho = N(P+R)/(P+NR) (the batch's replicated / packed tokens) next to the measured speedup "
             "(replicated time / dualkv time):", "",
             "| mb | rho (batch) | rho (E[R]) | update-phase speedup | 3-phase speedup |", "| --- | --- | --- | --- | --- |"]
-    for s in speedups(rows, args.prompt, sum(args.response_range) / 2):
+    for s in speedups(rows, P, sum(r_range) / 2):
         na = s["replicated_status"] if s["update_speedup"] is None and s["replicated_status"] not in (None, "ok") else None
         out.append(f"| {s['mb']} | {_f(s['rho'], '.2f')} | {_f(s['predicted_rho'], '.2f')} | {na or _f(s['update_speedup'], '.2f')} "
                    f"| {na or _f(s['step_speedup'], '.2f')} |")
@@ -248,6 +251,8 @@ def parse_args(argv=None):
     ap.add_argument("--stem", default=None)
     ap.add_argument("--deadline-s", type=float, default=None, help="stop starting new configurations after this many seconds")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                    help="measure nothing: one report from earlier results of the same settings (later files win)")
     args = ap.parse_args(argv)
     args.mbs = [int(m) for m in args.mbs.split(",")]
     args.packings = [p.strip() for p in args.packings.split(",")]
@@ -257,13 +262,15 @@ def parse_args(argv=None):
         ap.error(f"--responses-per-step: expected a multiple of every mb {args.mbs}, got {args.responses_per_step}")
     if args.steps < 1:
         ap.error("--steps: expected >= 1")
-    if args.device.startswith("cuda") != torch.cuda.is_available():
+    if args.merge is None and args.device.startswith("cuda") != torch.cuda.is_available():
         ap.error(f"--device: the trainer runs on CUDA exactly when CUDA is available; got {args.device}")
     return args
 
 
 def main(argv=None) -> Path:
     args = parse_args(argv)
+    if args.merge:
+        return merge(args.merge, args.out, args.stem or Path(args.merge[0]).stem)
     threads = torch.get_num_threads()
     if not torch.cuda.is_available():
         torch.set_num_threads(1)  # as dualkv.train.grpo does on a CPU
@@ -291,16 +298,39 @@ def _run(args, argv) -> Path:
             writer.add(dict(packing=packing, P=args.prompt, mb=mb, status="not run: --deadline-s reached"))
             continue
         writer.add(run_config(args, packing, mb))
-    writer.meta["rho_table"] = speedups(writer.rows, args.prompt, sum(args.response_range) / 2)
+    return write_report(writer)
+
+
+SETTINGS = ("preset", "P", "response_range", "responses_per_step", "algorithm", "kl_beta", "activation_checkpointing",
+            "warmup", "steps", "seed")
+
+
+def merge(paths: list[str], out: str, stem: str) -> Path:
+    """One report from several result files of the same settings (later files win, 'not run' never does)."""
+    from benchmarks.report import merge_runs
+
+    try:
+        meta, rows = merge_runs(paths, ("mb", "packing"), SETTINGS)
+    except ValueError as e:
+        raise SystemExit(f"--merge: {e}") from None
+    writer = ResultWriter(out, stem, meta, COLUMNS)
+    writer.rows = sorted(rows, key=lambda r: (r["mb"], PACKINGS.index(r["packing"])))
+    return write_report(writer)
+
+
+def write_report(writer) -> Path:
+    """JSON/CSV, the markdown tables and the phase plot of a finished run (or a merge)."""
+    meta, rows = writer.meta, writer.rows
+    meta["rho_table"] = speedups(rows, meta["P"], sum(meta["response_range"]) / 2)
     writer.flush()
     v = meta["versions"]
-    md = writer.dir / f"{stem}.md"
-    md.write_text(f"# {stem}\n\n- {meta['card']['name']}, {meta['date']}: `{meta['command']}`  \n"
+    md = writer.dir / f"{writer.stem}.md"
+    md.write_text(f"# {writer.stem}\n\n- {meta['card']['name']}, {meta['date']}: `{meta['command']}`  \n"
                   f"  torch {v.get('torch')}, CUDA {v.get('cuda')}, Triton {v.get('triton')}, dualkv {v.get('dualkv')} "
-                  f"(commit {meta.get('git_commit')})\n- model {args.preset} (random weights), GRPO kl_beta "
-                  f"{args.kl_beta}, AdamW, activation checkpointing {'on' if args.activation_checkpointing else 'off'}\n\n"
-                  + tables(writer.rows, args))
-    png = plot(writer.rows, writer.dir / f"{stem}.png", meta["card"]["name"])
+                  f"(commit {meta.get('git_commit')})\n- model {meta['preset']} (random weights), GRPO kl_beta "
+                  f"{meta['kl_beta']}, AdamW, activation checkpointing {'on' if meta['activation_checkpointing'] else 'off'}\n\n"
+                  + tables(rows, meta))
+    png = plot(rows, writer.dir / f"{writer.stem}.png", meta["card"]["name"])
     print(md, png, sep="\n")
     return writer.json_path
 

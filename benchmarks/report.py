@@ -147,6 +147,30 @@ def merged_rows(results: list[dict]) -> list[dict]:
     return list(table.values())
 
 
+def merge_runs(paths, key_fields: tuple[str, ...], settings: tuple[str, ...]) -> tuple[dict, list[dict]]:
+    """(meta, rows) of several result files of one setting, for a single report.
+
+    Files must agree on ``settings`` (meta keys). A later file's row replaces an earlier one with the
+    same ``key_fields`` unless it was not run; each row keeps its own date and command
+    (``source_date``, ``source_command``); ``meta["command"]`` lists every file's command.
+    """
+    results = load_results(paths)
+    meta = dict(results[0]["meta"])
+    for path, res in zip(paths[1:], results[1:]):
+        differ = [k for k in settings if res["meta"].get(k) != meta.get(k)]
+        if differ:
+            raise ValueError(f"merge: {path} differs from {paths[0]} in {differ}; merge runs of one setting only")
+    table: dict[tuple, dict] = {}
+    for res in results:
+        for r in res["rows"]:
+            key = tuple(r[f] for f in key_fields)
+            if key not in table or not str(r.get("status", "")).startswith("not run"):
+                table[key] = {**r, "source_date": res["meta"].get("date"), "source_command": res["meta"].get("command")}
+    meta["command"] = " ; ".join(dict.fromkeys(res["meta"]["command"] for res in results))
+    meta["merged_from"] = [Path(p).name for p in paths]
+    return meta, list(table.values())
+
+
 def _rank(row: dict) -> int:
     s = row["status"]
     return 2 if s in ("ok", "OOM") else 1 if s.startswith(("error", "unsupported")) else 0

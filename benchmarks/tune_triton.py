@@ -131,7 +131,7 @@ def _bench(fn, budget_ms: float = 400.0) -> float:
     return do_bench(fn, warmup=max(one, 1.0), rep=rep, return_mode="median")
 
 
-def tune(name: str) -> dict:
+def tune(name: str, kinds: list[str] | None = None) -> dict:
     """Time every candidate of every kernel on one shape; returns {kind: [(cfg, ms), ...]} and the best."""
     N, P, R, H, Hkv, d = SHAPES[name]
     meta, q, k, v, do = make_case(N, P, R, H, Hkv, d)
@@ -140,6 +140,8 @@ def tune(name: str) -> dict:
     work = {"fwd": 1.0, "dkdv": 2.0, "dq": 1.5, "dkdv_atomic": 2.5}
     timings = {}
     for kind, cands in tune_candidates(d).items():
+        if kinds and kind not in kinds:
+            continue
         timings[kind] = []
         for cfg in cands:
             try:
@@ -209,7 +211,7 @@ def compile_report(head_dims: list[int], dtype: str = "bf16") -> None:
                 print(f"d={d:3d} {kind:4s} {cfg!s:16s} tma={tma!s:5s} {usage}", flush=True)
 
 
-def _compile_sm90(fn, kind, d, hd, dtype, cfg, tma) -> str:
+def _compile_sm90(fn, kind, d, hd, dtype, cfg, tma, atomic_dq=False) -> str:
     import subprocess
     import tempfile
 
@@ -220,12 +222,12 @@ def _compile_sm90(fn, kind, d, hd, dtype, cfg, tma) -> str:
     const = dict(REP=4, DIM=d, HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_WINDOW=False,
                  HAS_SOFTCAP=False, DOT_PREC="tf32", TMA=tma)
     if kind == "dkdv":
-        const.update(ATOMIC_DQ=True, DQ_TMA=tma)
+        const.update(ATOMIC_DQ=atomic_dq, DQ_TMA=tma and atomic_dq)
     sig, attrs = {}, {}
     for i, arg in enumerate(fn.arg_names):
         if arg in const:
             sig[arg] = "constexpr"
-        elif arg in ("Q", "DO", "K", "V", "KC", "VC") or (arg == "DQ_ACC" and kind == "dkdv"):
+        elif arg in ("Q", "DO", "K", "V", "KC", "VC") or (arg == "DQ_ACC" and kind == "dkdv" and atomic_dq):
             rows = cfg.block_n if arg in ("K", "V", "KC", "VC") else cfg.block_m
             ty = "fp32" if arg == "DQ_ACC" else dtype
             sig[arg] = f"tensordesc<{ty}[{rows}, {hd}]>" if tma else f"*{ty}"
@@ -265,6 +267,7 @@ def main():
     t.add_argument("--table", default="", help="comma-separated shapes to time with the best configs after")
     t.add_argument("--precompile", type=int, default=0, help="compile in this many processes first")
     t.add_argument("--out", default=None, help="write timings and rows as JSON here")
+    t.add_argument("--kinds", default="", help="comma-separated kernels to time (fwd,dkdv,dq,dkdv_atomic; default all)")
     c = sub.add_parser("compile-report", help="sm_90 registers / shared memory / spills, no GPU needed")
     c.add_argument("--head-dims", default="64,96,128,192,256,512")
     args = ap.parse_args()
@@ -273,14 +276,16 @@ def main():
         compile_report([int(x) for x in args.head_dims.split(",")])
         return
     table = [s for s in args.table.split(",") if s]
+    kinds = [k for k in args.kinds.split(",") if k]
     if args.precompile:
         d = SHAPES[args.shape][5]
-        jobs = [(args.shape, kind, cfg) for kind, cands in tune_candidates(d).items() for cfg in cands]
+        jobs = [(args.shape, kind, cfg) for kind, cands in tune_candidates(d).items() for cfg in cands
+                if not kinds or kind in kinds]
         jobs += [(s, "all", None) for s in table if SHAPES[s][5] != d]
         precompile(jobs, args.precompile)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"triton {__import__('triton').__version__}, {time.strftime('%Y-%m-%d')}", flush=True)
-    tuned = tune(args.shape)
+    tuned = tune(args.shape, kinds)
     rows = [time_shape(s, tuned["best"], "tuned on " + args.shape) for s in table]
     if args.out:
         with open(args.out, "w") as f:

@@ -71,19 +71,81 @@ def test_memory_scaling_end_to_end(tmp_path, one_thread):
 
 
 def test_memory_scaling_tables_and_plot_with_numbers(tmp_path):
+    """The fit regresses on the prompt tokens each packing holds: P (dualkv) or mb * P (replicated)."""
     rows = []
-    for packing, cP in (("dualkv", 1e-4), ("replicated", 6e-4)):
+    for packing in ("dualkv", "replicated"):
         for P in (8192, 16384, 32768):
             for mb in (4, 8):
+                held = P if packing == "dualkv" else mb * P
                 rows.append(dict(packing=packing, P=P, mb=mb, sum_R=1000 * mb + P // 64, rho=2.0, status="ok",
-                                 peak_gib=2.0 + cP * P + 1e-4 * (1000 * mb + P // 64)))
+                                 peak_gib=2.0 + 3e-4 * held + 1e-4 * (1000 * mb + P // 64)))
     rows.append(dict(packing="replicated", P=65536, mb=8, sum_R=9000, rho=5.0, status="OOM", peak_gib=None))
+    rows += [dict(packing=p, P=131072, mb=8, status="not run: --deadline-s reached") for p in ("dualkv", "replicated")]
     fits = ms.fits_of(rows)
-    assert fits["dualkv"]["c_P"] == pytest.approx(1e-4, rel=1e-6)
-    assert fits["replicated"]["c_P"] == pytest.approx(6e-4, rel=1e-6)
+    for packing in ("dualkv", "replicated"):
+        assert fits[packing]["c_P"] == pytest.approx(3e-4, rel=1e-6)
+        assert fits[packing]["c_R"] == pytest.approx(1e-4, rel=1e-6)
+        assert fits[packing]["r2"] == pytest.approx(1.0)
     text = ms.tables(rows, fits)
     assert "OOM" in text and "R^2" in text
+    assert "| 128K |" not in text  # a point neither packing measured has no row
     assert ms.plot(rows, fits, tmp_path / "m.png", "test").exists()
+
+
+def _result_file(path: Path, meta: dict, rows: list[dict]) -> str:
+    base = dict(card={"name": "Test card"}, date="2026-01-01T00:00:00+00:00", versions={"torch": "x"},
+                git_commit="abc", command=f"python -m bench {path.stem}")
+    path.write_text(json.dumps(dict(meta={**base, **meta}, validation=[], rows=rows)))
+    return str(path)
+
+
+def test_memory_scaling_merge(tmp_path):
+    meta = dict(preset="tiny", layers=None, dtype="bfloat16", activation_checkpointing=True,
+                response_lengths="U(131, 2048)", seed=0)
+
+    def row(packing, P, mb, peak, status="ok"):
+        held = P if packing == "dualkv" else mb * P
+        return dict(packing=packing, P=P, mb=mb, sum_R=100 * mb, rho=2.0, status=status,
+                    peak_gib=None if peak is None else 1.0 + 1e-4 * held + peak)
+
+    first = _result_file(tmp_path / "a.json", meta, [row("dualkv", 1024, 4, 0.0), row("dualkv", 2048, 4, 0.0),
+                                                     row("dualkv", 4096, 8, None, "not run: --deadline-s reached")])
+    second = _result_file(tmp_path / "b.json", meta, [row("dualkv", 4096, 8, 0.0), row("replicated", 1024, 4, 0.0),
+                                                      row("dualkv", 1024, 4, None, "not run: --deadline-s reached")])
+    out = ms.main(["--merge", first, second, "--out", str(tmp_path / "m"), "--stem", "merged"])
+    data = json.loads(out.read_text())
+    rows = {(r["packing"], r["P"], r["mb"]): r for r in data["rows"]}
+    assert len(rows) == 4 and all(r["status"] == "ok" for r in rows.values())  # 'not run' never replaces a row
+    assert rows["dualkv", 1024, 4]["source_command"] == "python -m bench a"
+    assert rows["dualkv", 4096, 8]["source_command"] == "python -m bench b"
+    assert data["meta"]["command"] == "python -m bench a ; python -m bench b"
+    assert data["meta"]["fits"]["dualkv"]["n"] == 3
+    assert (tmp_path / "m" / "merged.md").exists() and (tmp_path / "m" / "merged.png").exists()
+    other = _result_file(tmp_path / "c.json", {**meta, "seed": 1}, [])
+    with pytest.raises(SystemExit, match="seed"):
+        ms.main(["--merge", first, other, "--out", str(tmp_path / "m")])
+
+
+def test_policy_step_merge(tmp_path):
+    meta = dict(preset="tiny", P=64, response_range=[8, 16], responses_per_step=8, algorithm="grpo", kl_beta=0.04,
+                activation_checkpointing=True, warmup=1, steps=1, seed=0)
+
+    def row(packing, mb, t):
+        times = dict(time_old_log_prob=t, time_ref_log_prob=t, time_update=3 * t, time_compute=5 * t)
+        return dict(packing=packing, P=64, mb=mb, groups=8 // mb, status="ok", rho=2.5, packed_tokens=100,
+                    replicated_tokens=250, tokens_per_s=1.0, effective_tokens_per_s=2.5, tflops=1.0, mfu=0.1,
+                    useful_mfu=0.1, peak_memory_gib=None, steps=1, **times)
+
+    first = _result_file(tmp_path / "a.json", meta, [row("dualkv", 4, 1.0), row("replicated", 4, 2.0),
+                                                     dict(packing="dualkv", P=64, mb=8, status="not run: --deadline-s reached")])
+    second = _result_file(tmp_path / "b.json", meta, [row("replicated", 8, 4.0), row("dualkv", 8, 1.0)])
+    out = ps.main(["--merge", first, second, "--out", str(tmp_path / "m"), "--stem", "merged"])
+    data = json.loads(out.read_text())
+    assert [(r["mb"], r["packing"]) for r in data["rows"]] == [(4, "dualkv"), (4, "replicated"), (8, "dualkv"),
+                                                               (8, "replicated")]
+    speed = {item["mb"]: item["step_speedup"] for item in data["meta"]["rho_table"]}
+    assert speed == {4: pytest.approx(2.0), 8: pytest.approx(4.0)}
+    assert "| 8 | 2.50 |" in (tmp_path / "m" / "merged.md").read_text()
 
 
 def test_policy_step_end_to_end(tmp_path, one_thread):
