@@ -41,9 +41,10 @@ _ACT = {"gelu_pytorch_tanh": "gelu_tanh", "silu": "silu"}
 class Gemma4Block(nn.Module):
     """One Gemma-4 decoder layer (sliding or global attention; dense MLP, optionally + experts)."""
 
-    def __init__(self, layer: LayerConfig, model: ModelConfig):
+    def __init__(self, layer: LayerConfig, model: ModelConfig, keeps_kv: bool = False):
         super().__init__()
         D, eps = model.hidden_size, model.norm_eps
+        self.keeps_kv = keeps_kv  # return this layer's K/V (later layers share them); otherwise None
 
         def norm():
             return RMSNorm(D, eps, "gemma4")
@@ -87,7 +88,7 @@ class Gemma4Block(nn.Module):
         if inputs.per_layer_input_TP is not None:
             g_TP = self.per_layer_act(self.per_layer_input_gate(h_TD)) * inputs.per_layer_input_TP
             h_TD = h_TD + self.post_per_layer_input_norm(self.per_layer_projection(g_TP))
-        return BlockOutput(h_TD * self.layer_scalar, kv, stats)
+        return BlockOutput(h_TD * self.layer_scalar, kv if self.keeps_kv else None, stats)
 
 
 # --------------------------------------------------------------------------------------- per-layer inputs

@@ -54,10 +54,11 @@ class BlockInputs(NamedTuple):
 
 
 class BlockOutput(NamedTuple):
-    """hidden_TD; kv: this layer's (k_TKd, v_TKd); stats: its router statistics or None."""
+    """hidden_TD; kv: this layer's (k_TKd, v_TKd) when later layers share them, else None;
+    stats: its router statistics or None."""
 
     hidden_TD: torch.Tensor
-    kv: tuple[torch.Tensor, torch.Tensor]
+    kv: tuple[torch.Tensor, torch.Tensor] | None
     stats: Any = None
 
 

@@ -62,9 +62,9 @@ class DecoderStack(nn.Module):
         if cfg.per_layer_input is not None:
             gemma4.add_per_layer_input_modules(self, cfg)
         block = _BLOCKS[cfg.family]
-        self.layers = nn.ModuleList([block(layer, cfg) for layer in cfg.layers])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.family)
         self.kv_sources = {layer.attention.kv_source for layer in cfg.layers} - {None}
+        self.layers = nn.ModuleList([block(layer, cfg, keeps_kv=i in self.kv_sources) for i, layer in enumerate(cfg.layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.family)
 
     def _rope(self, position_ids_T: torch.Tensor, dtype: torch.dtype) -> dict:
         keys = {(layer.attention.rope, layer.attention.head_dim) for layer in self.cfg.layers}

@@ -44,9 +44,10 @@ class Qwen3SparseMoE(nn.Module):
 class Qwen3Block(nn.Module):
     """One Qwen3 / Qwen3-MoE decoder layer."""
 
-    def __init__(self, layer: LayerConfig, model: ModelConfig):
+    def __init__(self, layer: LayerConfig, model: ModelConfig, keeps_kv: bool = False):
         super().__init__()
         D, eps = model.hidden_size, model.norm_eps
+        self.keeps_kv = keeps_kv  # return this layer's K/V (later layers share them); otherwise None
         self.input_layernorm = RMSNorm(D, eps, "qwen3")
         self.self_attn = Attention(layer.attention, D, eps, "qwen3")
         self.post_attention_layernorm = RMSNorm(D, eps, "qwen3")
@@ -65,7 +66,7 @@ class Qwen3Block(nn.Module):
             mlp_TD, stats = self.mlp(x_TD, inputs.token_weight_T)
         else:
             mlp_TD = self.mlp(x_TD)
-        return BlockOutput(h_TD + mlp_TD, kv, stats)
+        return BlockOutput(h_TD + mlp_TD, kv if self.keeps_kv else None, stats)
 
 
 # --------------------------------------------------------------------------------------- config.json
