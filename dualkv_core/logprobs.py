@@ -25,20 +25,21 @@ __all__ = ["gather_logprobs", "response_logprobs_from_logits", "logprobs_from_lo
 _CHUNK_ELEMENTS = 1 << 26
 
 
+def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits in float32 (float64 stays), divided by the sampling temperature."""
+    z = logits.to(_acc_dtype(logits.dtype))
+    return z if temperature == 1.0 else z / temperature
+
+
 def gather_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """logits (n, V), targets (n,) -> log p(target) (n,) in float32."""
-    logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    """logits (n, V), targets (n,) -> log p(target) (n,) in float32 (no (n, V) log-softmax kept)."""
+    z = _tempered(logits, temperature)
+    return z.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)
 
 
 def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0):
     """logits (n, V), targets (n,) -> (log p(target), entropy), both (n,) float32 (the plain path)."""
-    z = logits.float()
-    if temperature != 1.0:
-        z = z / temperature
-    logp = torch.log_softmax(z, dim=-1)
+    logp = torch.log_softmax(_tempered(logits, temperature), dim=-1)
     return logp.gather(-1, targets[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
 
 
