@@ -324,13 +324,9 @@ def tables(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path, title: str) -> Path:
-    import matplotlib
+    from benchmarks.report import _color, pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from benchmarks.report import _color
-
+    plt = pyplot()
     points = list(dict.fromkeys(r["point"] for r in rows))
     by = {(r["point"], r["variant"]): r for r in rows}
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -356,10 +352,7 @@ def plot(rows: list[dict], path: Path, title: str) -> Path:
         a.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.suptitle(f"One Qwen3-8B decoder layer, forward+backward, {title}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 # ------------------------------------------------------------------------------------------- main

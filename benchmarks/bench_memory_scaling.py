@@ -200,10 +200,9 @@ def tables(rows: list[dict], fits: dict) -> str:
 
 
 def plot(rows: list[dict], fits: dict, path: Path, title: str) -> Path | None:
-    import matplotlib
+    from benchmarks.report import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     mbs = sorted({r["mb"] for r in rows})
     if not any(r.get("peak_gib") is not None for r in rows):
@@ -230,10 +229,7 @@ def plot(rows: list[dict], fits: dict, path: Path, title: str) -> Path | None:
     axes[0][0].set_ylabel("peak memory, GiB")
     axes[0][0].legend(fontsize=7)
     fig.suptitle(f"Policy-update forward+backward memory, {title}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 # ----------------------------------------------------------------------------------------- main

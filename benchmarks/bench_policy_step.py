@@ -194,10 +194,9 @@ def tables(rows: list[dict], meta: dict) -> str:
 
 
 def plot(rows: list[dict], path: Path, title: str) -> Path | None:
-    import matplotlib
+    from benchmarks.report import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     if not rows:
         return None
@@ -225,10 +224,7 @@ def plot(rows: list[dict], path: Path, title: str) -> Path | None:
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     ax.set_title(f"Policy-update step phases, {title}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 # ----------------------------------------------------------------------------------------- main

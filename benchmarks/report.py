@@ -275,12 +275,27 @@ def _color(provider: str):
     return matplotlib.colormaps["tab10"](order.index(provider) % 10)
 
 
-def plot_results(rows: list[dict], stem: Path, title: str = "") -> list[Path]:
-    """``<stem>_tflops.png`` (useful TFLOP/s, forward+backward) and ``<stem>_ms.png`` (time, log scale)."""
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend (benchmarks never open a window)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: Path, rect=None) -> Path:
+    """Lay out, write at 130 dpi and close a figure; returns the path."""
+    fig.tight_layout(rect=rect)
+    fig.savefig(path, dpi=130)
+    pyplot().close(fig)
+    return Path(path)
+
+
+def plot_results(rows: list[dict], stem: Path, title: str = "") -> list[Path]:
+    """``<stem>_tflops.png`` (useful TFLOP/s, forward+backward) and ``<stem>_ms.png`` (time, log scale)."""
+    plt = pyplot()
 
     groups = _groups(rows)
     paths = []
@@ -325,11 +340,7 @@ def plot_results(rows: list[dict], stem: Path, title: str = "") -> list[Path]:
         fig.legend(handles=[Patch(color=_color(p), label=p) for p in shown], fontsize=8, loc="lower center",
                    ncol=min(len(shown), 8), frameon=False)
         fig.suptitle(f"Shared-prompt attention, {title}", fontsize=10)
-        fig.tight_layout(rect=(0, 0.06, 1, 1))
-        path = Path(f"{stem}_{metric.split('_')[1]}.png")
-        fig.savefig(path, dpi=130)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(save_figure(fig, Path(f"{stem}_{metric.split('_')[1]}.png"), rect=(0, 0.06, 1, 1)))
     return paths
 
 
