@@ -25,6 +25,7 @@ is the batch's replicated / packed token ratio; it is tabulated next to the meas
     python -m benchmarks.bench_policy_step --preset tiny-qwen3 --prompt 64 --response-range 8:16 \\
         --mbs 4,8 --responses-per-step 8 --device cpu                       # smoke test
     python -m benchmarks.bench_policy_step --merge a.json b.json --stem policy_step_h200  # one report
+    python -m benchmarks.bench_policy_step --mbs 8 --profile         # + the top ops of one step, per configuration
 """
 
 from __future__ import annotations
@@ -122,6 +123,9 @@ def run_config(args, packing: str, mb: int) -> dict:
             peak = peak_flops(args.peak_tflops)
             rec["useful_mfu"] = useful_flops(trainer, step) / (compute * trainer.ctx.world_size * peak) if peak and compute else None
             recs.append(rec)
+        if args.profile:
+            row["profile"] = profile_step(trainer, args.warmup + args.steps,
+                                          Path(args.out) / f"{args.stem or 'policy_step'}_{packing}_mb{mb}_profile.txt")
         row.update(status="ok", steps=len(recs), rho=_median(recs, "rho"),
                    packed_tokens=_median(recs, "packed_tokens"), replicated_tokens=_median(recs, "replicated_tokens"),
                    peak_memory_gib=max((r["peak_memory_gib"] for r in recs if r.get("peak_memory_gib") is not None),
@@ -139,6 +143,23 @@ def run_config(args, packing: str, mb: int) -> dict:
         trainer = None
         _free()
     return row
+
+
+def profile_step(trainer, step: int, path: Path, top: int = 40) -> str:
+    """One more step under torch.profiler: the ``top`` ops by self device time (CPU time on a CPU)
+    written to ``path``, so the time an MFU figure leaves on the table can be attributed."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        trainer.train_step(step)
+        if cuda:
+            torch.cuda.synchronize()
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(prof.key_averages().table(sort_by=key, row_limit=top) + "\n")
+    return path.name
 
 
 # -------------------------------------------------------------------------------------- outputs
@@ -247,6 +268,8 @@ def parse_args(argv=None):
     ap.add_argument("--stem", default=None)
     ap.add_argument("--deadline-s", type=float, default=None, help="stop starting new configurations after this many seconds")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", action="store_true",
+                    help="after the measured steps, profile one more step per configuration (<stem>_<packing>_mb<mb>_profile.txt)")
     ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                     help="measure nothing: one report from earlier results of the same settings (later files win)")
     args = ap.parse_args(argv)

@@ -178,6 +178,15 @@ def test_policy_step_end_to_end(tmp_path, one_thread):
     assert "update-phase speedup" in (tmp_path / "step.md").read_text()
 
 
+def test_policy_step_profile(tmp_path, one_thread):
+    out = ps.main(["--preset", "tiny-qwen3", "--prompt", "32", "--response-range", "4:8", "--mbs", "4",
+                   "--packings", "dualkv", "--responses-per-step", "4", "--steps", "1", "--warmup", "0",
+                   "--device", "cpu", "--out", str(tmp_path), "--stem", "prof", "--profile"])
+    row = json.loads(out.read_text())["rows"][0]
+    text = (tmp_path / row["profile"]).read_text()
+    assert row["profile"] == "prof_dualkv_mb4_profile.txt" and "Self CPU" in text and "aten::" in text
+
+
 def test_policy_step_rejects_bad_mbs():
     with pytest.raises(SystemExit):
         ps.parse_args(["--mbs", "3", "--responses-per-step", "16", "--device", "cpu"])
