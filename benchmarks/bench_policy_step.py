@@ -76,7 +76,7 @@ def train_config(args, packing: str, mb: int):
         update=UpdateConfig(packing=packing, micro_batch_tokens=1),
         optim=OptimConfig(lr=1e-6),
         parallel=ParallelConfig(sp=1, param_dtype="bf16" if cuda else "fp32",
-                                activation_checkpointing=args.activation_checkpointing),
+                                activation_checkpointing=args.activation_checkpointing, compile=args.compile),
     )
 
 
@@ -259,6 +259,7 @@ def parse_args(argv=None):
     ap.add_argument("--packings", default=",".join(PACKINGS))
     ap.add_argument("--kl-beta", type=float, default=0.04, help="GRPO KL weight (> 0 runs the ref_log_prob phase)")
     ap.add_argument("--no-activation-checkpointing", dest="activation_checkpointing", action="store_false")
+    ap.add_argument("--compile", action="store_true", help="torch.compile every decoder layer (fuses the element-wise chains)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps per configuration")
     ap.add_argument("--steps", type=int, default=3, help="measured steps per configuration")
     ap.add_argument("--peak-tflops", type=float, default=None, help="per-device peak for MFU (default: known GPUs)")
@@ -306,8 +307,8 @@ def _run(args, argv) -> Path:
     meta = environment(device, MODULE, sys.argv[1:] if argv is None else list(argv))
     meta.update(preset=args.preset, P=args.prompt, response_range=list(args.response_range),
                 responses_per_step=args.responses_per_step, algorithm="grpo", kl_beta=args.kl_beta,
-                activation_checkpointing=args.activation_checkpointing, warmup=args.warmup, steps=args.steps,
-                seed=args.seed)
+                activation_checkpointing=args.activation_checkpointing, compile=args.compile, warmup=args.warmup,
+                steps=args.steps, seed=args.seed)
     card = meta["card"]["name"].split()[-1].lower() if device.type == "cuda" else "cpu"
     stem = args.stem or f"policy_step_{card}_{datetime.now(timezone.utc):%Y%m%d-%H%M}"
     writer = ResultWriter(args.out, stem, meta, COLUMNS)
@@ -321,7 +322,7 @@ def _run(args, argv) -> Path:
 
 
 SETTINGS = ("preset", "P", "response_range", "responses_per_step", "algorithm", "kl_beta", "activation_checkpointing",
-            "warmup", "steps", "seed")
+            "compile", "warmup", "steps", "seed")
 
 
 def merge(paths: list[str], out: str, stem: str) -> Path:
@@ -347,7 +348,8 @@ def write_report(writer) -> Path:
     md.write_text(f"# {writer.stem}\n\n- {meta['card']['name']}, {meta['date']}: `{meta['command']}`  \n"
                   f"  torch {v.get('torch')}, CUDA {v.get('cuda')}, Triton {v.get('triton')}, dualkv {v.get('dualkv')} "
                   f"(commit {meta.get('git_commit')})\n- model {meta['preset']} (random weights), GRPO kl_beta "
-                  f"{meta['kl_beta']}, AdamW, activation checkpointing {'on' if meta['activation_checkpointing'] else 'off'}\n\n"
+                  f"{meta['kl_beta']}, AdamW, activation checkpointing {'on' if meta['activation_checkpointing'] else 'off'}"
+                  f"{', torch.compile per decoder layer' if meta.get('compile') else ''}\n\n"
                   + tables(rows, meta))
     png = plot(rows, writer.dir / f"{writer.stem}.png", meta["card"]["name"])
     print(md, png, sep="\n")
