@@ -103,7 +103,7 @@ def _free() -> None:
         torch.cuda.empty_cache()
 
 
-def run_config(args, packing: str, mb: int) -> dict:
+def run_config(args, packing: str, mb: int, meta: dict | None = None) -> dict:
     from dualkv.train.metrics import peak_flops
     from dualkv.train.trainer import Trainer
 
@@ -125,7 +125,8 @@ def run_config(args, packing: str, mb: int) -> dict:
             recs.append(rec)
         if args.profile:
             row["profile"] = profile_step(trainer, args.warmup + args.steps,
-                                          Path(args.out) / f"{args.stem or 'policy_step'}_{packing}_mb{mb}_profile.txt")
+                                          Path(args.out) / f"{args.stem or 'policy_step'}_{packing}_mb{mb}_profile.txt",
+                                          meta or {})
         row.update(status="ok", steps=len(recs), rho=_median(recs, "rho"),
                    packed_tokens=_median(recs, "packed_tokens"), replicated_tokens=_median(recs, "replicated_tokens"),
                    peak_memory_gib=max((r["peak_memory_gib"] for r in recs if r.get("peak_memory_gib") is not None),
@@ -145,9 +146,10 @@ def run_config(args, packing: str, mb: int) -> dict:
     return row
 
 
-def profile_step(trainer, step: int, path: Path, top: int = 40) -> str:
+def profile_step(trainer, step: int, path: Path, meta: dict, top: int = 40) -> str:
     """One more step under torch.profiler: the ``top`` ops by self device time (CPU time on a CPU)
-    written to ``path``, so the time an MFU figure leaves on the table can be attributed."""
+    written to ``path`` under the run's card, date and command (``meta``), so the time an MFU figure
+    leaves on the table can be attributed."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
@@ -158,7 +160,9 @@ def profile_step(trainer, step: int, path: Path, top: int = 40) -> str:
             torch.cuda.synchronize()
     key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(prof.key_averages().table(sort_by=key, row_limit=top) + "\n")
+    card = meta.get("card", {}).get("name", "?")
+    head = f"{card}, {meta.get('date')}: `{meta.get('command')}`; one step (#{step}) under torch.profiler\n\n"
+    path.write_text(head + prof.key_averages().table(sort_by=key, row_limit=top) + "\n")
     return path.name
 
 
@@ -317,7 +321,7 @@ def _run(args, argv) -> Path:
         if args.deadline_s is not None and time.monotonic() - start > args.deadline_s:
             writer.add(dict(packing=packing, P=args.prompt, mb=mb, status="not run: --deadline-s reached"))
             continue
-        writer.add(run_config(args, packing, mb))
+        writer.add(run_config(args, packing, mb, meta))
     return write_report(writer)
 
 

@@ -20,6 +20,8 @@ import json
 import math
 import multiprocessing as mp
 import os
+import shlex
+import sys
 import time
 
 import torch
@@ -290,7 +292,8 @@ def main():
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"),
-                           timings={k: [(list(c), ms) for c, ms in v] for k, v in tuned["timings"].items()},
+                           command=shlex.join(["python", *sys.argv]), torch=torch.__version__,
+                           triton=__import__("triton").__version__, timings={k: [(list(c), ms) for c, ms in v] for k, v in tuned["timings"].items()},
                            best=tuned["best"], rows=rows), f, indent=1)
 
 

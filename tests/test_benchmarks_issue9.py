@@ -146,6 +146,9 @@ def test_policy_step_merge(tmp_path):
     speed = {item["mb"]: item["step_speedup"] for item in data["meta"]["rho_table"]}
     assert speed == {4: pytest.approx(2.0), 8: pytest.approx(4.0)}
     assert "| 8 | 2.50 |" in (tmp_path / "m" / "merged.md").read_text()
+    other = _result_file(tmp_path / "c.json", {**meta, "P": 128}, [])
+    with pytest.raises(SystemExit, match=r"--merge: .*\['P'\]"):
+        ps.main(["--merge", first, other, "--out", str(tmp_path / "m")])
 
 
 def test_policy_step_end_to_end(tmp_path, one_thread):
@@ -185,6 +188,7 @@ def test_policy_step_profile(tmp_path, one_thread):
     row = json.loads(out.read_text())["rows"][0]
     text = (tmp_path / row["profile"]).read_text()
     assert row["profile"] == "prof_dualkv_mb4_profile.txt" and "Self CPU" in text and "aten::" in text
+    assert text.startswith("CPU") and "`python -m benchmarks.bench_policy_step" in text.splitlines()[0]
 
 
 def test_policy_step_rejects_bad_mbs():
