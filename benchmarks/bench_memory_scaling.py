@@ -15,8 +15,8 @@ gradients, activations, workspaces). Per packing the linear model
     memory = M0 + c_P * P_held + c_R * (mb * R)   (mb * R = sum of the sampled R_i)
 
 with P_held the prompt tokens the packing holds (P for dualkv: the prompt term paid once; mb * P for
-replicated: paid per copy) is fitted by least squares over the measured points and plotted with them. On a CPU there is no
-memory counter: peaks are recorded as None and the fit is skipped.
+replicated: paid per copy) is fitted by least squares over the measured points and plotted with
+them. On a CPU there is no memory counter: peaks are recorded as None and the fit is skipped.
 
     python -m benchmarks.bench_memory_scaling                              # qwen3-1.7b, P = 8K, 16K, ...
     python -m benchmarks.bench_memory_scaling --preset qwen3-8b --layers 4
@@ -215,8 +215,8 @@ def plot(rows: list[dict], fits: dict, path: Path, title: str) -> Path | None:
             color = f"C{j}"
             ax.plot([r["P"] / 1024 for r in ok], [r["peak_gib"] for r in ok], "o", color=color, label=f"{p} measured")
             if fits.get(p) and ok:
-                ax.plot([r["P"] / 1024 for r in ok], [predict(fits[p], prompt_tokens_held(p, r["P"], r["mb"]), r["sum_R"]) for r in ok], "--",
-                        color=color, label=f"{p} fit")
+                fit_gib = [predict(fits[p], prompt_tokens_held(p, r["P"], r["mb"]), r["sum_R"]) for r in ok]
+                ax.plot([r["P"] / 1024 for r in ok], fit_gib, "--", color=color, label=f"{p} fit")
             for r in pts:
                 if r["status"] == "OOM":
                     ax.axvline(r["P"] / 1024, color=color, alpha=0.4, ls=":")

@@ -134,13 +134,14 @@ def load_results(paths) -> list[dict]:
     return [json.loads(Path(p).read_text()) for p in paths]
 
 
-def merged_rows(results: list[dict]) -> list[dict]:
-    """Rows of several results, a later file replacing an earlier one's (config, provider) row
-    unless the later row was not measured (skipped/not run) and the earlier one was."""
+def merged_rows(results: list[dict], key_fields: tuple[str, ...] = ("config", "provider")) -> list[dict]:
+    """Rows of several results, a later file replacing an earlier one's row with the same ``key_fields``
+    unless the later row was not measured (skipped/not run) and the earlier one was. Each row keeps
+    its own file's date and command (``_date``, ``_command``)."""
     table: dict[tuple, dict] = {}
     for res in results:
         for r in res["rows"]:
-            key = (r["config"], r["provider"])
+            key = tuple(r[f] for f in key_fields)
             old = table.get(key)
             if old is None or _rank(r) >= _rank(old):
                 table[key] = {**r, "_date": res["meta"].get("date"), "_command": res["meta"].get("command")}
@@ -148,27 +149,17 @@ def merged_rows(results: list[dict]) -> list[dict]:
 
 
 def merge_runs(paths, key_fields: tuple[str, ...], settings: tuple[str, ...]) -> tuple[dict, list[dict]]:
-    """(meta, rows) of several result files of one setting, for a single report.
-
-    Files must agree on ``settings`` (meta keys). A later file's row replaces an earlier one with the
-    same ``key_fields`` unless it was not run; each row keeps its own date and command
-    (``source_date``, ``source_command``); ``meta["command"]`` lists every file's command.
-    """
+    """(meta, rows) of several result files of one setting, for a single report: the files must agree
+    on ``settings`` (meta keys); rows as ``merged_rows``; ``meta["command"]`` lists every file's command."""
     results = load_results(paths)
     meta = dict(results[0]["meta"])
     for path, res in zip(paths[1:], results[1:]):
         differ = [k for k in settings if res["meta"].get(k) != meta.get(k)]
         if differ:
             raise ValueError(f"merge: {path} differs from {paths[0]} in {differ}; merge runs of one setting only")
-    table: dict[tuple, dict] = {}
-    for res in results:
-        for r in res["rows"]:
-            key = tuple(r[f] for f in key_fields)
-            if key not in table or not str(r.get("status", "")).startswith("not run"):
-                table[key] = {**r, "source_date": res["meta"].get("date"), "source_command": res["meta"].get("command")}
     meta["command"] = " ; ".join(dict.fromkeys(res["meta"]["command"] for res in results))
     meta["merged_from"] = [Path(p).name for p in paths]
-    return meta, list(table.values())
+    return meta, merged_rows(results, key_fields)
 
 
 def _rank(row: dict) -> int:

@@ -293,7 +293,8 @@ def main():
         with open(args.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"),
                            command=shlex.join(["python", *sys.argv]), torch=torch.__version__,
-                           triton=__import__("triton").__version__, timings={k: [(list(c), ms) for c, ms in v] for k, v in tuned["timings"].items()},
+                           triton=__import__("triton").__version__,
+                           timings={k: [(list(c), ms) for c, ms in v] for k, v in tuned["timings"].items()},
                            best=tuned["best"], rows=rows), f, indent=1)
 
 

@@ -116,8 +116,8 @@ def test_memory_scaling_merge(tmp_path):
     data = json.loads(out.read_text())
     rows = {(r["packing"], r["P"], r["mb"]): r for r in data["rows"]}
     assert len(rows) == 4 and all(r["status"] == "ok" for r in rows.values())  # 'not run' never replaces a row
-    assert rows["dualkv", 1024, 4]["source_command"] == "python -m bench a"
-    assert rows["dualkv", 4096, 8]["source_command"] == "python -m bench b"
+    assert rows["dualkv", 1024, 4]["_command"] == "python -m bench a"
+    assert rows["dualkv", 4096, 8]["_command"] == "python -m bench b"
     assert data["meta"]["command"] == "python -m bench a ; python -m bench b"
     assert data["meta"]["fits"]["dualkv"]["n"] == 3
     assert (tmp_path / "m" / "merged.md").exists() and (tmp_path / "m" / "merged.png").exists()
