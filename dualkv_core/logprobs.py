@@ -32,13 +32,15 @@ def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 def gather_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """logits (n, V), targets (n,) -> log p(target) (n,) in float32 (float64 for float64 logits; no (n, V) log-softmax kept)."""
+    """logits (n, V), targets (n,) -> log p(target) (n,) in float32 (float64 for float64 logits);
+    no (n, V) log-softmax is kept."""
     z = _tempered(logits, temperature)
     return z.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)
 
 
 def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0):
-    """logits (n, V), targets (n,) -> (log p(target), entropy), both (n,) float32 (float64 for float64 logits; the plain path)."""
+    """logits (n, V), targets (n,) -> (log p(target), entropy), both (n,) float32 (float64 for float64
+    logits): the plain path."""
     logp = torch.log_softmax(_tempered(logits, temperature), dim=-1)
     return logp.gather(-1, targets[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
 
