@@ -212,7 +212,7 @@ def layer_loss(block, attn_cfg, variant: Variant, x_TD, probe_TD):
 
     block.self_attn.attn_fn = variant.attn_fn
     cos, sin = rope_tables(attn_cfg.rope, attn_cfg.head_dim, variant.layout.position_ids, x_TD.dtype)
-    out = block(x_TD, BlockInputs(variant.layout, {(attn_cfg.rope, attn_cfg.head_dim): (cos, sin)})).hidden_TD
+    out = block(x_TD, BlockInputs(variant.layout, {attn_cfg.rope_key: (cos, sin)})).hidden_TD
     resp = out.index_select(0, variant.resp_pos).float()
     return (resp * probe_TD.index_select(0, variant.resp_packed).float()).sum() / variant.resp_pos.numel()
 

@@ -43,17 +43,22 @@ def check_qkv(q, k, v, total: int | None = None, k_name: str = "k", v_name: str 
         _fail(f"{k_name}/{v_name}: expected headdim {q.shape[2]} like q, got {k.shape[2]} and {v.shape[2]}")
 
 
+def _finite(x) -> bool:
+    """math.isfinite by comparisons, which torch.compile traces without a graph break."""
+    return x == x and abs(x) != math.inf
+
+
 def check_options(headdim: int, softmax_scale, window, softcap) -> tuple[float, int | None, float | None]:
     """Normalise the scalar options: a scale > 0, a window >= 1 or None, a softcap > 0 or None."""
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(headdim)
-    if not isinstance(softmax_scale, (int, float)) or not math.isfinite(softmax_scale) or softmax_scale <= 0:
+    if not isinstance(softmax_scale, (int, float)) or not _finite(softmax_scale) or softmax_scale <= 0:
         _fail(f"softmax_scale: expected a finite positive number, got {softmax_scale!r}")
     if window is not None:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             _fail(f"window: expected None or an int >= 1 (a query sees keys with qpos - kpos < window), got {window!r}")
     if softcap is not None and softcap != 0:
-        if not isinstance(softcap, (int, float)) or not math.isfinite(softcap) or softcap <= 0:
+        if not isinstance(softcap, (int, float)) or not _finite(softcap) or softcap <= 0:
             _fail(f"softcap: expected None or a finite positive number, got {softcap!r}")
     else:
         softcap = None

@@ -115,6 +115,13 @@ class AttentionConfig:
     def scale(self) -> float:
         return self.head_dim ** -0.5 if self.softmax_scale is None else self.softmax_scale
 
+    @property
+    def rope_key(self) -> tuple:
+        """Key of this layer's (cos, sin) tables in ``BlockInputs.rope``: plain values, so layers of
+        two models with equal RoPE share one table and one torch.compile graph (no identity guard)."""
+        r = self.rope
+        return (r.rope_type, r.theta, r.partial_rotary_factor, r.factor, self.head_dim)
+
 
 @dataclass(frozen=True)
 class MLPConfig:

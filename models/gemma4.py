@@ -80,7 +80,7 @@ class Gemma4Block(nn.Module):
 
     def forward(self, h_TD: torch.Tensor, inputs: BlockInputs) -> BlockOutput:
         cfg = self.self_attn.cfg
-        cos_Td, sin_Td = inputs.rope[(cfg.rope, cfg.head_dim)]
+        cos_Td, sin_Td = inputs.rope[cfg.rope_key]
         attn_TD, kv = self.self_attn(self.input_layernorm(h_TD), cos_Td, sin_Td, inputs.layout, inputs.shared_kv)
         h_TD = h_TD + self.post_attention_layernorm(attn_TD)
         m_TD, stats = self._feed_forward(h_TD, inputs.token_weight_T)

@@ -41,7 +41,7 @@ NORM_STYLES = ("qwen3", "gemma4")
 class BlockInputs(NamedTuple):
     """What a decoder block needs besides the hidden states (shared by every layer of one forward).
 
-    rope: {(RopeConfig, head_dim): (cos_Td, sin_Td)}; token_weight_T: replication count of every
+    rope: {AttentionConfig.rope_key: (cos_Td, sin_Td)}; token_weight_T: replication count of every
     token (for router statistics) or None; shared_kv: the (k_TKd, v_TKd) this layer reuses, if any;
     per_layer_input_TP: Gemma-4 per-layer input of this layer, if any.
     """

@@ -67,8 +67,8 @@ class DecoderStack(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.family)
 
     def _rope(self, position_ids_T: torch.Tensor, dtype: torch.dtype) -> dict:
-        keys = {(layer.attention.rope, layer.attention.head_dim) for layer in self.cfg.layers}
-        return {key: rope_tables(key[0], key[1], position_ids_T, dtype) for key in keys}
+        attns = {layer.attention.rope_key: layer.attention for layer in self.cfg.layers}
+        return {key: rope_tables(a.rope, a.head_dim, position_ids_T, dtype) for key, a in attns.items()}
 
     def forward(self, input_ids_T, position_ids_T, layout, token_weight_T=None, checkpointed=frozenset()):
         """Returns (hidden_TD after the final norm, [RouterStats of each MoE layer])."""

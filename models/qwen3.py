@@ -57,7 +57,7 @@ class Qwen3Block(nn.Module):
             self.mlp = GatedMLP(D, layer.mlp.intermediate_size, layer.mlp.activation)
 
     def forward(self, h_TD: torch.Tensor, inputs: BlockInputs) -> BlockOutput:
-        cos_Td, sin_Td = inputs.rope[(self.self_attn.cfg.rope, self.self_attn.cfg.head_dim)]
+        cos_Td, sin_Td = inputs.rope[self.self_attn.cfg.rope_key]
         attn_TD, kv = self.self_attn(self.input_layernorm(h_TD), cos_Td, sin_Td, inputs.layout, inputs.shared_kv)
         h_TD = h_TD + attn_TD
         x_TD = self.post_attention_layernorm(h_TD)

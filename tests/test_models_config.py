@@ -162,3 +162,26 @@ def test_every_attention_module_has_a_replaceable_attn_fn():
     model.response_logprobs(PackedLayout.from_groups([(torch.tensor([3, 4, 5]), [torch.tensor([6, 7])])]))
     assert [c["window"] for c in calls] == [6, None, 6, 6, None]
     assert all(c["softmax_scale"] == 1.0 and c["softcap"] is None for c in calls)
+
+
+def test_compiled_layers_trace_whole_and_share_graphs_across_models():
+    """torch.compile of every decoder layer: no graph break (fullgraph), and a second model with
+    the same config (the frozen reference of GRPO) reuses the first one's graphs: RoPE tables are
+    keyed by values, not by config objects, so no identity guard forces a recompile."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    layout = PackedLayout.from_groups([(torch.tensor([3, 4, 5, 6]), [torch.tensor([6, 7]), torch.tensor([8])])])
+    models = [M.build_model("tiny-qwen3", seed=s) for s in (0, 1)]
+    for model in models:
+        for block in model.model.layers:
+            block.compile(dynamic=True, fullgraph=True, backend="eager")
+    try:
+        with torch.no_grad():
+            first = models[0].response_logprobs(layout)
+            torch._dynamo.config.error_on_recompile = True
+            second = models[1].response_logprobs(layout)
+    finally:
+        torch._dynamo.config.error_on_recompile = False
+        torch._dynamo.reset()
+    assert first.shape == second.shape and not torch.equal(first, second)

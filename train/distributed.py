@@ -49,6 +49,7 @@ class ParallelConfig:
         return _DTYPES[self.param_dtype]
 
 
+COMPILE_VARIANTS = 32  # torch.compile graphs allowed per decoder-layer function (see ``parallelize``)
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
 
@@ -152,6 +153,9 @@ def parallelize_policy(model: torch.nn.Module, ctx: DistContext, cfg: ParallelCo
     if ctx.sp_size > 1:
         parallelize_sequence(model, ctx.sp_group)
     if cfg.compile:
+        # One graph per (policy / frozen reference) x (grad / no-grad pass) x (one / several prompt
+        # groups): more variants than dynamo's default limit of 8 before it falls back to eager.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, COMPILE_VARIANTS)
         for block in _blocks(model):
             block.compile(dynamic=True)
     mp = MixedPrecisionPolicy(param_dtype=cfg.dtype, reduce_dtype=torch.float32)
