@@ -26,8 +26,8 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_bwd_prep_kernel(const DKV_GRID_CONSTA
   const int64_t idx = static_cast<int64_t>(block_idx_x()) * 8 + warp;  // (t, h) pair
   if (idx >= static_cast<int64_t>(p.total_q) * p.nheads) return;
   const int t = static_cast<int>(idx / p.nheads), h = static_cast<int>(idx % p.nheads);
-  const uint16_t* o = static_cast<const uint16_t*>(p.out.ptr) + t * p.out.row_stride + h * p.out.head_stride;
-  const uint16_t* d = static_cast<const uint16_t*>(p.dout.ptr) + t * p.dout.row_stride + h * p.dout.head_stride;
+  const uint16_t* o = static_cast<const uint16_t*>(p.out.ptr) + p.out.offset(t, h);
+  const uint16_t* d = static_cast<const uint16_t*>(p.dout.ptr) + p.dout.offset(t, h);
   float acc = 0.f;
   for (int c = lane; c < p.head_dim / 8; c += 32) {
     uint32_t a[4], b[4];
@@ -86,26 +86,13 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(K::kThreads) dkv_dq_kernel(const DKV_GRID_CONS
   const int n_tiles = walk.n_ctx_tiles + walk.n_own_tiles;
   const int qpos_lo = ctx_len + q0, qpos_hi = qpos_lo + m_valid - 1;
 
-  const uint16_t* q_ptr = static_cast<const uint16_t*>(p.q.ptr);
-  const uint16_t* do_ptr = static_cast<const uint16_t*>(p.dout.ptr);
-  const uint16_t* k_ptr = static_cast<const uint16_t*>(p.k.ptr);
-  const uint16_t* v_ptr = static_cast<const uint16_t*>(p.v.ptr);
-  const uint16_t* kc_ptr = static_cast<const uint16_t*>(p.k_ctx.ptr);
-  const uint16_t* vc_ptr = static_cast<const uint16_t*>(p.v_ctx.ptr);
-
-  auto issue_kv = [&](int ti) {
-    const KvTile kt = walk.tile<kBlockN>(ti, p, hk);
+  auto issue_kv = [&](int ti) {  // tile ti into buffer ti & 1
     const int b = ti & 1;
-    load_rows_async<kBlockN, K::kHeadDim, K::kThreads>(sK0 + b * kBlockN * kStride, (kt.ctx ? kc_ptr : k_ptr) + kt.k_off,
-                                                        kt.ctx ? p.k_ctx.row_stride : p.k.row_stride, kt.valid, k_ptr, tid);
-    load_rows_async<kBlockN, K::kHeadDim, K::kThreads>(sV0 + b * kBlockN * kStride, (kt.ctx ? vc_ptr : v_ptr) + kt.v_off,
-                                                        kt.ctx ? p.v_ctx.row_stride : p.v.row_stride, kt.valid, v_ptr, tid);
+    load_kv_tile_async<K>(sK0 + b * kBlockN * kStride, sV0 + b * kBlockN * kStride, walk.tile<kBlockN>(ti), p, hk, tid);
   };
 
-  const int64_t q_off = static_cast<int64_t>(row0 + q0) * p.q.row_stride + static_cast<int64_t>(h) * p.q.head_stride;
-  const int64_t do_off = static_cast<int64_t>(row0 + q0) * p.dout.row_stride + static_cast<int64_t>(h) * p.dout.head_stride;
-  load_rows_async<kBlockM, K::kHeadDim, K::kThreads>(sQ, q_ptr + q_off, p.q.row_stride, m_valid, q_ptr, tid);
-  load_rows_async<kBlockM, K::kHeadDim, K::kThreads>(sdO, do_ptr + do_off, p.dout.row_stride, m_valid, do_ptr, tid);
+  load_head_rows_async<kBlockM, K::kHeadDim, K::kThreads>(sQ, p.q, row0 + q0, h, m_valid, tid);
+  load_head_rows_async<kBlockM, K::kHeadDim, K::kThreads>(sdO, p.dout, row0 + q0, h, m_valid, tid);
   issue_kv(0);
   cp_async_commit();
 
@@ -133,7 +120,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(K::kThreads) dkv_dq_kernel(const DKV_GRID_CONS
     cp_async_wait<1>();
     block_sync();
 
-    const KvTile kt = walk.tile<kBlockN>(ti, p, hk);
+    const KvTile kt = walk.tile<kBlockN>(ti);
     const uint16_t* sK = sK0 + (ti & 1) * kBlockN * kStride;
     const uint16_t* sV = sV0 + (ti & 1) * kBlockN * kStride;
 
@@ -189,8 +176,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(K::kThreads) dkv_dq_kernel(const DKV_GRID_CONS
     for (int r = 0; r < 2; ++r) {
       const int row = warp_row0 + mt * 16 + g + r * 8;
       if (row < m_valid) {
-        uint16_t* dst = dq_ptr + static_cast<int64_t>(row0 + q0 + row) * p.dq.row_stride +
-                        static_cast<int64_t>(h) * p.dq.head_stride + dsl * kDSlice;
+        uint16_t* dst = dq_ptr + p.dq.offset(row0 + q0 + row, h) + dsl * kDSlice;
 #pragma unroll
         for (int nt = 0; nt < kDSlice / 8; ++nt) {
           store_u32(dst + nt * 8 + 2 * tq, pack2<E>(dq[mt][nt][2 * r] * p.scale, dq[mt][nt][2 * r + 1] * p.scale));
@@ -426,8 +412,6 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(K::kThreads) dkv_dkdv_kernel(const DKV_GRID_CO
   float* sD0 = sL0 + 2 * kBlockM;
   int* s_item = reinterpret_cast<int*>(sD0 + 2 * kBlockM);
 
-  const uint16_t* q_ptr = static_cast<const uint16_t*>(p.q.ptr);
-  const uint16_t* do_ptr = static_cast<const uint16_t*>(p.dout.ptr);
   const ScoreFn score = make_score_fn(p.scale, p.softcap);
 
   for (;;) {
@@ -437,16 +421,8 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(K::kThreads) dkv_dkdv_kernel(const DKV_GRID_CO
     block_sync();
     if (item >= total_items) break;
     const KvItem it = decode_item<kBlockN>(p, item);
-    const TensorRef kref = it.ctx_tensor ? p.k_ctx : p.k;
-    const TensorRef vref = it.ctx_tensor ? p.v_ctx : p.v;
-    const uint16_t* kbase = static_cast<const uint16_t*>(kref.ptr);
-    const uint16_t* vbase = static_cast<const uint16_t*>(vref.ptr);
-    load_rows_async<kBlockN, K::kHeadDim, K::kThreads>(
-        sK, kbase + static_cast<int64_t>(it.key_row0) * kref.row_stride + static_cast<int64_t>(it.hk) * kref.head_stride,
-        kref.row_stride, it.nk, kbase, tid);
-    load_rows_async<kBlockN, K::kHeadDim, K::kThreads>(
-        sV, vbase + static_cast<int64_t>(it.key_row0) * vref.row_stride + static_cast<int64_t>(it.hk) * vref.head_stride,
-        vref.row_stride, it.nk, vbase, tid);
+    load_head_rows_async<kBlockN, K::kHeadDim, K::kThreads>(sK, it.ctx_tensor ? p.k_ctx : p.k, it.key_row0, it.hk, it.nk, tid);
+    load_head_rows_async<kBlockN, K::kHeadDim, K::kThreads>(sV, it.ctx_tensor ? p.v_ctx : p.v, it.key_row0, it.hk, it.nk, tid);
 
     auto issue_q = [&](const ReaderCursor<kBlockM>& cur, int b) -> QTileDesc {
       const int i0 = cur.v.i_lo + cur.t * kBlockM;
@@ -458,14 +434,9 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(K::kThreads) dkv_dkdv_kernel(const DKV_GRID_CO
       d.khi = cur.v.khi;
       const int hq = it.hk * rep + cur.hl;
       const int row = cur.v.row0 + i0;
-      load_rows_async<kBlockM, K::kHeadDim, K::kThreads>(
-          sQ0 + b * kBlockM * kStride,
-          q_ptr + static_cast<int64_t>(row) * p.q.row_stride + static_cast<int64_t>(hq) * p.q.head_stride, p.q.row_stride,
-          d.m_valid, q_ptr, tid);
-      load_rows_async<kBlockM, K::kHeadDim, K::kThreads>(
-          sdO0 + b * kBlockM * kStride,
-          do_ptr + static_cast<int64_t>(row) * p.dout.row_stride + static_cast<int64_t>(hq) * p.dout.head_stride,
-          p.dout.row_stride, d.m_valid, do_ptr, tid);
+      load_head_rows_async<kBlockM, K::kHeadDim, K::kThreads>(sQ0 + b * kBlockM * kStride, p.q, row, hq, d.m_valid, tid);
+      load_head_rows_async<kBlockM, K::kHeadDim, K::kThreads>(sdO0 + b * kBlockM * kStride, p.dout, row, hq, d.m_valid,
+                                                              tid);
       const int64_t si = static_cast<int64_t>(hq) * p.total_q + row;
       load_vec_async<kBlockM, K::kThreads>(sL0 + b * kBlockM, p.lse_log2 + si, d.m_valid, p.lse_log2, tid);
       load_vec_async<kBlockM, K::kThreads>(sD0 + b * kBlockM, p.dsum + si, d.m_valid, p.dsum, tid);
@@ -568,10 +539,8 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(K::kThreads) dkv_dkdv_kernel(const DKV_GRID_CO
         } else {
           const TensorRef dkr = it.ctx_tensor ? p.dk_ctx : p.dk;
           const TensorRef dvr = it.ctx_tensor ? p.dv_ctx : p.dv;
-          uint16_t* dkp = static_cast<uint16_t*>(dkr.ptr) + static_cast<int64_t>(row) * dkr.row_stride +
-                          static_cast<int64_t>(it.hk) * dkr.head_stride + col0;
-          uint16_t* dvp = static_cast<uint16_t*>(dvr.ptr) + static_cast<int64_t>(row) * dvr.row_stride +
-                          static_cast<int64_t>(it.hk) * dvr.head_stride + col0;
+          uint16_t* dkp = static_cast<uint16_t*>(dkr.ptr) + dkr.offset(row, it.hk) + col0;
+          uint16_t* dvp = static_cast<uint16_t*>(dvr.ptr) + dvr.offset(row, it.hk) + col0;
 #pragma unroll
           for (int nt = 0; nt < kDSlice / 8; ++nt) {
             store_u32(dkp + nt * 8, pack2<E>(dk[nt][2 * r] * p.scale, dk[nt][2 * r + 1] * p.scale));
@@ -599,10 +568,8 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_convert_kernel(const DKV_GRID_CONSTAN
   const float* dva = p.dv_accum + static_cast<int64_t>(row) * per_row;
   for (int e = 2 * thread_idx(); e < per_row; e += 2 * 256) {
     const int hk = e / p.head_dim, col = e % p.head_dim;
-    uint16_t* dk = static_cast<uint16_t*>(dkr.ptr) + static_cast<int64_t>(row) * dkr.row_stride +
-                   static_cast<int64_t>(hk) * dkr.head_stride + col;
-    uint16_t* dv = static_cast<uint16_t*>(dvr.ptr) + static_cast<int64_t>(row) * dvr.row_stride +
-                   static_cast<int64_t>(hk) * dvr.head_stride + col;
+    uint16_t* dk = static_cast<uint16_t*>(dkr.ptr) + dkr.offset(row, hk) + col;
+    uint16_t* dv = static_cast<uint16_t*>(dvr.ptr) + dvr.offset(row, hk) + col;
     store_u32(dk, pack2<E>(dka[e], dka[e + 1]));
     store_u32(dv, pack2<E>(dva[e], dva[e + 1]));
   }

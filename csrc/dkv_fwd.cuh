@@ -39,7 +39,7 @@ struct FwdTraits {
 
 // Where the keys of tile `ti` live, for one query tile. Context tiles first, then own tiles.
 struct KvTile {
-  int64_t k_off, v_off;  // element offsets of the tile's first row (head applied)
+  int row;               // the tile's first row in k/v (or k_ctx/v_ctx)
   int valid;             // rows of the tile that exist in the region
   int kpos0;             // logical position of the tile's first key
   bool ctx;              // true: rows of k_ctx / v_ctx
@@ -50,22 +50,20 @@ struct TwoRegionWalk {
   int own_lo, own_hi, own_row0, n_own_tiles;
 
   template <int kBlockN>
-  DKV_DEV KvTile tile(int ti, const AttnArgs& p, int hk) const {
+  DKV_DEV KvTile tile(int ti) const {
     KvTile t;
     if (ti < n_ctx_tiles) {
       const int j0 = ctx_lo + ti * kBlockN;
       t.valid = imin(kBlockN, ctx_len - j0);
       t.kpos0 = j0;
       t.ctx = true;
-      t.k_off = static_cast<int64_t>(ctx_row0 + j0) * p.k_ctx.row_stride + static_cast<int64_t>(hk) * p.k_ctx.head_stride;
-      t.v_off = static_cast<int64_t>(ctx_row0 + j0) * p.v_ctx.row_stride + static_cast<int64_t>(hk) * p.v_ctx.head_stride;
+      t.row = ctx_row0 + j0;
     } else {
       const int i0 = own_lo + (ti - n_ctx_tiles) * kBlockN;
       t.valid = imin(kBlockN, own_hi - i0);
       t.kpos0 = ctx_len + i0;
       t.ctx = false;
-      t.k_off = static_cast<int64_t>(own_row0 + i0) * p.k.row_stride + static_cast<int64_t>(hk) * p.k.head_stride;
-      t.v_off = static_cast<int64_t>(own_row0 + i0) * p.v.row_stride + static_cast<int64_t>(hk) * p.v.head_stride;
+      t.row = own_row0 + i0;
     }
     return t;
   }
@@ -85,6 +83,13 @@ DKV_DEV TwoRegionWalk make_walk(int q0, int m_valid, int ctx_len, int ctx_row0, 
   w.own_row0 = row0;
   w.n_own_tiles = ceil_div(w.own_hi - w.own_lo, kBlockN);
   return w;
+}
+
+// Start copying the keys and values of tile `kt` (kv head hk) into sK / sV; rows past kt.valid are zeros.
+template <class K>
+DKV_DEV void load_kv_tile_async(uint16_t* sK, uint16_t* sV, const KvTile& kt, const AttnArgs& p, int hk, int tid) {
+  load_head_rows_async<K::kBlockN, K::kHeadDim, K::kThreads>(sK, kt.ctx ? p.k_ctx : p.k, kt.row, hk, kt.valid, tid);
+  load_head_rows_async<K::kBlockN, K::kHeadDim, K::kThreads>(sV, kt.ctx ? p.v_ctx : p.v, kt.row, hk, kt.valid, tid);
 }
 
 template <class E, class K>
@@ -120,25 +125,12 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(K::kThreads) dkv_fwd_kernel(const DKV_GRID_CON
   const int n_tiles = walk.n_ctx_tiles + walk.n_own_tiles;
   const int qpos_lo = ctx_len + q0, qpos_hi = qpos_lo + m_valid - 1;
 
-  const uint16_t* q_ptr = static_cast<const uint16_t*>(p.q.ptr);
-  const uint16_t* k_ptr = static_cast<const uint16_t*>(p.k.ptr);
-  const uint16_t* v_ptr = static_cast<const uint16_t*>(p.v.ptr);
-  const uint16_t* kc_ptr = static_cast<const uint16_t*>(p.k_ctx.ptr);
-  const uint16_t* vc_ptr = static_cast<const uint16_t*>(p.v_ctx.ptr);
-
-  auto issue_kv = [&](int ti) {
-    const KvTile kt = walk.tile<kBlockN>(ti, p, hk);
+  auto issue_kv = [&](int ti) {  // tile ti into buffer ti & 1
     const int b = ti & 1;
-    const uint16_t* ks = (kt.ctx ? kc_ptr : k_ptr) + kt.k_off;
-    const uint16_t* vs = (kt.ctx ? vc_ptr : v_ptr) + kt.v_off;
-    load_rows_async<kBlockN, K::kHeadDim, K::kThreads>(sK0 + b * kBlockN * kStride, ks,
-                                                        kt.ctx ? p.k_ctx.row_stride : p.k.row_stride, kt.valid, k_ptr, tid);
-    load_rows_async<kBlockN, K::kHeadDim, K::kThreads>(sV0 + b * kBlockN * kStride, vs,
-                                                        kt.ctx ? p.v_ctx.row_stride : p.v.row_stride, kt.valid, v_ptr, tid);
+    load_kv_tile_async<K>(sK0 + b * kBlockN * kStride, sV0 + b * kBlockN * kStride, walk.tile<kBlockN>(ti), p, hk, tid);
   };
 
-  const int64_t q_off = static_cast<int64_t>(row0 + q0) * p.q.row_stride + static_cast<int64_t>(h) * p.q.head_stride;
-  load_rows_async<kBlockM, K::kHeadDim, K::kThreads>(sQ, q_ptr + q_off, p.q.row_stride, m_valid, q_ptr, tid);
+  load_head_rows_async<kBlockM, K::kHeadDim, K::kThreads>(sQ, p.q, row0 + q0, h, m_valid, tid);
   issue_kv(0);  // n_tiles >= 1: a query always sees its own key
   cp_async_commit();
 
@@ -158,7 +150,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(K::kThreads) dkv_fwd_kernel(const DKV_GRID_CON
     cp_async_wait<1>();
     block_sync();
 
-    const KvTile kt = walk.tile<kBlockN>(ti, p, hk);
+    const KvTile kt = walk.tile<kBlockN>(ti);
     const uint16_t* sK = sK0 + (ti & 1) * kBlockN * kStride;
     const uint16_t* sV = sV0 + (ti & 1) * kBlockN * kStride;
 
@@ -230,7 +222,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(K::kThreads) dkv_fwd_kernel(const DKV_GRID_CON
       if (row < m_valid) {
         const float inv = l > 0.f ? 1.f / l : 0.f;
         const int64_t qrow = row0 + q0 + row;
-        uint16_t* dst = out_ptr + qrow * p.out.row_stride + static_cast<int64_t>(h) * p.out.head_stride + dsl * kDSlice;
+        uint16_t* dst = out_ptr + p.out.offset(qrow, h) + dsl * kDSlice;
 #pragma unroll
         for (int nt = 0; nt < kDSlice / 8; ++nt) {
           store_u32(dst + nt * 8 + 2 * tq, pack2<E>(o[mt][nt][2 * r] * inv, o[mt][nt][2 * r + 1] * inv));

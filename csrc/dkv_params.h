@@ -12,6 +12,9 @@ struct TensorRef {
   void* ptr = nullptr;
   int64_t row_stride = 0;
   int64_t head_stride = 0;
+
+  // Element offset of (row, head, 0).
+  constexpr int64_t offset(int64_t row, int64_t head) const { return row * row_stride + head * head_stride; }
 };
 
 // The int32 metadata of the op (see dualkv.core.reference.AttnMeta), device pointers.

@@ -11,6 +11,7 @@
 #pragma once
 
 #include "dkv_device.cuh"
+#include "dkv_params.h"
 
 namespace dkv {
 
@@ -32,6 +33,13 @@ DKV_DEV void load_rows_async(uint16_t* dst, const uint16_t* src, int64_t row_str
       cp_async_16(dst + r * kStride + ch * 8, g, ok);
     }
   }
+}
+
+// Rows [row, row + kRows) of one head of a (rows, heads, headdim) tensor, as load_rows_async.
+template <int kRows, int kHeadDim, int kThreads>
+DKV_DEV void load_head_rows_async(uint16_t* dst, const TensorRef& t, int64_t row, int head, int valid, int tid) {
+  const uint16_t* base = static_cast<const uint16_t*>(t.ptr);
+  load_rows_async<kRows, kHeadDim, kThreads>(dst, base + t.offset(row, head), t.row_stride, valid, base, tid);
 }
 
 // kRows floats: dst[r] = src[r] when r < valid, else 0.
