@@ -76,7 +76,8 @@ def train_config(args, packing: str, mb: int):
         update=UpdateConfig(packing=packing, micro_batch_tokens=1),
         optim=OptimConfig(lr=1e-6),
         parallel=ParallelConfig(sp=1, param_dtype="bf16" if cuda else "fp32",
-                                activation_checkpointing=args.activation_checkpointing, compile=args.compile),
+                                activation_checkpointing=args.activation_checkpointing, compile=args.compile,
+                                checkpoint_keep_attention=args.keep_attention),
     )
 
 
@@ -264,6 +265,8 @@ def parse_args(argv=None):
     ap.add_argument("--kl-beta", type=float, default=0.04, help="GRPO KL weight (> 0 runs the ref_log_prob phase)")
     ap.add_argument("--no-activation-checkpointing", dest="activation_checkpointing", action="store_false")
     ap.add_argument("--compile", action="store_true", help="torch.compile every decoder layer (fuses the element-wise chains)")
+    ap.add_argument("--keep-attention", action="store_true",
+                    help="checkpointed layers keep their attention outputs (no attention forward in the recompute)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps per configuration")
     ap.add_argument("--steps", type=int, default=3, help="measured steps per configuration")
     ap.add_argument("--peak-tflops", type=float, default=None, help="per-device peak for MFU (default: known GPUs)")
@@ -311,8 +314,8 @@ def _run(args, argv) -> Path:
     meta = environment(device, MODULE, sys.argv[1:] if argv is None else list(argv))
     meta.update(preset=args.preset, P=args.prompt, response_range=list(args.response_range),
                 responses_per_step=args.responses_per_step, algorithm="grpo", kl_beta=args.kl_beta,
-                activation_checkpointing=args.activation_checkpointing, compile=args.compile, warmup=args.warmup,
-                steps=args.steps, seed=args.seed)
+                activation_checkpointing=args.activation_checkpointing, compile=args.compile,
+                keep_attention=args.keep_attention, warmup=args.warmup, steps=args.steps, seed=args.seed)
     card = meta["card"]["name"].split()[-1].lower() if device.type == "cuda" else "cpu"
     stem = args.stem or f"policy_step_{card}_{datetime.now(timezone.utc):%Y%m%d-%H%M}"
     writer = ResultWriter(args.out, stem, meta, COLUMNS)
@@ -326,7 +329,7 @@ def _run(args, argv) -> Path:
 
 
 SETTINGS = ("preset", "P", "response_range", "responses_per_step", "algorithm", "kl_beta", "activation_checkpointing",
-            "compile", "warmup", "steps", "seed")
+            "compile", "keep_attention", "warmup", "steps", "seed")
 
 
 def merge(paths: list[str], out: str, stem: str) -> Path:
@@ -353,6 +356,7 @@ def write_report(writer) -> Path:
                   f"  torch {v.get('torch')}, CUDA {v.get('cuda')}, Triton {v.get('triton')}, dualkv {v.get('dualkv')} "
                   f"(commit {meta.get('git_commit')})\n- model {meta['preset']} (random weights), GRPO kl_beta "
                   f"{meta['kl_beta']}, AdamW, activation checkpointing {'on' if meta['activation_checkpointing'] else 'off'}"
+                  f"{' (keeping attention outputs)' if meta.get('keep_attention') else ''}"
                   f"{', torch.compile per decoder layer' if meta.get('compile') else ''}\n\n"
                   + tables(rows, meta))
     png = plot(rows, writer.dir / f"{writer.stem}.png", meta["card"]["name"])

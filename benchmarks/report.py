@@ -150,11 +150,17 @@ def merged_rows(results: list[dict], key_fields: tuple[str, ...] = ("config", "p
 
 def merge_runs(paths, key_fields: tuple[str, ...], settings: tuple[str, ...]) -> tuple[dict, list[dict]]:
     """(meta, rows) of several result files of one setting, for a single report: the files must agree
-    on ``settings`` (meta keys); rows as ``merged_rows``; ``meta["command"]`` lists every file's command."""
+    on ``settings`` (meta keys; a switch missing from a file written before it existed counts as off);
+    rows as ``merged_rows``; ``meta["command"]`` lists every file's command."""
     results = load_results(paths)
     meta = dict(results[0]["meta"])
+
+    def setting(m: dict, key: str):
+        value = m.get(key)
+        return False if value is None else value
+
     for path, res in zip(paths[1:], results[1:]):
-        differ = [k for k in settings if res["meta"].get(k) != meta.get(k)]
+        differ = [k for k in settings if setting(res["meta"], k) != setting(meta, k)]
         if differ:
             raise ValueError(f"merge: {path} differs from {paths[0]} in {differ}; merge runs of one setting only")
     meta["command"] = " ; ".join(dict.fromkeys(res["meta"]["command"] for res in results))

@@ -15,11 +15,12 @@ B rows, R longest response.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from dualkv.core import PackedLayout
 from dualkv.core.logprobs import linear_logprobs
@@ -70,8 +71,13 @@ class DecoderStack(nn.Module):
         attns = {layer.attention.rope_key: layer.attention for layer in self.cfg.layers}
         return {key: rope_tables(a.rope, a.head_dim, position_ids_T, dtype) for key, a in attns.items()}
 
-    def forward(self, input_ids_T, position_ids_T, layout, token_weight_T=None, checkpointed=frozenset()):
-        """Returns (hidden_TD after the final norm, [RouterStats of each MoE layer])."""
+    def forward(self, input_ids_T, position_ids_T, layout, token_weight_T=None, checkpointed=frozenset(),
+                keep_attention=False):
+        """Returns (hidden_TD after the final norm, [RouterStats of each MoE layer]).
+
+        checkpointed: layer indices recomputed in backward; keep_attention: those layers keep their
+        attention outputs (out, lse) instead of recomputing the attention forward.
+        """
         h_TD = self.embed_tokens(input_ids_T)
         ple_TLP = None
         if self.cfg.per_layer_input is not None:
@@ -83,7 +89,8 @@ class DecoderStack(nn.Module):
             inputs = BlockInputs(layout, rope, token_weight_T, shared.get(src),
                                  None if ple_TLP is None else ple_TLP[:, i])
             if i in checkpointed and torch.is_grad_enabled():
-                out = checkpoint(block, h_TD, inputs, use_reentrant=False)
+                context = _KEEP_ATTENTION_CONTEXT if keep_attention else _RECOMPUTE_ALL_CONTEXT
+                out = checkpoint(block, h_TD, inputs, use_reentrant=False, context_fn=context)
             else:
                 out = block(h_TD, inputs)
             h_TD = out.hidden_TD
@@ -92,6 +99,17 @@ class DecoderStack(nn.Module):
             if out.stats is not None:
                 stats.append(out.stats)
         return self.norm(h_TD), stats
+
+
+def _keep_attention_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """Selective checkpointing: save the attention op's outputs, recompute everything else."""
+    if op is torch.ops.dualkv.attention_fwd.default:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_KEEP_ATTENTION_CONTEXT = functools.partial(create_selective_checkpoint_contexts, _keep_attention_policy)
+_RECOMPUTE_ALL_CONTEXT = torch.utils.checkpoint.noop_context_fn
 
 
 class CausalLM(nn.Module):
@@ -114,6 +132,7 @@ class CausalLM(nn.Module):
         self.router_stats: list[RouterStats] = []
         self.aux_loss: torch.Tensor | None = None
         self._checkpointed: frozenset[int] = frozenset()
+        self._keep_attention = False
 
     # ------------------------------------------------------------------ set-up
     def tie_weights(self) -> None:
@@ -121,8 +140,17 @@ class CausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def set_activation_checkpointing(self, layers: bool | Iterable[int] = True) -> CausalLM:
-        """Recompute the chosen decoder layers in backward: True (all), False (none) or layer indices."""
+    def set_activation_checkpointing(self, layers: bool | Iterable[int] = True, keep_attention: bool = False
+                                     ) -> CausalLM:
+        """Recompute the chosen decoder layers in backward: True (all), False (none) or layer indices.
+
+        keep_attention: save each checkpointed layer's attention output and LSE (T x H x d in the
+        model dtype plus H x T fp32 per layer, about as much again as the layer input a checkpoint
+        keeps) so that backward recomputes the norms, projections and MLP but not the attention
+        forward (selective checkpointing through ``torch.utils.checkpoint``; works under torch.compile).
+        """
+        if not isinstance(keep_attention, bool):
+            raise ValueError(f"keep_attention: expected a bool, got {keep_attention!r}")
         L = self.config.num_layers
         if isinstance(layers, bool):
             chosen = set(range(L)) if layers else set()
@@ -132,6 +160,7 @@ class CausalLM(nn.Module):
             if bad:
                 raise ValueError(f"layers: expected True, False or layer indices in [0, {L}), got {bad}")
         self._checkpointed = frozenset(chosen)
+        self._keep_attention = keep_attention
         return self
 
     @property
@@ -196,7 +225,8 @@ class CausalLM(nn.Module):
         """
         self._check_tokens(input_ids, position_ids, layout)
         weights = self._token_weights(input_ids.shape[0], layout, token_offset, input_ids.device)
-        hidden_TD, stats = self.model(input_ids, position_ids, layout, weights, self._checkpointed)
+        hidden_TD, stats = self.model(input_ids, position_ids, layout, weights, self._checkpointed,
+                                      self._keep_attention)
         self.router_stats = stats
         self.aux_loss = load_balancing_loss(stats) if stats else None
         return hidden_TD

@@ -149,6 +149,12 @@ def test_policy_step_merge(tmp_path):
     other = _result_file(tmp_path / "c.json", {**meta, "P": 128}, [])
     with pytest.raises(SystemExit, match=r"--merge: .*\['P'\]"):
         ps.main(["--merge", first, other, "--out", str(tmp_path / "m")])
+    # a switch added after a file was written counts as off there, and a switch that is on differs
+    newer = _result_file(tmp_path / "d.json", {**meta, "keep_attention": False, "compile": False}, [])
+    ps.main(["--merge", first, newer, "--out", str(tmp_path / "m"), "--stem", "again"])
+    keeping = _result_file(tmp_path / "e.json", {**meta, "keep_attention": True}, [])
+    with pytest.raises(SystemExit, match=r"--merge: .*\['keep_attention'\]"):
+        ps.main(["--merge", first, keeping, "--out", str(tmp_path / "m")])
 
 
 def test_policy_step_end_to_end(tmp_path, one_thread):

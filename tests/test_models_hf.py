@@ -174,6 +174,44 @@ def test_activation_checkpointing_gives_the_same_gradients(preset):
             torch.testing.assert_close(other[name], g, rtol=1e-5, atol=1e-7, msg=name)
 
 
+@pytest.mark.parametrize("preset, compile_backend", [("tiny-qwen3", None), ("tiny-gemma4-e", None),
+                                                     ("tiny-qwen3", "aot_eager")])
+def test_checkpointing_that_keeps_attention(preset, compile_backend, monkeypatch):
+    """keep_attention: the same gradients as no checkpointing, and the attention forward runs once per
+    layer instead of twice (its outputs are saved, the rest of the layer is recomputed); also with the
+    layers compiled. Gemma-4-e has KV-sharing layers (attention reads another layer's K/V)."""
+    import dualkv.core.backends.reference as reference_backend
+
+    calls = []
+    real_forward = reference_backend.forward
+    monkeypatch.setattr(reference_backend, "forward", lambda *a, **k: calls.append(1) or real_forward(*a, **k))
+    torch._dynamo.reset()
+    model = M.build_model(preset, seed=3)
+    if compile_backend:
+        for block in model.model.layers:
+            block.compile(dynamic=True, backend=compile_backend)
+    layout = rollout(256, SHAPES, seed=3)
+    L = model.config.num_layers
+    grads, counts = [], []
+    try:
+        for layers, keep in ((False, False), (True, False), (True, True)):
+            model.zero_grad()
+            model.set_activation_checkpointing(layers, keep_attention=keep)
+            calls.clear()
+            lp = model.response_logprobs(layout)
+            grpo_backward(lp, layout)
+            counts.append(len(calls))
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    finally:
+        torch._dynamo.reset()
+    assert counts == [L, 2 * L, L]
+    for other in grads[1:]:
+        for name, g in grads[0].items():
+            torch.testing.assert_close(other[name], g, rtol=1e-5, atol=1e-7, msg=name)
+    with pytest.raises(ValueError, match="keep_attention: expected a bool"):
+        model.set_activation_checkpointing(True, keep_attention="yes")
+
+
 @pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-gemma4-e", "tiny-gemma4-moe"])
 def test_hidden_states_on_slices_equal_the_full_pass(preset):
     """Sequence-parallel contract: on a contiguous slice, everything but attention is per token.

@@ -37,9 +37,10 @@ def test_embedded_default_on_gpu(tmp_path):
     assert len(metrics) == 3 and all(m["peak_memory_gib"] > 0 for m in metrics)
 
 
-@pytest.mark.parametrize("option", ["--compile", "--activation-checkpointing"])
-def test_bf16_both_packings(tmp_path, option):
-    args = [*_SYNTH, "--steps", "2", "--model", "tiny-qwen3", option, "--param-dtype", "bf16", "--algorithm", "dapo"]
+@pytest.mark.parametrize("options", [("--compile",), ("--activation-checkpointing",),
+                                     ("--compile", "--activation-checkpointing", "--checkpoint-keep-attention")])
+def test_bf16_both_packings(tmp_path, options):
+    args = [*_SYNTH, "--steps", "2", "--model", "tiny-qwen3", *options, "--param-dtype", "bf16", "--algorithm", "dapo"]
     packed = _run(tmp_path / "dualkv", *args)
     replicated = _run(tmp_path / "replicated", *args, "--packing", "replicated")
     for p, r in zip(packed, replicated):

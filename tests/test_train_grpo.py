@@ -82,6 +82,10 @@ def test_resume_equals_uninterrupted(tmp_path, algorithm):
 
 def test_bad_arguments_and_rollout_files_are_rejected(tmp_path):
     parse = build_parser().parse_args
+    cfg = config_from_args(parse(["--activation-checkpointing", "--checkpoint-keep-attention"]))
+    assert cfg.parallel.activation_checkpointing and cfg.parallel.checkpoint_keep_attention
+    with pytest.raises(ValueError, match="checkpoint_keep_attention: needs activation_checkpointing"):
+        config_from_args(parse(["--checkpoint-keep-attention"]))
     with pytest.raises(ValueError, match="mini_batches: expected a divisor of groups=6, got 4"):
         config_from_args(parse(["--groups", "6", "--mini-batches", "4"]))
     with pytest.raises(ValueError, match="output_dir: checkpoints, resume and HF export need an output directory"):
@@ -142,7 +146,9 @@ def _launch(out_dir: Path, nproc: int, *extra):
 def test_torchrun_dp2_sp2_equals_single_process(tmp_path, model, budget):
     args = ["--model", model, "--micro-batch-tokens", budget]
     (m1,), w1 = _launch(tmp_path / "single", 1, *args)
-    (m4,), w4 = _launch(tmp_path / "dist", 4, "--sp", "2", *args)
+    # the dense run also checkpoints its layers, keeping attention outputs: the same update, SP included
+    recompute = ["--activation-checkpointing", "--checkpoint-keep-attention"] if "moe" not in model else []
+    (m4,), w4 = _launch(tmp_path / "dist", 4, "--sp", "2", *args, *recompute)
     assert m1["replicated_tokens"] == m4["replicated_tokens"] and m1["packed_tokens"] == m4["packed_tokens"]
     assert abs(m1["loss"]) > 1e-4
     for key in ("loss", "pg_loss", "kl", "grad_norm") + (("aux_loss",) if "moe" in model else ()):

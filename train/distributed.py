@@ -30,17 +30,22 @@ __all__ = ["DistContext", "ParallelConfig", "init_distributed", "parallelize_pol
 @dataclass(frozen=True)
 class ParallelConfig:
     """sp: Ulysses SP degree (divides the world size); param_dtype: FSDP's compute dtype ("bf16" /
-    "fp32"); activation_checkpointing: recompute decoder layers in backward; compile: torch.compile
-    every decoder layer."""
+    "fp32"); activation_checkpointing: recompute decoder layers in backward; checkpoint_keep_attention:
+    with it, keep each layer's attention output instead of recomputing the attention forward;
+    compile: torch.compile every decoder layer."""
 
     sp: int = 1
     param_dtype: str = "bf16"
     activation_checkpointing: bool = False
     compile: bool = False
+    checkpoint_keep_attention: bool = False
 
     def __post_init__(self) -> None:
         if self.sp < 1:
             raise ValueError(f"sp: expected >= 1, got {self.sp}")
+        if self.checkpoint_keep_attention and not self.activation_checkpointing:
+            raise ValueError("checkpoint_keep_attention: needs activation_checkpointing (it selects what a "
+                             "checkpointed layer keeps)")
         if self.param_dtype not in _DTYPES:
             raise ValueError(f"param_dtype: expected one of {sorted(_DTYPES)}, got {self.param_dtype!r}")
 
@@ -149,7 +154,7 @@ def parallelize_policy(model: torch.nn.Module, ctx: DistContext, cfg: ParallelCo
     if not trainable:
         model.requires_grad_(False)
     if cfg.activation_checkpointing and trainable:
-        model.set_activation_checkpointing(True)
+        model.set_activation_checkpointing(True, keep_attention=cfg.checkpoint_keep_attention)
     if ctx.sp_size > 1:
         parallelize_sequence(model, ctx.sp_group)
     if cfg.compile:

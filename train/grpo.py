@@ -94,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--param-dtype", choices=("auto", "bf16", "fp32"), default="auto",
                    help="FSDP compute dtype (auto: bf16 on CUDA, fp32 on CPU); gradients reduce in fp32")
     d.add_argument("--activation-checkpointing", action="store_true")
+    d.add_argument("--checkpoint-keep-attention", action="store_true",
+                   help="with --activation-checkpointing: keep attention outputs, recompute the rest of each layer")
     d.add_argument("--compile", action="store_true", help="torch.compile every decoder layer")
     d.add_argument("--cpu-threads", type=int, default=None,
                    help="intra-op threads of a CPU run (default: $OMP_NUM_THREADS, else 1: small models run fastest "
@@ -134,7 +136,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                             temperature=args.temperature, use_rollout_logprobs=args.use_rollout_logprobs),
         optim=OptimConfig(lr=lr, weight_decay=args.weight_decay, eps=args.adam_eps),
         parallel=ParallelConfig(sp=args.sp, param_dtype=dtype, activation_checkpointing=args.activation_checkpointing,
-                                compile=args.compile),
+                                compile=args.compile, checkpoint_keep_attention=args.checkpoint_keep_attention),
     )
 
 
