@@ -190,8 +190,10 @@ def test_policy_step_end_to_end(tmp_path, one_thread):
 def test_policy_step_profile(tmp_path, one_thread):
     out = ps.main(["--preset", "tiny-qwen3", "--prompt", "32", "--response-range", "4:8", "--mbs", "4",
                    "--packings", "dualkv", "--responses-per-step", "4", "--steps", "1", "--warmup", "0",
-                   "--device", "cpu", "--out", str(tmp_path), "--stem", "prof", "--profile"])
-    row = json.loads(out.read_text())["rows"][0]
+                   "--device", "cpu", "--out", str(tmp_path), "--stem", "prof", "--profile", "--keep-attention"])
+    data = json.loads(out.read_text())
+    row = data["rows"][0]
+    assert data["meta"]["keep_attention"] and "keeping attention outputs" in (tmp_path / "prof.md").read_text()
     text = (tmp_path / row["profile"]).read_text()
     assert row["profile"] == "prof_dualkv_mb4_profile.txt" and "Self CPU" in text and "aten::" in text
     assert text.startswith("CPU") and "`python -m benchmarks.bench_policy_step" in text.splitlines()[0]
