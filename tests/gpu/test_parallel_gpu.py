@@ -1,9 +1,12 @@
-"""GPU smoke run of dualkv.parallel: one GPU, NCCL, world size 1 (the 8-GPU run has its own issue).
+"""GPU runs of dualkv.parallel over NCCL: one GPU (world size 1), and every GPU of the machine as
+one sequence-parallel group when there are two or more (the 8-GPU run has its own issue).
 
 At world size 1 the SP code short-cuts its collectives, so the collective layers themselves are
-driven directly here (NCCL all-to-all of the packed q/k/v buffer, the hidden-state all-reduce and
-the log-prob sum, each with its backward), then a tiny dense and a tiny hybrid model run the whole SP
-path in bf16 on the GPU (Triton attention) against the model's own single-device log-probs.
+driven directly there (NCCL all-to-all of the packed q/k/v buffer, the hidden-state all-reduce and
+the log-prob sum, each with its backward). Then a tiny dense and a tiny hybrid model run the whole SP
+path in bf16 (Triton attention) against the model's own single-device log-probs and LM-head
+gradient; with several GPUs the hybrid model's global layers have fewer KV heads than SP ranks
+(the KV-head replication path).
 """
 
 from __future__ import annotations
@@ -42,18 +45,18 @@ MODELS = {
     "dense": ("tiny-qwen3", dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_attention_heads=8,
                                  num_key_value_heads=2, head_dim=128)),
     "hybrid": ("tiny-gemma4", dict(vocab_size=1024, vocab_size_per_layer_input=1024, hidden_size=256,
-                                   intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=256,
+                                   intermediate_size=512, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
                                    global_head_dim=512, num_global_key_value_heads=1, sliding_window=64)),
 }
 
 
-def _model_matches(device, name):
+def _model_matches(device, name, sp=1):
     from dualkv.core import PackedLayout
     from dualkv.models import build_model, preset_hf_config
     from dualkv.parallel import init_sp_mesh, parallelize_sequence, sp_response_logprobs, unparallelize_sequence
 
     preset, over = MODELS[name]
-    mesh = init_sp_mesh(1, device_type=device)
+    mesh = init_sp_mesh(sp, device_type=device)
     model = build_model({**preset_hf_config(preset), **over}, dtype=torch.bfloat16, device=device, seed=0)
     g = torch.Generator().manual_seed(1)
     groups = [(torch.randint(0, 1024, (p,), generator=g), [torch.randint(0, 1024, (r,), generator=g) for r in rs])
@@ -69,7 +72,12 @@ def _model_matches(device, name):
         else:
             lp = model.response_logprobs(layout, temperature=0.9)
         lp.sum().backward()
-        results.append((lp.detach(), model.lm_head.weight.grad.float().clone()))
+        w = model.lm_head.weight
+        # each SP rank holds the gradient of its slice of the tokens (none if the slice has no response token)
+        grad = torch.zeros_like(w, dtype=torch.float32) if w.grad is None else w.grad.float().clone()
+        if sp_run and sp > 1:
+            dist.all_reduce(grad)
+        results.append((lp.detach(), grad))
     (lp_ref, g_ref), (lp_sp, g_sp) = results
     torch.testing.assert_close(lp_sp, lp_ref, rtol=2e-2, atol=2e-2)
     err = (g_sp - g_ref).norm() / g_ref.norm()
@@ -88,3 +96,18 @@ def _smoke(device, backend):
 def test_sp_smoke_one_gpu_nccl():
     assert torch.cuda.is_available()
     assert run_local_world(_smoke, 1, "cuda", "nccl", backend="nccl", threads=4) == ["nccl"]
+
+
+def _sp_world(device):
+    if device == "cuda":
+        torch.cuda.set_device(dist.get_rank())
+    for name in ("dense", "hybrid"):
+        _model_matches(device, name, sp=dist.get_world_size())
+    return dist.get_backend()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 or more GPUs")
+def test_sp_every_gpu_nccl():
+    """SP over every GPU of the machine (one rank per GPU) equals the single-device model."""
+    world = torch.cuda.device_count()
+    assert run_local_world(_sp_world, world, "cuda", backend="nccl", threads=4) == ["nccl"] * world
