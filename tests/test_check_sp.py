@@ -1,0 +1,40 @@
+"""benchmarks/check_sp.py (the multi-GPU SP correctness check) on CPU ranks with gloo, tiny presets."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dualkv.parallel.testing import run_local_world
+
+
+def _run(out_dir: str):
+    from benchmarks import check_sp
+
+    path, passed = check_sp.main(["--presets", "tiny-qwen3,tiny-gemma4,tiny-qwen3-moe", "--layers", "3",
+                                  "--prompt", "90", "--responses", "3", "--response-range", "5:40",
+                                  "--device", "cpu", "--out", out_dir, "--stem", "sp"])
+    return None if path is None else str(path), passed
+
+
+def test_check_sp_two_and_four_ranks(tmp_path):
+    results = run_local_world(_run, 4, str(tmp_path), threads=1)
+    assert results[0][0] is not None and all(r[0] is None for r in results[1:])  # rank 0 writes
+    assert all(passed for _, passed in results)
+    data = json.loads((tmp_path / "sp.json").read_text())
+    rows = data["rows"]
+    assert [(r["preset"], r["sp"]) for r in rows] == [(p, s) for p in ("tiny-qwen3", "tiny-gemma4", "tiny-qwen3-moe")
+                                                      for s in (2, 4)]
+    for r in rows:
+        assert r["status"] == "ok" and r["max_logprob_diff"] <= 5e-2 and 0 < r["grad_rel_err"] <= 5e-2
+    assert data["meta"]["world_size"] == 4 and data["meta"]["command"].startswith("python -m benchmarks.check_sp")
+    assert "| tiny-gemma4 | 4 |" in (tmp_path / "sp.md").read_text()
+
+
+def test_sp_sizes_must_divide_the_world():
+    from benchmarks.check_sp import sp_sizes
+
+    assert sp_sizes(None, 8) == [2, 4, 8] and sp_sizes("2", 6) == [2]
+    with pytest.raises(SystemExit, match="--sp: expected sizes that divide the world size 6"):
+        sp_sizes("4", 6)
