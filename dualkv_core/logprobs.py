@@ -184,7 +184,9 @@ def linear_logprobs(
     _check_lean_inputs(hidden, weight, targets, temperature, softcap, chunk_size)
     chunk = chunk_size or max(1, _CHUNK_ELEMENTS // weight.shape[0])
     if hidden.shape[0] == 0:
-        empty = hidden.new_zeros(0, dtype=_acc_dtype(hidden.dtype)) + hidden.sum() * 0  # keeps the graph connected
+        # no rows (e.g. a sequence-parallel rank whose slice predicts no response token): keep the graph
+        # connected to hidden and weight, so every rank's backward reaches the same parameters
+        empty = hidden.new_zeros(0, dtype=_acc_dtype(hidden.dtype)) + (hidden.sum() + weight.sum()) * 0
         return empty, (empty.clone() if return_entropy else None)
     return _LinearLogProbs.apply(hidden, weight, targets.long(), float(temperature),
                                  None if softcap is None else float(softcap), chunk, return_entropy)

@@ -130,6 +130,9 @@ def test_empty_selection():
     assert lp.shape == (0,) and ent.shape == (0,)
     lp.sum().backward()
     assert h.grad.shape == (0, 24)
+    # the weight stays in the graph too (zero gradient, not None): a sequence-parallel rank with no
+    # response token in its slice must reach the same parameters in backward as the others
+    assert w.grad is not None and torch.equal(w.grad, torch.zeros_like(w))
 
 
 @pytest.mark.parametrize(

@@ -162,6 +162,19 @@ def test_torchrun_dp2_sp2_equals_single_process(tmp_path, model, budget):
     assert den > 0 and (num / den) ** 0.5 <= 1e-5  # the parameter updates agree
 
 
+def test_torchrun_sp_rank_without_response_tokens(tmp_path):
+    """sp=2 where the first rank's slice of each micro-batch holds only prompt tokens (P=32, short
+    responses): its backward must still reach the LM head, or the FSDP reduce-scatters of the ranks go
+    out of step. The update equals the one-process run."""
+    args = ["--model", "tiny-qwen3", "--groups", "2", "--responses", "2", "--synthetic-prompt-len", "32:32",
+            "--synthetic-response-len", "4:12", "--micro-batch-tokens", "1"]
+    (m1,), w1 = _launch(tmp_path / "single", 1, *args)
+    (m2,), w2 = _launch(tmp_path / "sp2", 2, "--sp", "2", *args)
+    for key in ("loss", "kl", "grad_norm"):
+        assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-8), key
+    assert max(float((w2[k] - w1[k]).abs().max()) for k in w1) <= 1e-5
+
+
 def test_torchrun_rank_without_groups_runs_padding(tmp_path):
     """DAPO drops the uniform-reward group, leaving one group for two dp ranks: rank 1 runs a zero-weight
     padding micro-batch so FSDP stays in step, and the update equals the one-process run."""
