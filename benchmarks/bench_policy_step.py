@@ -1,4 +1,4 @@
-"""Policy-update step on one device through the real training code: DualKV vs replicated packing.
+"""Policy-update step through the real training code, on one device or several: DualKV vs replicated packing.
 
 Each configuration builds a ``dualkv.train.Trainer`` (the object ``python -m dualkv.train.grpo`` runs)
 with synthetic rollouts (prompt of P tokens, responses R_i ~ U(131, 2048), random 0/1 rewards,
@@ -26,12 +26,21 @@ is the batch's replicated / packed token ratio; it is tabulated next to the meas
         --mbs 4,8 --responses-per-step 8 --device cpu                       # smoke test
     python -m benchmarks.bench_policy_step --merge a.json b.json --stem policy_step_h200  # one report
     python -m benchmarks.bench_policy_step --mbs 8 --profile         # + the top ops of one step, per configuration
+
+Several GPUs: run it under torchrun (one rank per GPU; FSDP2 over all ranks, ``--sp`` sequence-parallel
+ranks per micro-batch, the groups of a step spread over the dp = world / sp replicas). Times and
+tokens/s are rank 0's (the ranks meet in every collective), peak memory the largest of any rank,
+MFU over all devices; only rank 0 writes the results::
+
+    torchrun --nproc-per-node 8 -m benchmarks.bench_policy_step --preset qwen3-8b --mbs 4,8 \
+        --responses-per-step 32 --sp 2
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import sys
 import time
@@ -43,6 +52,7 @@ if __package__ in (None, ""):
     __package__ = "benchmarks"
 
 import torch
+import torch.distributed as dist
 
 from benchmarks.bench_memory_scaling import parse_range
 from benchmarks.harness import _is_oom, fmt_size, parse_size
@@ -75,7 +85,7 @@ def train_config(args, packing: str, mb: int):
         loss=LossConfig.grpo(kl_beta=args.kl_beta),
         update=UpdateConfig(packing=packing, micro_batch_tokens=1),
         optim=OptimConfig(lr=1e-6),
-        parallel=ParallelConfig(sp=1, param_dtype="bf16" if cuda else "fp32",
+        parallel=ParallelConfig(sp=args.sp, param_dtype="bf16" if cuda else "fp32",
                                 activation_checkpointing=args.activation_checkpointing, compile=args.compile,
                                 checkpoint_keep_attention=args.keep_attention),
     )
@@ -128,15 +138,15 @@ def run_config(args, packing: str, mb: int, meta: dict | None = None) -> dict:
             row["profile"] = profile_step(trainer, args.warmup + args.steps,
                                           Path(args.out) / f"{args.stem or 'policy_step'}_{packing}_mb{mb}_profile.txt",
                                           meta or {})
+        peak_gib = max((r["peak_memory_gib"] for r in recs if r.get("peak_memory_gib") is not None), default=None)
         row.update(status="ok", steps=len(recs), rho=_median(recs, "rho"),
                    packed_tokens=_median(recs, "packed_tokens"), replicated_tokens=_median(recs, "replicated_tokens"),
-                   peak_memory_gib=max((r["peak_memory_gib"] for r in recs if r.get("peak_memory_gib") is not None),
-                                       default=None))
+                   peak_memory_gib=_max_over_ranks(peak_gib))
         for key in [f"time_{k}" for k in PHASES] + ["time_compute", "tokens_per_s", "effective_tokens_per_s", "tflops",
                                                     "mfu", "useful_mfu"]:
             row[key] = _median(recs, key)
     except Exception as e:  # noqa: BLE001
-        if not _is_oom(e):
+        if not _is_oom(e) or _world() > 1:  # several ranks: one rank's OOM would leave the others waiting
             raise
         row["status"] = "OOM"
     finally:
@@ -145,6 +155,33 @@ def run_config(args, packing: str, mb: int, meta: dict | None = None) -> dict:
         trainer = None
         _free()
     return row
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+
+
+def _max_over_ranks(value: float | None) -> float | None:
+    """The largest value over all ranks (peak memory per GPU); the value itself on one rank."""
+    if _world() == 1 or value is None:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _deadline_passed(start: float, deadline_s: float | None) -> bool:
+    """Whether to stop starting configurations: rank 0's clock decides for every rank."""
+    passed = deadline_s is not None and time.monotonic() - start > deadline_s
+    if _world() == 1:
+        return passed
+    t = torch.tensor([float(passed)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.broadcast(t, src=0)
+    return bool(t.item())
 
 
 def profile_step(trainer, step: int, path: Path, meta: dict, top: int = 40) -> str:
@@ -276,6 +313,7 @@ def parse_args(argv=None):
     ap.add_argument("--stem", default=None)
     ap.add_argument("--deadline-s", type=float, default=None, help="stop starting new configurations after this many seconds")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sp", type=int, default=1, help="sequence-parallel ranks per micro-batch (under torchrun)")
     ap.add_argument("--profile", action="store_true",
                     help="after the measured steps, profile one more step per configuration (<stem>_<packing>_mb<mb>_profile.txt)")
     ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
@@ -289,22 +327,34 @@ def parse_args(argv=None):
         ap.error(f"--responses-per-step: expected a multiple of every mb {args.mbs}, got {args.responses_per_step}")
     if args.steps < 1:
         ap.error("--steps: expected >= 1")
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if args.sp < 1 or world % args.sp:
+        ap.error(f"--sp: expected a divisor of the world size {world}, got {args.sp}")
     if args.merge is None and args.device.startswith("cuda") != torch.cuda.is_available():
         ap.error(f"--device: the trainer runs on CUDA exactly when CUDA is available; got {args.device}")
     return args
 
 
-def main(argv=None) -> Path:
+def main(argv=None) -> Path | None:
+    """The result JSON (on rank 0; None on the other ranks of a torchrun)."""
     args = parse_args(argv)
     if args.merge:
         return merge(args.merge, args.out, args.stem or Path(args.merge[0]).stem)
     threads = torch.get_num_threads()
     if not torch.cuda.is_available():
         torch.set_num_threads(1)  # as dualkv.train.grpo does on a CPU
+    own_group = int(os.environ.get("WORLD_SIZE", 1)) > 1 and not dist.is_initialized()
+    if own_group:  # one process group for every configuration (trainers join it, none tears it down)
+        cuda = args.device.startswith("cuda")
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl" if cuda else "gloo")
     try:
         return _run(args, argv)
     finally:
         torch.set_num_threads(threads)
+        if own_group:
+            dist.destroy_process_group()
 
 
 def _run(args, argv) -> Path:
@@ -315,21 +365,27 @@ def _run(args, argv) -> Path:
     meta.update(preset=args.preset, P=args.prompt, response_range=list(args.response_range),
                 responses_per_step=args.responses_per_step, algorithm="grpo", kl_beta=args.kl_beta,
                 activation_checkpointing=args.activation_checkpointing, compile=args.compile,
-                keep_attention=args.keep_attention, warmup=args.warmup, steps=args.steps, seed=args.seed)
+                keep_attention=args.keep_attention, warmup=args.warmup, steps=args.steps, seed=args.seed,
+                world_size=_world(), sp=args.sp)
     card = meta["card"]["name"].split()[-1].lower() if device.type == "cuda" else "cpu"
     stem = args.stem or f"policy_step_{card}_{datetime.now(timezone.utc):%Y%m%d-%H%M}"
-    writer = ResultWriter(args.out, stem, meta, COLUMNS)
+    main_rank = _rank() == 0
+    writer = ResultWriter(args.out, stem, meta, COLUMNS) if main_rank else None
     start = time.monotonic()
-    for mb, packing in tqdm([(mb, p) for mb in args.mbs for p in args.packings], desc="policy step", dynamic_ncols=True):
-        if args.deadline_s is not None and time.monotonic() - start > args.deadline_s:
-            writer.add(dict(packing=packing, P=args.prompt, mb=mb, status="not run: --deadline-s reached"))
-            continue
-        writer.add(run_config(args, packing, mb, meta))
-    return write_report(writer)
+    cases = [(mb, p) for mb in args.mbs for p in args.packings]
+    for mb, packing in tqdm(cases, desc="policy step", dynamic_ncols=True, disable=not main_rank):
+        if _deadline_passed(start, args.deadline_s):
+            row = dict(packing=packing, P=args.prompt, mb=mb, status="not run: --deadline-s reached")
+        else:
+            row = run_config(args, packing, mb, meta)
+        if writer is not None:
+            writer.add(row)
+    return write_report(writer) if writer is not None else None
 
 
 SETTINGS = ("preset", "P", "response_range", "responses_per_step", "algorithm", "kl_beta", "activation_checkpointing",
-            "compile", "keep_attention", "warmup", "steps", "seed")
+            "compile", "keep_attention", "warmup", "steps", "seed", "world_size", "sp")
+SETTING_DEFAULTS = {"world_size": 1, "sp": 1}  # what files written before these settings existed ran
 
 
 def merge(paths: list[str], out: str, stem: str) -> Path:
@@ -337,12 +393,17 @@ def merge(paths: list[str], out: str, stem: str) -> Path:
     from benchmarks.report import merge_runs
 
     try:
-        meta, rows = merge_runs(paths, ("mb", "packing"), SETTINGS)
+        meta, rows = merge_runs(paths, ("mb", "packing"), SETTINGS, SETTING_DEFAULTS)
     except ValueError as e:
         raise SystemExit(f"--merge: {e}") from None
     writer = ResultWriter(out, stem, meta, COLUMNS)
     writer.rows = sorted(rows, key=lambda r: (r["mb"], PACKINGS.index(r["packing"])))
     return write_report(writer)
+
+
+def _ranks_text(meta: dict) -> str:
+    world, sp = meta.get("world_size") or 1, meta.get("sp") or 1
+    return "" if world == 1 else f"; {world} ranks: FSDP2 over all, sequence parallelism {sp}, data parallelism {world // sp}"
 
 
 def write_report(writer) -> Path:
@@ -357,7 +418,8 @@ def write_report(writer) -> Path:
                   f"(commit {meta.get('git_commit')})\n- model {meta['preset']} (random weights), GRPO kl_beta "
                   f"{meta['kl_beta']}, AdamW, activation checkpointing {'on' if meta['activation_checkpointing'] else 'off'}"
                   f"{' (keeping attention outputs)' if meta.get('keep_attention') else ''}"
-                  f"{', torch.compile per decoder layer' if meta.get('compile') else ''}\n\n"
+                  f"{', torch.compile per decoder layer' if meta.get('compile') else ''}"
+                  f"{_ranks_text(meta)}\n\n"
                   + tables(rows, meta))
     png = plot(rows, writer.dir / f"{writer.stem}.png", meta["card"]["name"])
     print(md, png, sep="\n")

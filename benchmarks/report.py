@@ -148,16 +148,19 @@ def merged_rows(results: list[dict], key_fields: tuple[str, ...] = ("config", "p
     return list(table.values())
 
 
-def merge_runs(paths, key_fields: tuple[str, ...], settings: tuple[str, ...]) -> tuple[dict, list[dict]]:
+def merge_runs(paths, key_fields: tuple[str, ...], settings: tuple[str, ...],
+               defaults: dict | None = None) -> tuple[dict, list[dict]]:
     """(meta, rows) of several result files of one setting, for a single report: the files must agree
-    on ``settings`` (meta keys; a switch missing from a file written before it existed counts as off);
-    rows as ``merged_rows``; ``meta["command"]`` lists every file's command."""
+    on ``settings`` (meta keys; a setting missing from a file written before it existed counts as its
+    value in ``defaults``, else as off); rows as ``merged_rows``; ``meta["command"]`` lists every
+    file's command."""
     results = load_results(paths)
     meta = dict(results[0]["meta"])
+    defaults = defaults or {}
 
     def setting(m: dict, key: str):
         value = m.get(key)
-        return False if value is None else value
+        return defaults.get(key, False) if value is None else value
 
     for path, res in zip(paths[1:], results[1:]):
         differ = [k for k in settings if setting(res["meta"], k) != setting(meta, k)]

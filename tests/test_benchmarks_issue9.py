@@ -3,6 +3,7 @@ through ``main(argv)``, the memory fit on synthetic numbers, and the rho formula
 
 import csv
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -155,6 +156,29 @@ def test_policy_step_merge(tmp_path):
     keeping = _result_file(tmp_path / "e.json", {**meta, "keep_attention": True}, [])
     with pytest.raises(SystemExit, match=r"--merge: .*\['keep_attention'\]"):
         ps.main(["--merge", first, keeping, "--out", str(tmp_path / "m")])
+    one_rank = _result_file(tmp_path / "f.json", {**meta, "world_size": 1, "sp": 1}, [])  # the default of older files
+    ps.main(["--merge", first, one_rank, "--out", str(tmp_path / "m"), "--stem", "third"])
+    eight = _result_file(tmp_path / "g.json", {**meta, "world_size": 8, "sp": 2}, [])
+    with pytest.raises(SystemExit, match=r"--merge: .*\['world_size', 'sp'\]"):
+        ps.main(["--merge", first, eight, "--out", str(tmp_path / "m")])
+
+
+def test_policy_step_under_torchrun_with_sequence_parallelism(tmp_path):
+    """Two CPU ranks (gloo), sp=2: both packings run, rank 0 alone writes the report."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+           "benchmarks.bench_policy_step", "--preset", "tiny-qwen3", "--prompt", "32", "--response-range", "4:12",
+           "--mbs", "2", "--responses-per-step", "4", "--sp", "2", "--device", "cpu", "--steps", "1", "--warmup", "0",
+           "--out", str(tmp_path), "--stem", "sp2"]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    data = json.loads((tmp_path / "sp2.json").read_text())
+    assert data["meta"]["world_size"] == 2 and data["meta"]["sp"] == 2
+    assert [(r["packing"], r["status"]) for r in data["rows"]] == [("dualkv", "ok"), ("replicated", "ok")]
+    assert "2 ranks: FSDP2 over all, sequence parallelism 2" in (tmp_path / "sp2.md").read_text()
 
 
 def test_policy_step_end_to_end(tmp_path, one_thread):
