@@ -58,7 +58,8 @@ def parse_range(text: str) -> tuple[int, int]:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--presets", default="qwen3-8b,qwen3-30b-a3b,gemma4-31b", help="comma-separated model presets")
-    ap.add_argument("--layers", type=int, default=4, help="keep the first LAYERS decoder layers of each preset (at most all)")
+    ap.add_argument("--layers", type=int, default=4,
+                    help="keep the first LAYERS decoder layers of each preset (at most all)")
     ap.add_argument("--sp", default=None, help="comma-separated SP sizes (default: 2, 4, ... up to the world size)")
     ap.add_argument("--prompt", type=parse_size, default=parse_size("64K"), help="prompt length P")
     ap.add_argument("--responses", type=int, default=16, help="responses N after the prompt")

@@ -69,6 +69,18 @@ def test_every_kernel_translation_unit_compiles_for_sm80_and_sm90a(tmp_path):
         print(f"{name}: {secs:.1f}s", file=sys.stderr)
 
 
+def test_wgmma_check_kernels_compile_for_sm90a(tmp_path):
+    """csrc/dkv_wgmma.cuh (not used by the kernels yet) and its GPU check kernels compile for sm_90a."""
+    nvcc = _nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc is not installed")
+    src = ROOT / "tests" / "gpu" / "wgmma_check.cu"
+    cmd = [nvcc, "-std=c++17", "--expt-relaxed-constexpr", "-gencode=arch=compute_90a,code=sm_90a", "-I", str(CSRC),
+           "-c", str(src), "-o", str(tmp_path / "wgmma_check.o")]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
 def test_arch_list_parsing(monkeypatch):
     config = _build_config()
     assert config.parse_arch_list(None) == ["8.0", "9.0a"]

@@ -1,0 +1,131 @@
+// Hopper (sm_90a) warpgroup MMA building blocks for the planned wgmma path of the kernels: shared-
+// memory matrix descriptors for 128-byte-swizzled tiles, and m64n64k16 bf16 wgmma with fp32
+// accumulators, operands from shared memory (SS) or A from registers (RS). Not used by the mma.sync
+// kernels yet; tests/gpu/test_wgmma_gpu.py checks every helper against torch on an sm_90 GPU.
+//
+// Tile layout (the copy engine's 128B swizzle): a tile of rows x 64 bf16 elements, 128 bytes per
+// row, row r at byte r * 128 of a 1024-byte-aligned base, and the 16-byte chunk c (elements 8c to
+// 8c + 7) of row r stored at chunk position c ^ (r % 8) (``sw128_offset``). Eight rows (1024 bytes)
+// form one swizzle atom; atoms follow each other.
+//
+//   A or B "K-major" (the contraction dim contiguous: Q rows, K rows): one k16 step is 32 bytes of
+//   every row, so step s starts at base + 32 s; atoms of 8 rows are 1024 bytes apart (SBO).
+//   B "MN-major" (the output dim contiguous: V rows = keys, with head-dim columns; transposed
+//   operand): one k16 step is 16 rows, so step s starts at base + 2048 s; its two 8-row atoms are
+//   1024 bytes apart. With 64 columns there is one atom along N, so one of the two offsets goes
+//   unused; ``smem_desc_sw128_mn64`` sets both to 1024.
+//
+// Accumulator layout (m64nN, fp32, one warpgroup of 4 warps): thread t = 32 w + l holds, for each
+// 8-column block j, d[4j + i] at row 16 w + l / 4 + 8 (i / 2), column 8 j + 2 (l % 4) + (i % 2): the
+// mma.sync m16n8 layout stacked over the four warps, so ``c_to_a`` of dkv_tile.cuh turns two column
+// blocks of an accumulator into the register A operand of the next wgmma (P of S = Q K^T into P V).
+#pragma once
+
+#include <cstdint>
+
+#include "dkv_device.cuh"
+
+namespace dkv {
+namespace sm90 {
+
+// Byte offset of element (row, col) of a 128B-swizzled tile of 64-element rows (bf16 / fp16).
+DKV_DEV uint32_t sw128_offset(int row, int col) {
+  return static_cast<uint32_t>(row * 128 + (((col >> 3) ^ (row & 7)) << 4) + (col & 7) * 2);
+}
+
+// 64-bit shared-memory matrix descriptor: start address, leading / stride byte offsets (all in
+// 16-byte units, 14 bits each), layout type 1 = 128-byte swizzle (bits 62-63).
+DKV_DEV uint64_t smem_desc_sw128(const void* smem_ptr, uint32_t lbo_bytes = 16, uint32_t sbo_bytes = 1024) {
+#if defined(__CUDA_ARCH__)
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem_ptr));
+#else
+  const uint32_t addr = static_cast<uint32_t>(reinterpret_cast<uintptr_t>(smem_ptr));
+#endif
+  uint64_t desc = 0;
+  desc |= static_cast<uint64_t>((addr >> 4) & 0x3FFF);
+  desc |= static_cast<uint64_t>((lbo_bytes >> 4) & 0x3FFF) << 16;
+  desc |= static_cast<uint64_t>((sbo_bytes >> 4) & 0x3FFF) << 32;
+  desc |= static_cast<uint64_t>(1) << 62;
+  return desc;
+}
+
+// An MN-major operand of 64 columns (one swizzle atom wide), k16 step starting at smem_ptr.
+DKV_DEV uint64_t smem_desc_sw128_mn64(const void* smem_ptr) { return smem_desc_sw128(smem_ptr, 1024, 1024); }
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define DKV_HAS_WGMMA 1
+#else
+#define DKV_HAS_WGMMA 0
+#endif
+
+// Order earlier register writes of accumulators / A fragments before the next wgmma reads them.
+DKV_DEV void wgmma_fence() {
+#if DKV_HAS_WGMMA
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+
+DKV_DEV void wgmma_commit() {
+#if DKV_HAS_WGMMA
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+
+// Wait until at most N committed groups are still in flight.
+template <int N>
+DKV_DEV void wgmma_wait() {
+#if DKV_HAS_WGMMA
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+// The 32 accumulator registers of an m64n64 fp32 tile as asm operands.
+#define DKV_WGMMA_D32(d)                                                                                          \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),     \
+      "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),      \
+      "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),     \
+      "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+
+#define DKV_WGMMA_DREGS                                                                                           \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
+  "%24, %25, %26, %27, %28, %29, %30, %31}"
+
+// d (64 x 64) = A (64 x 16, descriptor, K-major) * B (16 x 64, descriptor) + (accumulate ? d : 0).
+// kTransB = 0: B stored K-major (64 rows of N, k contiguous: S = Q K^T with K rows);
+// kTransB = 1: B stored MN-major (16 rows of k, n contiguous: O = P V with V rows).
+template <int kTransB>
+DKV_DEV void wgmma_m64n64k16_ss_bf16(float (&d)[32], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
+#if DKV_HAS_WGMMA
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " DKV_WGMMA_DREGS ", %32, %33, p, 1, 1, 0, %35;\n}\n"
+      : DKV_WGMMA_D32(d)
+      : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)), "n"(kTransB));
+#else
+  (void)d, (void)desc_a, (void)desc_b, (void)accumulate;
+  __trap();  // wgmma needs sm_90a
+#endif
+}
+
+// d (64 x 64) = A (64 x 16, registers: the mma.sync m16n8k16 A fragment of this warp's 16 rows) *
+// B (16 x 64, descriptor) + (accumulate ? d : 0).
+template <int kTransB>
+DKV_DEV void wgmma_m64n64k16_rs_bf16(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
+#if DKV_HAS_WGMMA
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " DKV_WGMMA_DREGS
+      ", {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+      : DKV_WGMMA_D32(d)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<int>(accumulate)), "n"(kTransB));
+#else
+  (void)d, (void)a, (void)desc_b, (void)accumulate;
+  __trap();  // wgmma needs sm_90a
+#endif
+}
+
+#undef DKV_WGMMA_D32
+#undef DKV_WGMMA_DREGS
+
+}  // namespace sm90
+}  // namespace dkv
