@@ -81,7 +81,7 @@ def prompt_tokens_held(packing: str, P: int, mb: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------- model
-def build(preset: str, layers: int | None, device, seed: int):
+def build(preset: str, layers: int | None, device, seed: int, keep_attention: bool = False):
     from dualkv.models import build_model, preset_hf_config
 
     hf = preset_hf_config(preset)
@@ -90,7 +90,7 @@ def build(preset: str, layers: int | None, device, seed: int):
             raise ValueError(f"--layers: expected 1..{hf['num_hidden_layers']} for {preset}, got {layers}")
         hf["num_hidden_layers"] = layers
     model = build_model(hf, seed=seed).to(device=device, dtype=torch.bfloat16)
-    model.set_activation_checkpointing(True)
+    model.set_activation_checkpointing(True, keep_attention=keep_attention)
     return model
 
 
@@ -247,6 +247,8 @@ def parse_args(argv=None):
     ap.add_argument("--response-range", type=parse_range, default=R_RANGE,
                     help="response lengths MIN:MAX, uniform (default 131:2048)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--keep-attention", action="store_true",
+                    help="checkpointed layers keep their attention outputs (the memory that costs)")
     ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                     help="measure nothing: one report (table, fit, plot) from earlier results of the same settings")
     return ap.parse_args(argv)
@@ -267,11 +269,12 @@ def main(argv=None) -> Path:
         raise SystemExit(f"--packings: expected a subset of {PACKINGS}, got {sorted(bad)}")
     meta = environment(device, MODULE, sys.argv[1:] if argv is None else list(argv))
     meta.update(preset=args.preset, layers=args.layers, dtype="bfloat16", activation_checkpointing=True,
+                keep_attention=args.keep_attention,
                 response_lengths=f"U{tuple(args.response_range)}", seed=args.seed)
     card = meta["card"]["name"].split()[-1].lower() if device.type == "cuda" else "cpu"
     stem = args.stem or f"memory_scaling_{card}_{datetime.now(timezone.utc):%Y%m%d-%H%M}"
     writer = ResultWriter(args.out, stem, meta, COLUMNS)
-    model = build(args.preset, args.layers, device, args.seed)
+    model = build(args.preset, args.layers, device, args.seed, args.keep_attention)
     weights_gib = torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else None
     start, oom_at = time.monotonic(), {}
     # prompt length outermost: a deadline cuts the longest prompts, never a whole packing or mb
@@ -291,7 +294,7 @@ def main(argv=None) -> Path:
     return write_report(writer)
 
 
-SETTINGS = ("preset", "layers", "dtype", "activation_checkpointing", "response_lengths", "seed")
+SETTINGS = ("preset", "layers", "dtype", "activation_checkpointing", "keep_attention", "response_lengths", "seed")
 
 
 def merge(paths: list[str], out: str, stem: str) -> Path:
@@ -321,7 +324,8 @@ def write_report(writer) -> Path:
             f"  torch {v.get('torch')}, CUDA {v.get('cuda')}, Triton {v.get('triton')}, dualkv {v.get('dualkv')} "
             f"(commit {meta.get('git_commit')})\n- model {meta['preset']}"
             f"{layers}, bf16 weights, random init, "
-            f"activation checkpointing on every layer, GRPO loss over response_logprobs; R_i ~ {r_range}, "
+            f"activation checkpointing on every layer{' (keeping attention outputs)' if meta.get('keep_attention') else ''}"
+            f", GRPO loss over response_logprobs; R_i ~ {r_range}, "
             f"seed {meta['seed']}\n\n")
     md.write_text(head + tables(rows, fits))
     png = plot(rows, fits, writer.dir / f"{writer.stem}.png", meta["card"]["name"])

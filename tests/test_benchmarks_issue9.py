@@ -69,6 +69,11 @@ def test_memory_scaling_end_to_end(tmp_path, one_thread):
         assert len(list(csv.DictReader(f))) == 8
     md = (tmp_path / "mem.md").read_text()
     assert "| dualkv | replicated |" in md and "n/a" in md and "not fitted" in md
+    kept = json.loads(ms.main(["--preset", "tiny-qwen3", "--prompts", "64", "--mbs", "4", "--packings", "dualkv",
+                               "--response-range", "8:16", "--device", "cpu", "--out", str(tmp_path), "--stem",
+                               "kept", "--keep-attention"]).read_text())
+    assert kept["meta"]["keep_attention"] and kept["rows"][0]["status"] == "ok"
+    assert "(keeping attention outputs)" in (tmp_path / "kept.md").read_text()
 
 
 def test_memory_scaling_tables_and_plot_with_numbers(tmp_path):
