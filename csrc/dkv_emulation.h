@@ -4,7 +4,10 @@
 //
 // Semantics follow the PTX ISA: mma.sync.m16n8k16 (row.col), ldmatrix.m8n8.x4 (.trans), cp.async
 // with zero fill (copies are deferred until cp.async.wait_group, as on the hardware, so a missing
-// wait reads stale shared memory), shfl.sync.bfly, bar.sync. Every warp collective waits for all 32
+// wait reads stale shared memory), shfl.sync.bfly, bar.sync, and wgmma.mma_async m64nNk16 with
+// 128-byte-swizzled shared-memory operands (executed at issue: a missing wgmma.wait_group is not
+// caught; the layouts are those csrc/dkv_wgmma.cuh documents, checked on a GPU by
+// tests/gpu/test_wgmma_gpu.py). Every warp collective waits for all 32
 // lanes (a divergent collective deadlocks instead of silently passing). Slow by design: a debugging
 // tool for small shapes, never a product path.
 #pragma once
@@ -37,6 +40,13 @@ struct Warp {
   float val[32];
 };
 
+// A warpgroup (4 warps) for wgmma: each thread's accumulator array and register A fragment.
+struct WarpGroup {
+  std::unique_ptr<std::barrier<>> bar;
+  float* d[128];
+  uint32_t a[128][4];
+};
+
 struct PendingCopy {
   void* dst;
   const void* src;
@@ -48,6 +58,7 @@ struct Thread {
   int tid = 0, lane = 0;
   dim3 block, grid, bdim;
   Warp* warp = nullptr;
+  WarpGroup* wg = nullptr;  // null when the block is not a multiple of 128 threads
   std::barrier<>* block_bar = nullptr;
   unsigned char* smem = nullptr;
   std::vector<std::vector<PendingCopy>> groups;  // committed groups, oldest first
@@ -162,6 +173,74 @@ inline void mma_16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)
   for (int i = 0; i < 4; ++i) d[i] = out[i];
 }
 
+// Shared-memory byte offset of a pointer into this block's (1024-byte-aligned) shared memory.
+inline uint32_t smem_offset(const void* p) {
+  return static_cast<uint32_t>(static_cast<const unsigned char*>(p) - self.smem);
+}
+
+// Element at byte offset `logical` of a 128B-swizzled operand: 16-byte chunk bits [4:6] XOR row bits [7:9].
+inline uint16_t sw128_load(uint32_t logical) {
+  const uint32_t physical = logical ^ (((logical >> 7) & 7u) << 4);
+  uint16_t v;
+  std::memcpy(&v, self.smem + physical, 2);
+  return v;
+}
+
+struct SmemDesc {
+  uint32_t start, lbo, sbo;
+};
+inline SmemDesc decode_desc(uint64_t desc) {
+  if ((desc >> 62) != 1) throw std::runtime_error("emulated wgmma: only 128-byte-swizzled operands (layout type 1)");
+  return {static_cast<uint32_t>(desc & 0x3FFF) << 4, static_cast<uint32_t>((desc >> 16) & 0x3FFF) << 4,
+          static_cast<uint32_t>((desc >> 32) & 0x3FFF) << 4};
+}
+
+// wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{bf16,f16}: d (64 x n) = A (64 x 16) B (16 x n) (+ d).
+// A: this thread's register fragment `a` (the mma.sync m16n8k16 A layout of its warp's 16 rows), or,
+// when `a` is null, the K-major operand of `desc_a`. B: K-major (n rows of 16) or, with trans_b,
+// MN-major (16 rows of n). Accumulator: d[4j + i] of thread 32w + l at row 16w + l/4 + 8(i/2),
+// column 8j + 2(l%4) + i%2. All 128 threads of the warpgroup call it.
+inline void wgmma(float* d, int n, const uint32_t* a, uint64_t desc_a, uint64_t desc_b, bool accumulate,
+                  bool trans_b, bool bf16) {
+  if (self.wg == nullptr) throw std::runtime_error("emulated wgmma: the block is not made of whole warpgroups");
+  WarpGroup& g = *self.wg;
+  const int t = self.tid % 128;
+  g.d[t] = d;
+  if (a != nullptr)
+    for (int i = 0; i < 4; ++i) g.a[t][i] = a[i];
+  g.bar->arrive_and_wait();
+  if (t == 0) {
+    auto half = [&](uint16_t h) { return bf16 ? bf16_to_float(h) : fp16_to_float(h); };
+    const SmemDesc da = a == nullptr ? decode_desc(desc_a) : SmemDesc{}, db = decode_desc(desc_b);
+    auto A = [&](int r, int k) -> float {
+      if (a != nullptr) {
+        const int rr = r % 16, lane = (rr % 8) * 4 + (k % 8) / 2, reg = (rr >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0);
+        const uint32_t v = g.a[(r / 16) * 32 + lane][reg];
+        return half(static_cast<uint16_t>(k % 2 ? v >> 16 : v & 0xffffu));
+      }
+      return half(sw128_load(da.start + (r / 8) * da.sbo + (r % 8) * 128 + k * 2));
+    };
+    auto B = [&](int k, int c) -> float {
+      if (trans_b) return half(sw128_load(db.start + (c / 64) * db.lbo + (k / 8) * db.sbo + (k % 8) * 128 + (c % 64) * 2));
+      return half(sw128_load(db.start + (c / 8) * db.sbo + (c % 8) * 128 + k * 2));
+    };
+    auto acc = [&](int r, int c) -> float& {
+      const int lane = (r % 8) * 4 + (c % 8) / 2, i = (r % 16 >= 8 ? 2 : 0) + c % 2;
+      return g.d[(r / 16) * 32 + lane][4 * (c / 8) + i];
+    };
+    std::vector<float> out(64 * n);
+    for (int r = 0; r < 64; ++r)
+      for (int c = 0; c < n; ++c) {
+        float sum = accumulate ? acc(r, c) : 0.f;
+        for (int k = 0; k < 16; ++k) sum += A(r, k) * B(k, c);
+        out[r * n + c] = sum;
+      }
+    for (int r = 0; r < 64; ++r)
+      for (int c = 0; c < n; ++c) acc(r, c) = out[r * n + c];
+  }
+  g.bar->arrive_and_wait();
+}
+
 inline float shfl_xor(float v, int mask) {
   Warp& w = *self.warp;
   w.val[self.lane] = v;
@@ -178,10 +257,13 @@ inline void launch(dim3 grid, dim3 block, size_t smem_bytes, const std::function
   for (unsigned bz = 0; bz < grid.z; ++bz)
     for (unsigned by = 0; by < grid.y; ++by)
       for (unsigned bx = 0; bx < grid.x; ++bx) {
-        std::vector<unsigned char> smem(smem_bytes + 16, 0xCD);  // garbage, as on the device
+        std::vector<unsigned char> smem(smem_bytes + 1024, 0xCD);  // garbage, as on the device
+        unsigned char* smem_base = smem.data() + (1024 - reinterpret_cast<uintptr_t>(smem.data()) % 1024) % 1024;
         std::barrier<> block_bar(nthreads);
         std::vector<Warp> warps(nthreads / 32);
         for (auto& w : warps) w.bar = std::make_unique<std::barrier<>>(32);
+        std::vector<WarpGroup> groups(nthreads % 128 == 0 ? nthreads / 128 : 0);
+        for (auto& wg : groups) wg.bar = std::make_unique<std::barrier<>>(128);
         std::vector<std::thread> threads;
         threads.reserve(nthreads);
         for (int t = 0; t < nthreads; ++t) {
@@ -193,8 +275,9 @@ inline void launch(dim3 grid, dim3 block, size_t smem_bytes, const std::function
             self.grid = grid;
             self.bdim = block;
             self.warp = &warps[t / 32];
+            self.wg = groups.empty() ? nullptr : &groups[t / 128];
             self.block_bar = &block_bar;
-            self.smem = smem.data();
+            self.smem = smem_base;
             body();
             cp_commit();
             cp_wait(0);

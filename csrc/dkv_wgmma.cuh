@@ -1,7 +1,8 @@
 // Hopper (sm_90a) warpgroup MMA building blocks for the planned wgmma path of the kernels: shared-
 // memory matrix descriptors for 128-byte-swizzled tiles, and m64n64k16 bf16 wgmma with fp32
 // accumulators, operands from shared memory (SS) or A from registers (RS). Not used by the mma.sync
-// kernels yet; tests/gpu/test_wgmma_gpu.py checks every helper against torch on an sm_90 GPU.
+// kernels yet; tests/gpu/test_wgmma_gpu.py checks every helper against torch on an sm_90 GPU, and
+// under -DDKV_EMULATE they run on the CPU emulation (csrc/emulation/emulate.py --wgmma).
 //
 // Tile layout (the copy engine's 128B swizzle): a tile of rows x 64 bf16 elements, 128 bytes per
 // row, row r at byte r * 128 of a 1024-byte-aligned base, and the 16-byte chunk c (elements 8c to
@@ -36,7 +37,9 @@ DKV_DEV uint32_t sw128_offset(int row, int col) {
 // 64-bit shared-memory matrix descriptor: start address, leading / stride byte offsets (all in
 // 16-byte units, 14 bits each), layout type 1 = 128-byte swizzle (bits 62-63).
 DKV_DEV uint64_t smem_desc_sw128(const void* smem_ptr, uint32_t lbo_bytes = 16, uint32_t sbo_bytes = 1024) {
-#if defined(__CUDA_ARCH__)
+#if defined(DKV_EMULATE)
+  const uint32_t addr = dkv_emu::smem_offset(smem_ptr);
+#elif defined(__CUDA_ARCH__)
   const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem_ptr));
 #else
   const uint32_t addr = static_cast<uint32_t>(reinterpret_cast<uintptr_t>(smem_ptr));
@@ -101,6 +104,8 @@ DKV_DEV void wgmma_m64n64k16_ss_bf16(float (&d)[32], uint64_t desc_a, uint64_t d
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " DKV_WGMMA_DREGS ", %32, %33, p, 1, 1, 0, %35;\n}\n"
       : DKV_WGMMA_D32(d)
       : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)), "n"(kTransB));
+#elif defined(DKV_EMULATE)
+  dkv_emu::wgmma(d, 64, nullptr, desc_a, desc_b, accumulate, kTransB != 0, true);
 #else
   (void)d, (void)desc_a, (void)desc_b, (void)accumulate;
   __trap();  // wgmma needs sm_90a
@@ -118,6 +123,8 @@ DKV_DEV void wgmma_m64n64k16_rs_bf16(float (&d)[32], const uint32_t (&a)[4], uin
       ", {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
       : DKV_WGMMA_D32(d)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<int>(accumulate)), "n"(kTransB));
+#elif defined(DKV_EMULATE)
+  dkv_emu::wgmma(d, 64, a, 0, desc_b, accumulate, kTransB != 0, true);
 #else
   (void)d, (void)a, (void)desc_b, (void)accumulate;
   __trap();  // wgmma needs sm_90a

@@ -81,6 +81,17 @@ def test_wgmma_check_kernels_compile_for_sm90a(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
+def test_wgmma_building_blocks_on_the_cpu_emulation():
+    """The same check kernels on the host emulation (csrc/emulation/emulate.py --wgmma): the tile layout,
+    descriptors and fragment packing agree with torch; the GPU test checks the hardware agrees too."""
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler for the emulation build")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(CSRC / "emulation" / "emulate.py"), "--wgmma"], capture_output=True,
+                          text=True, env=env, timeout=1200)
+    assert proc.returncode == 0 and "ALL OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
 def test_arch_list_parsing(monkeypatch):
     config = _build_config()
     assert config.parse_arch_list(None) == ["8.0", "9.0a"]

@@ -7,6 +7,7 @@ per CUDA thread): keep the shapes tiny.
 
     python csrc/emulation/emulate.py            # the default case list
     python csrc/emulation/emulate.py --quick    # two cases
+    python csrc/emulation/emulate.py --wgmma    # the wgmma building blocks (csrc/dkv_wgmma.cuh) only
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from dualkv.core.reference import AttnMeta, reference_attention_backward_meta, r
 
 
 def build():
-    srcs = [str(HERE / n) for n in ("emu_api.cc", "emu_fwd.cc", "emu_bwd.cc")]
+    srcs = [str(HERE / n) for n in ("emu_api.cc", "emu_fwd.cc", "emu_bwd.cc", "emu_wgmma.cc")]
     os.environ.setdefault("MAX_JOBS", "2")
     digest = hashlib.sha256()
     for path in sorted([*HERE.parent.glob("*"), *HERE.glob("*.cc")]):
@@ -126,14 +127,37 @@ CASES = [
 ]
 
 
+def run_wgmma_checks(seed: int = 0) -> bool:
+    """The wgmma check kernels (csrc/dkv_wgmma_check.cuh) against torch on 64 x 64 bf16 tiles."""
+    g = torch.Generator().manual_seed(seed)
+    a, b, c = (torch.randn(64, 64, generator=g).to(torch.bfloat16) for _ in range(3))
+    af, bf, cf = a.float(), b.float(), c.float()
+    checks = [("A B^T (K-major B)", 0, af @ bf.T, 1e-4), ("A B (MN-major B)", 1, af @ bf, 1e-4),
+              ("A (registers) B^T", 2, af @ bf.T, 1e-4),
+              ("bf16(A B^T) C (attention step)", 3, (af @ bf.T).to(torch.bfloat16).float() @ cf, 2e-2)]
+    ok = True
+    for name, which, want, tol in checks:
+        got = torch.ops.dualkv_cuda_emu.wgmma_check(which, a, b, c)
+        err = (got - want).abs().max().item()
+        good = err <= tol * max(1.0, want.abs().max().item())
+        ok &= good
+        print(f"{'ok' if good else 'FAIL'} wgmma {name}: max error {err:.2e}", flush=True)
+    return ok
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", type=int, default=None)
+    ap.add_argument("--wgmma", action="store_true", help="only the wgmma building blocks")
     args = ap.parse_args()
     t = time.time()
     build()
     print(f"built in {time.time() - t:.0f}s", flush=True)
+    if args.wgmma:
+        ok = run_wgmma_checks()
+        print("ALL OK" if ok else "FAILURES")
+        sys.exit(0 if ok else 1)
     torch.manual_seed(0)
     cases = CASES[:2] if args.quick else CASES
     if args.only is not None:
