@@ -8,11 +8,14 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <cstdlib>
 #include <limits>
 #include <optional>
+#include <string>
 #include <tuple>
 
 #ifndef DKV_EMULATE
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
@@ -161,6 +164,19 @@ void check_launch(cudaError_t err, const char* what) {
 #endif
 }
 
+// The wgmma forward (dkv_fwd_sm90.cuh) is opt-in while it is new: DUALKV_CUDA_WGMMA=1, bf16, head
+// dim 128, on an sm_90 device (the extension must be built for sm_90a) or the CPU emulation.
+bool use_sm90_forward(const Tensor& q, int head_dim, bool bf16) {
+  const char* flag = std::getenv("DUALKV_CUDA_WGMMA");
+  if (flag == nullptr || std::string(flag) != "1" || !bf16 || head_dim != 128) return false;
+#ifdef DKV_EMULATE
+  (void)q;
+  return true;
+#else
+  return at::cuda::getDeviceProperties(q.device().index())->major == 9;
+#endif
+}
+
 template <class E>
 cudaError_t dispatch_fwd(const FwdParams& p, cudaStream_t st) {
   switch (p.head_dim) {
@@ -212,7 +228,9 @@ std::tuple<Tensor, Tensor> fwd(const Tensor& q, const Tensor& k, const Tensor& v
 #endif
   Tensor out = at::empty(q.sizes(), q.options());
   Tensor lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
-  const int block_m = fwd_config(args.head_dim).block_m;
+  const bool bf16 = q.scalar_type() == at::kBFloat16;
+  const bool sm90 = use_sm90_forward(q, args.head_dim, bf16);
+  const int block_m = sm90 ? kSm90BlockM : fwd_config(args.head_dim).block_m;
   Tensor tile_prefix = prefix_of(segment_lengths(cu_seqlens), block_m);
 
   FwdParams p;
@@ -222,8 +240,11 @@ std::tuple<Tensor, Tensor> fwd(const Tensor& q, const Tensor& k, const Tensor& v
   p.q_tile_prefix = tile_prefix.data_ptr<int>();
   p.grid_tiles = grid_tiles_bound(args.total_q, args.layout.num_segments, block_m);
   const cudaStream_t st = current_stream();
-  const bool bf16 = q.scalar_type() == at::kBFloat16;
-  check_launch(bf16 ? dispatch_fwd<Bf16>(p, st) : dispatch_fwd<Fp16>(p, st), "forward kernel");
+  if (sm90) {
+    check_launch(run_fwd_sm90(p, st), "forward kernel (sm90 wgmma)");
+  } else {
+    check_launch(bf16 ? dispatch_fwd<Bf16>(p, st) : dispatch_fwd<Fp16>(p, st), "forward kernel");
+  }
   return {out, lse};
 }
 

@@ -61,6 +61,14 @@ DKV_DEV uint64_t smem_desc_sw128_mn64(const void* smem_ptr) { return smem_desc_s
 #define DKV_HAS_WGMMA 0
 #endif
 
+// Make this CTA's shared-memory stores (st.shared, cp.async) visible to the async proxy wgmma reads
+// through; follow it with a barrier so every thread's stores are covered.
+DKV_DEV void fence_smem_to_async_proxy() {
+#if DKV_HAS_WGMMA
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
 // Order earlier register writes of accumulators / A fragments before the next wgmma reads them.
 DKV_DEV void wgmma_fence() {
 #if DKV_HAS_WGMMA

@@ -40,11 +40,8 @@ DKV_DEV void load_tile_sw128(uint16_t* smem, const uint16_t* src) {
   }
 }
 
-// Generic-proxy shared-memory stores become visible to the async proxy that wgmma reads through.
 DKV_DEV void smem_to_async_proxy() {
-#if !defined(DKV_EMULATE) && defined(__CUDA_ARCH__)
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-#endif
+  sm90::fence_smem_to_async_proxy();
   block_sync();
 }
 

@@ -81,15 +81,18 @@ def test_wgmma_check_kernels_compile_for_sm90a(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
-def test_wgmma_building_blocks_on_the_cpu_emulation():
-    """The same check kernels on the host emulation (csrc/emulation/emulate.py --wgmma): the tile layout,
-    descriptors and fragment packing agree with torch; the GPU test checks the hardware agrees too."""
+def test_wgmma_building_blocks_and_forward_on_the_cpu_emulation():
+    """The wgmma check kernels and the wgmma forward kernel on the host emulation
+    (csrc/emulation/emulate.py --wgmma / --sm90): tile layout, descriptors, fragment packing and the
+    forward's masking and online softmax agree with torch and the reference; the GPU tests check
+    that the hardware reads the layouts the same way."""
     if shutil.which("c++") is None and shutil.which("g++") is None:
         pytest.skip("no C++ compiler for the emulation build")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(CSRC / "emulation" / "emulate.py"), "--wgmma"], capture_output=True,
-                          text=True, env=env, timeout=1200)
-    assert proc.returncode == 0 and "ALL OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for mode in (["--wgmma"], ["--sm90", "--forward-only"]):  # the building blocks, then the wgmma forward
+        proc = subprocess.run([sys.executable, str(CSRC / "emulation" / "emulate.py"), *mode], capture_output=True,
+                              text=True, env=env, timeout=1200)
+        assert proc.returncode == 0 and "ALL OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
 def test_arch_list_parsing(monkeypatch):

@@ -5,3 +5,4 @@
 #include "../dkv_fwd_hdim192.cu"
 #include "../dkv_fwd_hdim256.cu"
 #include "../dkv_fwd_hdim512.cu"
+#include "../dkv_fwd_sm90.cu"

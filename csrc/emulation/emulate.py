@@ -8,6 +8,7 @@ per CUDA thread): keep the shapes tiny.
     python csrc/emulation/emulate.py            # the default case list
     python csrc/emulation/emulate.py --quick    # two cases
     python csrc/emulation/emulate.py --wgmma    # the wgmma building blocks (csrc/dkv_wgmma.cuh) only
+    python csrc/emulation/emulate.py --sm90     # the wgmma forward (DUALKV_CUDA_WGMMA=1: bf16, d=128)
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ def meta_args(meta: AttnMeta):
     return list(meta)
 
 
-def run_case(d, dtype, prompts, responses, H, Hkv, window=None, softcap=None, separate=False, deterministic=False):
+def run_case(d, dtype, prompts, responses, H, Hkv, window=None, softcap=None, separate=False, deterministic=False,
+             backward=True):
     layout = PackedLayout.from_lengths(prompts, responses)
     meta = AttnMeta.from_layout(layout)
     T = layout.total_tokens
@@ -85,12 +87,14 @@ def run_case(d, dtype, prompts, responses, H, Hkv, window=None, softcap=None, se
     ref_out, ref_lse = reference_attention_meta(q.float(), k.float(), v.float(), meta, scale, window, softcap,
                                                 None if k_ctx is None else k_ctx.float(),
                                                 None if v_ctx is None else v_ctx.float())
-    grads = torch.ops.dualkv_cuda_emu.bwd(dout, q, k, v, k_ctx, v_ctx, out, lse, *meta_args(meta), scale, w, cap,
-                                          deterministic)
+    grads, ref_grads = [], []
+    if backward:
+        grads = torch.ops.dualkv_cuda_emu.bwd(dout, q, k, v, k_ctx, v_ctx, out, lse, *meta_args(meta), scale, w, cap,
+                                              deterministic)
+        ref_grads = reference_attention_backward_meta(dout.float(), q.float(), k.float(), v.float(), meta, scale,
+                                                      window, softcap, None if k_ctx is None else k_ctx.float(),
+                                                      None if v_ctx is None else v_ctx.float())
     t2 = time.time()
-    ref_grads = reference_attention_backward_meta(dout.float(), q.float(), k.float(), v.float(), meta, scale, window,
-                                                  softcap, None if k_ctx is None else k_ctx.float(),
-                                                  None if v_ctx is None else v_ctx.float())
     errs = {"out": (out.float() - ref_out).abs().max().item(), "lse": (lse - ref_lse).abs().max().item()}
     names = ["dq", "dk", "dv", "dk_ctx", "dv_ctx"]
     for name, g, r in zip(names, grads, ref_grads):
@@ -127,6 +131,17 @@ CASES = [
 ]
 
 
+# The wgmma forward's cases (bf16, d=128; 64-row query tiles, 64-key tiles): ragged tails, several
+# tiles per segment and groups, GQA, windows reaching into the prompt, softcap, separate context.
+SM90_CASES = [
+    dict(d=128, dtype=torch.bfloat16, prompts=[40], responses=[[17, 2]], H=2, Hkv=1),
+    dict(d=128, dtype=torch.bfloat16, prompts=[130, 5], responses=[[70, 1], [66]], H=4, Hkv=2),
+    dict(d=128, dtype=torch.bfloat16, prompts=[100], responses=[[90, 3]], H=2, Hkv=1, window=70),
+    dict(d=128, dtype=torch.bfloat16, prompts=[64], responses=[[65, 64]], H=1, Hkv=1, softcap=5.0),
+    dict(d=128, dtype=torch.bfloat16, prompts=[45], responses=[[30, 12]], H=2, Hkv=1, separate=True),
+]
+
+
 def run_wgmma_checks(seed: int = 0) -> bool:
     """The wgmma check kernels (csrc/dkv_wgmma_check.cuh) against torch on 64 x 64 bf16 tiles."""
     g = torch.Generator().manual_seed(seed)
@@ -150,6 +165,8 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", type=int, default=None)
     ap.add_argument("--wgmma", action="store_true", help="only the wgmma building blocks")
+    ap.add_argument("--sm90", action="store_true", help="the wgmma forward kernel's cases (DUALKV_CUDA_WGMMA=1)")
+    ap.add_argument("--forward-only", action="store_true", help="skip the backward (it has no wgmma path yet)")
     args = ap.parse_args()
     t = time.time()
     build()
@@ -159,6 +176,11 @@ def main():
         print("ALL OK" if ok else "FAILURES")
         sys.exit(0 if ok else 1)
     torch.manual_seed(0)
+    if args.sm90:
+        os.environ["DUALKV_CUDA_WGMMA"] = "1"
+        ok = all([run_case(**c, backward=not args.forward_only) for c in SM90_CASES])
+        print("ALL OK" if ok else "FAILURES")
+        sys.exit(0 if ok else 1)
     cases = CASES[:2] if args.quick else CASES
     if args.only is not None:
         cases = [CASES[args.only]]

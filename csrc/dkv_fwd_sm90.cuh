@@ -1,0 +1,186 @@
+// Forward kernel on Hopper warpgroup MMA (sm_90a), bf16, head dim 128 -- the first step of the
+// wgmma path (docs/cuda.md). Same contract and two-region walk as dkv_fwd.cuh; per block one
+// warpgroup (128 threads) and 64 query rows of one head:
+//
+//   S (64 x 64 keys) = Q K^T     wgmma SS, 8 k16 steps over the head dim (two 64-column halves)
+//   P = online softmax of S      in the accumulator registers (rows 16 w + l/4 and + 8 of warp w)
+//   O (64 x 128) += P V          wgmma RS, P re-packed as the register operand, V an MN-major
+//                                operand, two 64-column output halves
+//
+// Tiles are 128B-swizzled in shared memory (dkv_wgmma.cuh); K/V tiles are double-buffered with
+// cp.async, made visible to the wgmma (async) proxy by a proxy fence. No producer warp, TMA or
+// ping-pong yet: two blocks per SM overlap one's softmax with the other's matmuls.
+#pragma once
+
+#include "dkv_fwd.cuh"
+#include "dkv_wgmma.cuh"
+
+namespace dkv {
+
+struct FwdSm90 {
+  static constexpr int kHeadDim = 128, kBlockM = 64, kBlockN = 64, kThreads = 128;
+  static constexpr int kHalf = 64 * 64;    // elements of one 64 x 64 swizzled half tile (8 KB)
+  static constexpr int kTile = 2 * kHalf;  // 64 rows x 128 columns: two halves
+  static constexpr int kSmemBytes = 5 * kTile * 2 + 1024;  // Q + two stages of (K, V), + 1024-byte alignment
+};
+
+// Rows [row, row + 64) of one head of a (rows, heads, 128) tensor into a tile of two swizzled
+// 64-column halves (rows past `valid` read as zeros).
+DKV_DEV void load_tile_sw128_async(uint16_t* dst, const TensorRef& t, int64_t row, int head, int valid, int tid) {
+  const uint16_t* base = static_cast<const uint16_t*>(t.ptr);
+  for (int i = tid; i < 64 * 16; i += FwdSm90::kThreads) {
+    const int r = i / 16, c = i % 16;  // 16 chunks of 8 elements per row
+    const bool ok = r < valid;
+    const uint16_t* src = ok ? base + t.offset(row + r, head) + c * 8 : base;
+    cp_async_16(dst + (c / 8) * FwdSm90::kHalf + sm90::sw128_offset(r, (c % 8) * 8) / 2, src, ok);
+  }
+}
+
+DKV_DEV uint16_t* smem_1024_aligned() {
+  unsigned char* p = dynamic_smem();
+#if defined(DKV_EMULATE)
+  const uint32_t off = dkv_emu::smem_offset(p);
+#else
+  const uint32_t off = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+#endif
+  return reinterpret_cast<uint16_t*>(p + ((1024 - off % 1024) % 1024));
+}
+
+template <class E>
+DKV_GLOBAL void DKV_LAUNCH_BOUNDS(FwdSm90::kThreads) dkv_fwd_sm90_kernel(const DKV_GRID_CONSTANT FwdParams p) {
+  using K = FwdSm90;
+  constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN;
+  const int S = p.layout.num_segments;
+  const int item = block_idx_x();
+  if (item >= p.q_tile_prefix[S]) return;
+  const int s = find_bucket(p.q_tile_prefix, S, item);
+  const int t = p.q_tile_prefix[s + 1] - 1 - item;  // later tiles of a segment see more keys: first
+  const int row0 = p.layout.cu_seqlens[s];
+  const int n = p.layout.cu_seqlens[s + 1] - row0;
+  const int ctx_len = p.layout.seg_ctx_len[s];
+  const int ctx_row0 = p.layout.seg_ctx_start[s];
+  const int q0 = t * kBlockM;
+  const int m_valid = imin(kBlockM, n - q0);
+  const int h = block_idx_y();
+  const int hk = h / (p.nheads / p.nheads_kv);
+  const int W = p.window;
+
+  const int tid = thread_idx(), lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, tq = lane & 3;
+
+  uint16_t* sQ = smem_1024_aligned();
+  uint16_t* sK0 = sQ + K::kTile;  // stage b: K at sK0 + 2 b kTile, V right after it
+  auto sK = [&](int b) { return sK0 + 2 * b * K::kTile; };
+  auto sV = [&](int b) { return sK0 + (2 * b + 1) * K::kTile; };
+
+  const TwoRegionWalk walk = make_walk<kBlockN>(q0, m_valid, ctx_len, ctx_row0, row0, W);
+  const int n_tiles = walk.n_ctx_tiles + walk.n_own_tiles;
+  const int qpos_lo = ctx_len + q0, qpos_hi = qpos_lo + m_valid - 1;
+
+  auto issue_kv = [&](int ti) {
+    const KvTile kt = walk.tile<kBlockN>(ti);
+    load_tile_sw128_async(sK(ti & 1), kt.ctx ? p.k_ctx : p.k, kt.row, hk, kt.valid, tid);
+    load_tile_sw128_async(sV(ti & 1), kt.ctx ? p.v_ctx : p.v, kt.row, hk, kt.valid, tid);
+  };
+  load_tile_sw128_async(sQ, p.q, row0 + q0, h, m_valid, tid);
+  issue_kv(0);  // n_tiles >= 1: a query always sees its own key
+  cp_async_commit();
+
+  const ScoreFn score = make_score_fn(p.scale, p.softcap);
+  float o[2][32];
+  for (int half = 0; half < 2; ++half)
+    for (int i = 0; i < 32; ++i) o[half][i] = 0.f;
+  float m_run[2] = {kNegInf, kNegInf}, l_run[2] = {0.f, 0.f};
+  const int row_in_tile[2] = {16 * warp + g, 16 * warp + g + 8};
+
+  for (int ti = 0; ti < n_tiles; ++ti) {
+    if (ti + 1 < n_tiles) issue_kv(ti + 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    sm90::fence_smem_to_async_proxy();
+    block_sync();
+
+    const KvTile kt = walk.tile<kBlockN>(ti);
+    const char* q_bytes = reinterpret_cast<const char*>(sQ);
+    const char* k_bytes = reinterpret_cast<const char*>(sK(ti & 1));
+    float sc[32];
+    sm90::wgmma_fence();
+    for (int k = 0; k < K::kHeadDim / 16; ++k) {  // half k / 4, 32 bytes per k16 step inside it
+      const int off = (k / 4) * K::kHalf * 2 + (k % 4) * 32;
+      sm90::wgmma_m64n64k16_ss_bf16<0>(sc, sm90::smem_desc_sw128(q_bytes + off), sm90::smem_desc_sw128(k_bytes + off),
+                                       k > 0);
+    }
+    sm90::wgmma_commit();
+    sm90::wgmma_wait<0>();
+
+    const bool need_mask = kt.valid < kBlockN || kt.kpos0 + kt.valid - 1 > qpos_lo || qpos_hi - kt.kpos0 >= W;
+    float blocks[8][4];
+    for (int r = 0; r < 2; ++r) {  // rows g (r = 0) and g + 8 (r = 1); a quad of lanes shares a row
+      const int qpos = qpos_lo + row_in_tile[r];
+      float mx = kNegInf;
+      for (int j = 0; j < 8; ++j)
+        for (int c = 0; c < 2; ++c) {
+          float x = score(sc[4 * j + 2 * r + c]);
+          if (need_mask) {
+            const int col = 8 * j + 2 * tq + c, kpos = kt.kpos0 + col;
+            if (col >= kt.valid || kpos > qpos || qpos - kpos >= W) x = kNegInf;
+          }
+          blocks[j][2 * r + c] = x;
+          mx = fmaxf(mx, x);
+        }
+      mx = fmaxf(mx, shfl_xor(mx, 1));
+      mx = fmaxf(mx, shfl_xor(mx, 2));
+      const float m_new = fmaxf(m_run[r], mx);
+      const float m_use = m_new == kNegInf ? 0.f : m_new;
+      const float alpha = fast_exp2(m_run[r] - m_use);
+      m_run[r] = m_new;
+      float sum = 0.f;
+      for (int j = 0; j < 8; ++j)
+        for (int c = 0; c < 2; ++c) {
+          const float e = fast_exp2(blocks[j][2 * r + c] - m_use);
+          blocks[j][2 * r + c] = e;
+          sum += e;
+        }
+      l_run[r] = l_run[r] * alpha + sum;
+      for (int half = 0; half < 2; ++half)
+        for (int j = 0; j < 8; ++j) {
+          o[half][4 * j + 2 * r] *= alpha;
+          o[half][4 * j + 2 * r + 1] *= alpha;
+        }
+    }
+    uint32_t pa[4][4];
+    c_to_a<E, 64>(pa, blocks);
+
+    const char* v_bytes = reinterpret_cast<const char*>(sV(ti & 1));
+    sm90::wgmma_fence();
+    for (int half = 0; half < 2; ++half)
+      for (int k = 0; k < kBlockN / 16; ++k)  // keys 16 k .. 16 k + 15: rows 2048 bytes apart per step
+        sm90::wgmma_m64n64k16_rs_bf16<1>(o[half], pa[k],
+                                         sm90::smem_desc_sw128_mn64(v_bytes + half * K::kHalf * 2 + k * 2048), true);
+    sm90::wgmma_commit();
+    sm90::wgmma_wait<0>();
+    block_sync();  // every thread is done with this stage before the next iteration refills it
+  }
+
+  uint16_t* out_ptr = static_cast<uint16_t*>(p.out.ptr);
+  for (int r = 0; r < 2; ++r) {
+    float l = l_run[r];
+    l += shfl_xor(l, 1);
+    l += shfl_xor(l, 2);
+    const int row = row_in_tile[r];
+    if (row < m_valid) {
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const int64_t qrow = row0 + q0 + row;
+      uint16_t* dst = out_ptr + p.out.offset(qrow, h);
+      for (int half = 0; half < 2; ++half)
+        for (int j = 0; j < 8; ++j)
+          store_u32(dst + 64 * half + 8 * j + 2 * tq,
+                    pack2<E>(o[half][4 * j + 2 * r] * inv, o[half][4 * j + 2 * r + 1] * inv));
+      if (tq == 0) {
+        p.lse[static_cast<int64_t>(h) * p.total_q + qrow] = l > 0.f ? (m_run[r] + fast_log2(l)) * kLn2 : kNegInf;
+      }
+    }
+  }
+}
+
+}  // namespace dkv
