@@ -165,10 +165,10 @@ void check_launch(cudaError_t err, const char* what) {
 }
 
 // The wgmma forward (dkv_fwd_sm90.cuh) is opt-in while it is new: DUALKV_CUDA_WGMMA=1, bf16, head
-// dim 128, on an sm_90 device (the extension must be built for sm_90a) or the CPU emulation.
+// dims 64 / 128 / 192 / 256, on an sm_90 device (the extension built for sm_90a) or the CPU emulation.
 bool use_sm90_forward(const Tensor& q, int head_dim, bool bf16) {
   const char* flag = std::getenv("DUALKV_CUDA_WGMMA");
-  if (flag == nullptr || std::string(flag) != "1" || !bf16 || head_dim != 128) return false;
+  if (flag == nullptr || std::string(flag) != "1" || !bf16 || !sm90_forward_supports(head_dim)) return false;
 #ifdef DKV_EMULATE
   (void)q;
   return true;

@@ -1,11 +1,12 @@
-// Forward kernel on Hopper warpgroup MMA (sm_90a), bf16, head dim 128 -- the first step of the
-// wgmma path (docs/cuda.md). Same contract and two-region walk as dkv_fwd.cuh; per block one
-// warpgroup (128 threads) and 64 query rows of one head:
+// Forward kernel on Hopper warpgroup MMA (sm_90a), bf16, head dims 64, 128, 192 and 256 -- the first
+// step of the wgmma path (docs/cuda.md). Same contract and two-region walk as dkv_fwd.cuh; per
+// block one warpgroup (128 threads) and 64 query rows of one head; a head dim of D is D / 64
+// column "halves" (64-column swizzled sub-tiles):
 //
-//   S (64 x 64 keys) = Q K^T     wgmma SS, 8 k16 steps over the head dim (two 64-column halves)
+//   S (64 x 64 keys) = Q K^T     wgmma SS, D / 16 k16 steps over the head dim
 //   P = online softmax of S      in the accumulator registers (rows 16 w + l/4 and + 8 of warp w)
-//   O (64 x 128) += P V          wgmma RS, P re-packed as the register operand, V an MN-major
-//                                operand, two 64-column output halves
+//   O (64 x D) += P V            wgmma RS, P re-packed as the register operand, V an MN-major
+//                                operand, one m64n64 product per 64-column output part
 //
 // Tiles are 128B-swizzled in shared memory (dkv_wgmma.cuh); K/V tiles are double-buffered with
 // cp.async, made visible to the wgmma (async) proxy by a proxy fence. No producer warp, TMA or
@@ -17,22 +18,27 @@
 
 namespace dkv {
 
+template <int kHeadDim_>
 struct FwdSm90 {
-  static constexpr int kHeadDim = 128, kBlockM = 64, kBlockN = 64, kThreads = 128;
-  static constexpr int kHalf = 64 * 64;    // elements of one 64 x 64 swizzled half tile (8 KB)
-  static constexpr int kTile = 2 * kHalf;  // 64 rows x 128 columns: two halves
+  static constexpr int kHeadDim = kHeadDim_, kBlockM = 64, kBlockN = 64, kThreads = 128;
+  static constexpr int kParts = kHeadDim / 64;  // 64-column swizzled sub-tiles per row
+  static constexpr int kHalf = 64 * 64;         // elements of one 64 x 64 sub-tile (8 KB)
+  static constexpr int kTile = kParts * kHalf;  // 64 rows x kHeadDim columns
   static constexpr int kSmemBytes = 5 * kTile * 2 + 1024;  // Q + two stages of (K, V), + 1024-byte alignment
+  static_assert(kHeadDim % 64 == 0 && kParts >= 1 && kParts <= 4, "head dim: 64, 128, 192 or 256");
 };
 
-// Rows [row, row + 64) of one head of a (rows, heads, 128) tensor into a tile of two swizzled
-// 64-column halves (rows past `valid` read as zeros).
+// Rows [row, row + 64) of one head of a (rows, heads, K::kHeadDim) tensor into a tile of swizzled
+// 64-column sub-tiles (rows past `valid` read as zeros).
+template <class K>
 DKV_DEV void load_tile_sw128_async(uint16_t* dst, const TensorRef& t, int64_t row, int head, int valid, int tid) {
   const uint16_t* base = static_cast<const uint16_t*>(t.ptr);
-  for (int i = tid; i < 64 * 16; i += FwdSm90::kThreads) {
-    const int r = i / 16, c = i % 16;  // 16 chunks of 8 elements per row
+  constexpr int kChunks = K::kHeadDim / 8;  // chunks of 8 elements per row
+  for (int i = tid; i < 64 * kChunks; i += K::kThreads) {
+    const int r = i / kChunks, c = i % kChunks;
     const bool ok = r < valid;
     const uint16_t* src = ok ? base + t.offset(row + r, head) + c * 8 : base;
-    cp_async_16(dst + (c / 8) * FwdSm90::kHalf + sm90::sw128_offset(r, (c % 8) * 8) / 2, src, ok);
+    cp_async_16(dst + (c / 8) * K::kHalf + sm90::sw128_offset(r, (c % 8) * 8) / 2, src, ok);
   }
 }
 
@@ -46,9 +52,10 @@ DKV_DEV uint16_t* smem_1024_aligned() {
   return reinterpret_cast<uint16_t*>(p + ((1024 - off % 1024) % 1024));
 }
 
-template <class E>
-DKV_GLOBAL void DKV_LAUNCH_BOUNDS(FwdSm90::kThreads) dkv_fwd_sm90_kernel(const DKV_GRID_CONSTANT FwdParams p) {
-  using K = FwdSm90;
+template <class E, int D>
+DKV_GLOBAL void DKV_LAUNCH_BOUNDS(128) dkv_fwd_sm90_kernel(const DKV_GRID_CONSTANT FwdParams p) {
+  using K = FwdSm90<D>;
+  constexpr int kParts = K::kParts;
   constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN;
   const int S = p.layout.num_segments;
   const int item = block_idx_x();
@@ -79,16 +86,16 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(FwdSm90::kThreads) dkv_fwd_sm90_kernel(const D
 
   auto issue_kv = [&](int ti) {
     const KvTile kt = walk.tile<kBlockN>(ti);
-    load_tile_sw128_async(sK(ti & 1), kt.ctx ? p.k_ctx : p.k, kt.row, hk, kt.valid, tid);
-    load_tile_sw128_async(sV(ti & 1), kt.ctx ? p.v_ctx : p.v, kt.row, hk, kt.valid, tid);
+    load_tile_sw128_async<K>(sK(ti & 1), kt.ctx ? p.k_ctx : p.k, kt.row, hk, kt.valid, tid);
+    load_tile_sw128_async<K>(sV(ti & 1), kt.ctx ? p.v_ctx : p.v, kt.row, hk, kt.valid, tid);
   };
-  load_tile_sw128_async(sQ, p.q, row0 + q0, h, m_valid, tid);
+  load_tile_sw128_async<K>(sQ, p.q, row0 + q0, h, m_valid, tid);
   issue_kv(0);  // n_tiles >= 1: a query always sees its own key
   cp_async_commit();
 
   const ScoreFn score = make_score_fn(p.scale, p.softcap);
-  float o[2][32];
-  for (int half = 0; half < 2; ++half)
+  float o[kParts][32];
+  for (int half = 0; half < kParts; ++half)
     for (int i = 0; i < 32; ++i) o[half][i] = 0.f;
   float m_run[2] = {kNegInf, kNegInf}, l_run[2] = {0.f, 0.f};
   const int row_in_tile[2] = {16 * warp + g, 16 * warp + g + 8};
@@ -105,7 +112,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(FwdSm90::kThreads) dkv_fwd_sm90_kernel(const D
     const char* k_bytes = reinterpret_cast<const char*>(sK(ti & 1));
     float sc[32];
     sm90::wgmma_fence();
-    for (int k = 0; k < K::kHeadDim / 16; ++k) {  // half k / 4, 32 bytes per k16 step inside it
+    for (int k = 0; k < K::kHeadDim / 16; ++k) {  // sub-tile k / 4, 32 bytes per k16 step inside it
       const int off = (k / 4) * K::kHalf * 2 + (k % 4) * 32;
       sm90::wgmma_m64n64k16_ss_bf16<0>(sc, sm90::smem_desc_sw128(q_bytes + off), sm90::smem_desc_sw128(k_bytes + off),
                                        k > 0);
@@ -142,7 +149,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(FwdSm90::kThreads) dkv_fwd_sm90_kernel(const D
           sum += e;
         }
       l_run[r] = l_run[r] * alpha + sum;
-      for (int half = 0; half < 2; ++half)
+      for (int half = 0; half < kParts; ++half)
         for (int j = 0; j < 8; ++j) {
           o[half][4 * j + 2 * r] *= alpha;
           o[half][4 * j + 2 * r + 1] *= alpha;
@@ -153,7 +160,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(FwdSm90::kThreads) dkv_fwd_sm90_kernel(const D
 
     const char* v_bytes = reinterpret_cast<const char*>(sV(ti & 1));
     sm90::wgmma_fence();
-    for (int half = 0; half < 2; ++half)
+    for (int half = 0; half < kParts; ++half)
       for (int k = 0; k < kBlockN / 16; ++k)  // keys 16 k .. 16 k + 15: rows 2048 bytes apart per step
         sm90::wgmma_m64n64k16_rs_bf16<1>(o[half], pa[k],
                                          sm90::smem_desc_sw128_mn64(v_bytes + half * K::kHalf * 2 + k * 2048), true);
@@ -172,7 +179,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(FwdSm90::kThreads) dkv_fwd_sm90_kernel(const D
       const float inv = l > 0.f ? 1.f / l : 0.f;
       const int64_t qrow = row0 + q0 + row;
       uint16_t* dst = out_ptr + p.out.offset(qrow, h);
-      for (int half = 0; half < 2; ++half)
+      for (int half = 0; half < kParts; ++half)
         for (int j = 0; j < 8; ++j)
           store_u32(dst + 64 * half + 8 * j + 2 * tq,
                     pack2<E>(o[half][4 * j + 2 * r] * inv, o[half][4 * j + 2 * r + 1] * inv));

@@ -8,7 +8,7 @@ per CUDA thread): keep the shapes tiny.
     python csrc/emulation/emulate.py            # the default case list
     python csrc/emulation/emulate.py --quick    # two cases
     python csrc/emulation/emulate.py --wgmma    # the wgmma building blocks (csrc/dkv_wgmma.cuh) only
-    python csrc/emulation/emulate.py --sm90     # the wgmma forward (DUALKV_CUDA_WGMMA=1: bf16, d=128)
+    python csrc/emulation/emulate.py --sm90     # the wgmma forward (DUALKV_CUDA_WGMMA=1: bf16)
 """
 
 from __future__ import annotations
@@ -131,14 +131,18 @@ CASES = [
 ]
 
 
-# The wgmma forward's cases (bf16, d=128; 64-row query tiles, 64-key tiles): ragged tails, several
-# tiles per segment and groups, GQA, windows reaching into the prompt, softcap, separate context.
+# The wgmma forward's cases (bf16, d = 64, 128, 192, 256; 64-row query tiles, 64-key tiles): ragged
+# tails, several tiles per segment and groups, GQA, windows reaching into the prompt, softcap,
+# separate context.
 SM90_CASES = [
     dict(d=128, dtype=torch.bfloat16, prompts=[40], responses=[[17, 2]], H=2, Hkv=1),
     dict(d=128, dtype=torch.bfloat16, prompts=[130, 5], responses=[[70, 1], [66]], H=4, Hkv=2),
     dict(d=128, dtype=torch.bfloat16, prompts=[100], responses=[[90, 3]], H=2, Hkv=1, window=70),
     dict(d=128, dtype=torch.bfloat16, prompts=[64], responses=[[65, 64]], H=1, Hkv=1, softcap=5.0),
     dict(d=128, dtype=torch.bfloat16, prompts=[45], responses=[[30, 12]], H=2, Hkv=1, separate=True),
+    dict(d=64, dtype=torch.bfloat16, prompts=[70, 9], responses=[[33], [1, 80]], H=2, Hkv=2),
+    dict(d=192, dtype=torch.bfloat16, prompts=[20], responses=[[17, 70]], H=1, Hkv=1, softcap=30.0),
+    dict(d=256, dtype=torch.bfloat16, prompts=[66], responses=[[17]], H=2, Hkv=1, window=40),
 ]
 
 

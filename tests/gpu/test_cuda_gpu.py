@@ -144,10 +144,11 @@ def test_grid_matches_reference(cuda_backend, case, dtype):
     _check_against_reference(case, dtype, r)
 
 
-@pytest.mark.parametrize("case", [c for c in GRID if c[4] == 128], ids=lambda c: _ids(c))
+@pytest.mark.parametrize("case", [c for c in GRID if c[4] in (64, 128, 192, 256)], ids=lambda c: _ids(c))
 def test_wgmma_forward_matches_reference(cuda_backend, case, monkeypatch):
-    """DUALKV_CUDA_WGMMA=1: the Hopper wgmma forward (bf16, d=128; csrc/dkv_fwd_sm90.cuh) on the d=128
-    grid cases, out / lse / gradients (the backward is the mma.sync one) against the fp32 reference."""
+    """DUALKV_CUDA_WGMMA=1: the Hopper wgmma forward (bf16, d = 64 / 128 / 192 / 256;
+    csrc/dkv_fwd_sm90.cuh) on the grid, out / lse / gradients (the backward is the mma.sync one)
+    against the fp32 reference."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the wgmma forward needs an sm_90 GPU")
     monkeypatch.setenv("DUALKV_CUDA_WGMMA", "1")
