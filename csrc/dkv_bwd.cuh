@@ -57,17 +57,9 @@ template <class E, class K>
 DKV_GLOBAL void DKV_LAUNCH_BOUNDS(K::kThreads) dkv_dq_kernel(const DKV_GRID_CONSTANT BwdParams p) {
   constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kStride = K::kStride, kDSlice = K::kDSlice;
   constexpr int kMT = K::kMTiles;
-  const int S = p.layout.num_segments;
-  const int item = block_idx_x();
-  if (item >= p.q_tile_prefix[S]) return;
-  const int s = find_bucket(p.q_tile_prefix, S, item);
-  const int t = p.q_tile_prefix[s + 1] - 1 - item;
-  const int row0 = p.layout.cu_seqlens[s];
-  const int n = p.layout.cu_seqlens[s + 1] - row0;
-  const int ctx_len = p.layout.seg_ctx_len[s];
-  const int ctx_row0 = p.layout.seg_ctx_start[s];
-  const int q0 = t * kBlockM;
-  const int m_valid = imin(kBlockM, n - q0);
+  const QueryTile qt = query_tile<kBlockM>(p.layout, p.q_tile_prefix);
+  if (qt.s < 0) return;
+  const int row0 = qt.row0, ctx_len = qt.ctx_len, ctx_row0 = qt.ctx_row0, q0 = qt.q0, m_valid = qt.m_valid;
   const int h = block_idx_y();
   const int hk = h / (p.nheads / p.nheads_kv);
   const int W = p.window;

@@ -92,22 +92,37 @@ DKV_DEV void load_kv_tile_async(uint16_t* sK, uint16_t* sV, const KvTile& kt, co
   load_head_rows_async<K::kBlockN, K::kHeadDim, K::kThreads>(sV, kt.ctx ? p.v_ctx : p.v, kt.row, hk, kt.valid, tid);
 }
 
+// The query tile of this block (grid x = query tiles of all segments): segment s and its query rows
+// [q0, q0 + m_valid); s = -1 for the blocks past the device-side tile count, which exit. Later
+// tiles of a segment see more keys: they are handed out first.
+struct QueryTile {
+  int s, row0, n, ctx_len, ctx_row0, q0, m_valid;
+};
+
+template <int kBlockM>
+DKV_DEV QueryTile query_tile(const LayoutRef& layout, const int* tile_prefix) {
+  QueryTile qt{-1, 0, 0, 0, 0, 0, 0};
+  const int S = layout.num_segments;
+  const int item = block_idx_x();
+  if (item >= tile_prefix[S]) return qt;
+  qt.s = find_bucket(tile_prefix, S, item);
+  const int t = tile_prefix[qt.s + 1] - 1 - item;
+  qt.row0 = layout.cu_seqlens[qt.s];
+  qt.n = layout.cu_seqlens[qt.s + 1] - qt.row0;
+  qt.ctx_len = layout.seg_ctx_len[qt.s];
+  qt.ctx_row0 = layout.seg_ctx_start[qt.s];
+  qt.q0 = t * kBlockM;
+  qt.m_valid = imin(kBlockM, qt.n - qt.q0);
+  return qt;
+}
+
 template <class E, class K>
 DKV_GLOBAL void DKV_LAUNCH_BOUNDS(K::kThreads) dkv_fwd_kernel(const DKV_GRID_CONSTANT FwdParams p) {
   constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kStride = K::kStride, kDSlice = K::kDSlice;
   constexpr int kMT = K::kMTiles;
-  const int S = p.layout.num_segments;
-  const int item = block_idx_x();
-  if (item >= p.q_tile_prefix[S]) return;
-  const int s = find_bucket(p.q_tile_prefix, S, item);
-  // Later tiles of a segment see more keys: start them first.
-  const int t = p.q_tile_prefix[s + 1] - 1 - item;
-  const int row0 = p.layout.cu_seqlens[s];
-  const int n = p.layout.cu_seqlens[s + 1] - row0;
-  const int ctx_len = p.layout.seg_ctx_len[s];
-  const int ctx_row0 = p.layout.seg_ctx_start[s];
-  const int q0 = t * kBlockM;
-  const int m_valid = imin(kBlockM, n - q0);
+  const QueryTile qt = query_tile<kBlockM>(p.layout, p.q_tile_prefix);
+  if (qt.s < 0) return;
+  const int row0 = qt.row0, ctx_len = qt.ctx_len, ctx_row0 = qt.ctx_row0, q0 = qt.q0, m_valid = qt.m_valid;
   const int h = block_idx_y();
   const int hk = h / (p.nheads / p.nheads_kv);
   const int W = p.window;

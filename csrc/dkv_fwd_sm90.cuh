@@ -42,32 +42,14 @@ DKV_DEV void load_tile_sw128_async(uint16_t* dst, const TensorRef& t, int64_t ro
   }
 }
 
-DKV_DEV uint16_t* smem_1024_aligned() {
-  unsigned char* p = dynamic_smem();
-#if defined(DKV_EMULATE)
-  const uint32_t off = dkv_emu::smem_offset(p);
-#else
-  const uint32_t off = static_cast<uint32_t>(__cvta_generic_to_shared(p));
-#endif
-  return reinterpret_cast<uint16_t*>(p + ((1024 - off % 1024) % 1024));
-}
-
 template <class E, int D>
 DKV_GLOBAL void DKV_LAUNCH_BOUNDS(128) dkv_fwd_sm90_kernel(const DKV_GRID_CONSTANT FwdParams p) {
   using K = FwdSm90<D>;
   constexpr int kParts = K::kParts;
   constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN;
-  const int S = p.layout.num_segments;
-  const int item = block_idx_x();
-  if (item >= p.q_tile_prefix[S]) return;
-  const int s = find_bucket(p.q_tile_prefix, S, item);
-  const int t = p.q_tile_prefix[s + 1] - 1 - item;  // later tiles of a segment see more keys: first
-  const int row0 = p.layout.cu_seqlens[s];
-  const int n = p.layout.cu_seqlens[s + 1] - row0;
-  const int ctx_len = p.layout.seg_ctx_len[s];
-  const int ctx_row0 = p.layout.seg_ctx_start[s];
-  const int q0 = t * kBlockM;
-  const int m_valid = imin(kBlockM, n - q0);
+  const QueryTile qt = query_tile<kBlockM>(p.layout, p.q_tile_prefix);
+  if (qt.s < 0) return;
+  const int row0 = qt.row0, ctx_len = qt.ctx_len, ctx_row0 = qt.ctx_row0, q0 = qt.q0, m_valid = qt.m_valid;
   const int h = block_idx_y();
   const int hk = h / (p.nheads / p.nheads_kv);
   const int W = p.window;
@@ -75,7 +57,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(128) dkv_fwd_sm90_kernel(const DKV_GRID_CONSTA
   const int tid = thread_idx(), lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, tq = lane & 3;
 
-  uint16_t* sQ = smem_1024_aligned();
+  uint16_t* sQ = reinterpret_cast<uint16_t*>(sm90::dynamic_smem_1024());
   uint16_t* sK0 = sQ + K::kTile;  // stage b: K at sK0 + 2 b kTile, V right after it
   auto sK = [&](int b) { return sK0 + 2 * b * K::kTile; };
   auto sV = [&](int b) { return sK0 + (2 * b + 1) * K::kTile; };

@@ -52,6 +52,20 @@ DKV_DEV uint64_t smem_desc_sw128(const void* smem_ptr, uint32_t lbo_bytes = 16, 
   return desc;
 }
 
+// The first 1024-byte-aligned address of this block's dynamic shared memory (swizzle atoms need
+// it); allocate 1024 bytes more than the tiles take.
+DKV_DEV unsigned char* dynamic_smem_1024() {
+  unsigned char* p = dynamic_smem();
+#if defined(DKV_EMULATE)
+  const uint32_t off = dkv_emu::smem_offset(p);
+#elif defined(__CUDA_ARCH__)
+  const uint32_t off = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+#else
+  const uint32_t off = 0;
+#endif
+  return p + ((1024 - off % 1024) % 1024);
+}
+
 // An MN-major operand of 64 columns (one swizzle atom wide), k16 step starting at smem_ptr.
 DKV_DEV uint64_t smem_desc_sw128_mn64(const void* smem_ptr) { return smem_desc_sw128(smem_ptr, 1024, 1024); }
 

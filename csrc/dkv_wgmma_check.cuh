@@ -22,16 +22,7 @@ constexpr int kT = 64;                          // tile side
 constexpr int kTileBytes = kT * kT * 2;         // one bf16 tile
 constexpr int kSmemBytes = 3 * kTileBytes + 1024;  // three tiles, plus room to align to 1024 bytes
 
-// The first 1024-byte-aligned address of dynamic shared memory (swizzle atoms need it).
-DKV_DEV uint16_t* aligned_smem() {
-  unsigned char* p = dynamic_smem();
-#if defined(DKV_EMULATE)
-  const uint32_t off = dkv_emu::smem_offset(p);
-#else
-  const uint32_t off = static_cast<uint32_t>(__cvta_generic_to_shared(p));
-#endif
-  return reinterpret_cast<uint16_t*>(p + ((1024 - off % 1024) % 1024));
-}
+DKV_DEV uint16_t* aligned_smem() { return reinterpret_cast<uint16_t*>(sm90::dynamic_smem_1024()); }
 
 DKV_DEV void load_tile_sw128(uint16_t* smem, const uint16_t* src) {
   for (int idx = thread_idx(); idx < kT * kT; idx += 128) {
