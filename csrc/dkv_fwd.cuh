@@ -92,18 +92,21 @@ DKV_DEV void load_kv_tile_async(uint16_t* sK, uint16_t* sV, const KvTile& kt, co
   load_head_rows_async<K::kBlockN, K::kHeadDim, K::kThreads>(sV, kt.ctx ? p.v_ctx : p.v, kt.row, hk, kt.valid, tid);
 }
 
-// The query tile of this block (grid x = query tiles of all segments): segment s and its query rows
-// [q0, q0 + m_valid); s = -1 for the blocks past the device-side tile count, which exit. Later
-// tiles of a segment see more keys: they are handed out first.
+// The query tile of this block (grid x = query tiles of all segments, y = query heads): segment s,
+// its query rows [q0, q0 + m_valid), the head h and its kv head hk; s = -1 for the blocks past the
+// device-side tile count, which exit. Later tiles of a segment see more keys: they go first.
 struct QueryTile {
-  int s, row0, n, ctx_len, ctx_row0, q0, m_valid;
+  int s, row0, n, ctx_len, ctx_row0, q0, m_valid, h, hk;
 };
 
 template <int kBlockM>
-DKV_DEV QueryTile query_tile(const LayoutRef& layout, const int* tile_prefix) {
-  QueryTile qt{-1, 0, 0, 0, 0, 0, 0};
+DKV_DEV QueryTile query_tile(const AttnArgs& args, const int* tile_prefix) {
+  const LayoutRef& layout = args.layout;
+  QueryTile qt{-1, 0, 0, 0, 0, 0, 0, 0, 0};
   const int S = layout.num_segments;
   const int item = block_idx_x();
+  qt.h = block_idx_y();
+  qt.hk = qt.h / (args.nheads / args.nheads_kv);
   if (item >= tile_prefix[S]) return qt;
   qt.s = find_bucket(tile_prefix, S, item);
   const int t = tile_prefix[qt.s + 1] - 1 - item;
@@ -120,11 +123,10 @@ template <class E, class K>
 DKV_GLOBAL void DKV_LAUNCH_BOUNDS(K::kThreads) dkv_fwd_kernel(const DKV_GRID_CONSTANT FwdParams p) {
   constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kStride = K::kStride, kDSlice = K::kDSlice;
   constexpr int kMT = K::kMTiles;
-  const QueryTile qt = query_tile<kBlockM>(p.layout, p.q_tile_prefix);
+  const QueryTile qt = query_tile<kBlockM>(p, p.q_tile_prefix);
   if (qt.s < 0) return;
   const int row0 = qt.row0, ctx_len = qt.ctx_len, ctx_row0 = qt.ctx_row0, q0 = qt.q0, m_valid = qt.m_valid;
-  const int h = block_idx_y();
-  const int hk = h / (p.nheads / p.nheads_kv);
+  const int h = qt.h, hk = qt.hk;
   const int W = p.window;
 
   const int tid = thread_idx(), lane = tid & 31, warp = tid >> 5;

@@ -47,11 +47,10 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(128) dkv_fwd_sm90_kernel(const DKV_GRID_CONSTA
   using K = FwdSm90<D>;
   constexpr int kParts = K::kParts;
   constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN;
-  const QueryTile qt = query_tile<kBlockM>(p.layout, p.q_tile_prefix);
+  const QueryTile qt = query_tile<kBlockM>(p, p.q_tile_prefix);
   if (qt.s < 0) return;
   const int row0 = qt.row0, ctx_len = qt.ctx_len, ctx_row0 = qt.ctx_row0, q0 = qt.q0, m_valid = qt.m_valid;
-  const int h = block_idx_y();
-  const int hk = h / (p.nheads / p.nheads_kv);
+  const int h = qt.h, hk = qt.hk;
   const int W = p.window;
 
   const int tid = thread_idx(), lane = tid & 31, warp = tid >> 5;
