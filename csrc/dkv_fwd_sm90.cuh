@@ -10,7 +10,7 @@
 //
 // Tiles are 128B-swizzled in shared memory (dkv_wgmma.cuh); K/V tiles are double-buffered with
 // cp.async, made visible to the wgmma (async) proxy by a proxy fence. No producer warp, TMA or
-// ping-pong yet: two blocks per SM overlap one's softmax with the other's matmuls.
+// ping-pong yet: two blocks fit on an SM, so one's softmax can overlap the other's matmuls.
 #pragma once
 
 #include "dkv_fwd.cuh"

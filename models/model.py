@@ -145,9 +145,9 @@ class CausalLM(nn.Module):
         """Recompute the chosen decoder layers in backward: True (all), False (none) or layer indices.
 
         keep_attention: save each checkpointed layer's attention output and LSE (T x H x d in the
-        model dtype plus H x T fp32 per layer, about as much again as the layer input a checkpoint
-        keeps) so that backward recomputes the norms, projections and MLP but not the attention
-        forward (selective checkpointing through ``torch.utils.checkpoint``; works under torch.compile).
+        model dtype plus H x T fp32 per layer, on top of the layer input a checkpoint keeps) so that
+        backward recomputes the norms, projections and MLP but not the attention forward (selective
+        checkpointing through ``torch.utils.checkpoint``; works under torch.compile).
         """
         if not isinstance(keep_attention, bool):
             raise ValueError(f"keep_attention: expected a bool, got {keep_attention!r}")
