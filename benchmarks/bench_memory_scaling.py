@@ -81,6 +81,18 @@ def prompt_tokens_held(packing: str, P: int, mb: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------- model
+def first_layers(hf: dict, layers: int) -> dict:
+    """A config.json dict cut to its first ``layers`` decoder layers (1 <= layers <= all): per-layer
+    types follow, and a cut Gemma-4 keeps no KV sharing (the layers it shares with may be gone)."""
+    total = hf["num_hidden_layers"]
+    hf = {**hf, "num_hidden_layers": layers}
+    if isinstance(hf.get("layer_types"), list):
+        hf["layer_types"] = hf["layer_types"][:layers]
+    if hf.get("num_kv_shared_layers") and layers < total:
+        hf["num_kv_shared_layers"] = 0
+    return hf
+
+
 def build(preset: str, layers: int | None, device, seed: int, keep_attention: bool = False):
     from dualkv.models import build_model, preset_hf_config
 
@@ -88,7 +100,7 @@ def build(preset: str, layers: int | None, device, seed: int, keep_attention: bo
     if layers is not None:
         if layers < 1 or layers > hf["num_hidden_layers"]:
             raise ValueError(f"--layers: expected 1..{hf['num_hidden_layers']} for {preset}, got {layers}")
-        hf["num_hidden_layers"] = layers
+        hf = first_layers(hf, layers)
     model = build_model(hf, seed=seed).to(device=device, dtype=torch.bfloat16)
     model.set_activation_checkpointing(True, keep_attention=keep_attention)
     return model
@@ -101,6 +113,7 @@ def response_lengths(P: int, mb: int, seed: int, r_range: tuple[int, int] = R_RA
 
 
 def parse_range(text: str) -> tuple[int, int]:
+    """``MIN:MAX`` (or one length) of response lengths, sizes like 2K allowed (each >= 1: ``parse_size``)."""
     lo, _, hi = text.partition(":")
     lo_, hi_ = parse_size(lo), parse_size(hi or lo)
     if lo_ > hi_:

@@ -39,20 +39,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from benchmarks.bench_memory_scaling import first_layers, parse_range
 from benchmarks.harness import fmt_size, parse_size
 from benchmarks.report import ResultWriter, environment
 
 MODULE = "benchmarks.check_sp"
 COLUMNS = ["preset", "layers", "sp", "tokens", "P", "N", "status", "max_logprob_diff", "grad_rel_err",
            "ref_s", "sp_s", "peak_memory_gib"]
-
-
-def parse_range(text: str) -> tuple[int, int]:
-    lo, _, hi = text.partition(":")
-    lo, hi = parse_size(lo), parse_size(hi or lo)
-    if not 1 <= lo <= hi:
-        raise argparse.ArgumentTypeError(f"expected MIN:MAX with 1 <= MIN <= MAX, got {text!r}")
-    return lo, hi
 
 
 def parse_args(argv=None):
@@ -87,15 +80,9 @@ def build_model(preset: str, layers: int, device, seed: int):
     from dualkv.models import build_model as build, preset_hf_config
 
     hf = preset_hf_config(preset)
-    total = hf["num_hidden_layers"]
     if layers < 1:
         raise SystemExit(f"--layers: expected >= 1, got {layers}")
-    layers = min(layers, total)
-    hf["num_hidden_layers"] = layers
-    if isinstance(hf.get("layer_types"), list):  # per-layer types follow the layer count
-        hf["layer_types"] = hf["layer_types"][:layers]
-    if hf.get("num_kv_shared_layers") and layers < total:  # the layers they share with may be cut off
-        hf["num_kv_shared_layers"] = 0
+    hf = first_layers(hf, min(layers, hf["num_hidden_layers"]))
     return build(hf, seed=seed).to(device=device, dtype=torch.bfloat16)
 
 

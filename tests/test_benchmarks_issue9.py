@@ -231,3 +231,28 @@ def test_policy_step_profile(tmp_path, one_thread):
 def test_policy_step_rejects_bad_mbs():
     with pytest.raises(SystemExit):
         ps.parse_args(["--mbs", "3", "--responses-per-step", "16", "--device", "cpu"])
+
+
+def test_policy_step_rejects_an_sp_size_that_does_not_divide_the_world(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(SystemExit):
+        ps.parse_args(["--sp", "3", "--mbs", "4", "--device", "cpu"])
+    assert "--sp: expected a divisor of the world size 4, got 3" in capsys.readouterr().err
+
+
+def test_response_range_and_first_layers():
+    import argparse
+
+    assert ms.parse_range("131:2K") == (131, 2048) and ms.parse_range("64") == (64, 64)
+    with pytest.raises(argparse.ArgumentTypeError, match="MIN <= MAX, got '9:4'"):
+        ms.parse_range("9:4")
+    with pytest.raises(ValueError, match="size: expected a positive whole number of tokens, got '0'"):
+        ms.parse_range("0:5")
+    from dualkv.models import from_hf_config, preset_hf_config
+
+    hf = preset_hf_config("gemma4-31b")
+    cut = ms.first_layers(hf, 4)
+    assert hf["num_hidden_layers"] == 60 and len(cut["layer_types"]) == 4  # the preset itself is left alone
+    assert [layer.attention.head_dim for layer in from_hf_config(cut).layers] == [256, 256, 256, 512]
+    kv = ms.first_layers(preset_hf_config("tiny-gemma4-e"), 2)
+    assert kv["num_kv_shared_layers"] == 0 and len(from_hf_config(kv).layers) == 2

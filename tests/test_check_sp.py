@@ -38,3 +38,10 @@ def test_sp_sizes_must_divide_the_world():
     assert sp_sizes(None, 8) == [2, 4, 8] and sp_sizes("2", 6) == [2]
     with pytest.raises(SystemExit, match="--sp: expected sizes that divide the world size 6"):
         sp_sizes("4", 6)
+
+
+def test_layers_must_be_positive():
+    from benchmarks.check_sp import build_model
+
+    with pytest.raises(SystemExit, match="--layers: expected >= 1, got 0"):
+        build_model("tiny-qwen3", 0, "cpu", 0)
