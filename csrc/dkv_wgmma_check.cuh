@@ -58,14 +58,9 @@ struct Args {
   float* out;
 };
 
+// d = A B^T (kTransB = 0: B as N x K rows) or A B (1: B as K x N rows), both operands swizzled tiles.
 template <int kTransB>
-DKV_GLOBAL void gemm_ss(const DKV_GRID_CONSTANT Args p) {
-  uint16_t* sA = aligned_smem();
-  uint16_t* sB = sA + kT * kT;
-  load_tile_sw128(sA, p.a);
-  load_tile_sw128(sB, p.b);
-  smem_to_async_proxy();
-  float d[32];
+DKV_DEV void ss_product(float (&d)[32], uint16_t* sA, uint16_t* sB) {
   zero32(d);
   sm90::wgmma_fence();
   for (int s = 0; s < kT / 16; ++s) {
@@ -76,6 +71,17 @@ DKV_GLOBAL void gemm_ss(const DKV_GRID_CONSTANT Args p) {
   }
   sm90::wgmma_commit();
   sm90::wgmma_wait<0>();
+}
+
+template <int kTransB>
+DKV_GLOBAL void gemm_ss(const DKV_GRID_CONSTANT Args p) {
+  uint16_t* sA = aligned_smem();
+  uint16_t* sB = sA + kT * kT;
+  load_tile_sw128(sA, p.a);
+  load_tile_sw128(sB, p.b);
+  smem_to_async_proxy();
+  float d[32];
+  ss_product<kTransB>(d, sA, sB);
   store_acc(p.out, d);
 }
 
@@ -109,13 +115,7 @@ DKV_GLOBAL void attention_step(const DKV_GRID_CONSTANT Args p) {
   load_tile_sw128(sV, p.c);
   smem_to_async_proxy();
   float s_acc[32];
-  zero32(s_acc);
-  sm90::wgmma_fence();
-  for (int s = 0; s < kT / 16; ++s)
-    sm90::wgmma_m64n64k16_ss_bf16<0>(s_acc, sm90::smem_desc_sw128(reinterpret_cast<char*>(sQ) + 32 * s),
-                                     sm90::smem_desc_sw128(reinterpret_cast<char*>(sK) + 32 * s), s > 0);
-  sm90::wgmma_commit();
-  sm90::wgmma_wait<0>();
+  ss_product<0>(s_acc, sQ, sK);
   // S (64 queries x 64 keys) -> P fragments: keys 16 s .. 16 s + 15 are accumulator blocks 2 s, 2 s + 1.
   float blocks[8][4];
   for (int j = 0; j < 8; ++j)
