@@ -181,20 +181,13 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(K::kThreads) dkv_fwd_kernel(const DKV_GRID_CON
     uint32_t pa[kMT][kBlockN / 16][4];
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
-#pragma unroll
-      for (int nt = 0; nt < kBlockN / 8; ++nt) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          float x = score(sc[mt][nt][i]);
-          if (need_mask) {
-            const int col = nt * 8 + 2 * tq + (i & 1);
-            const int qpos = qpos_lo + warp_row0 + mt * 16 + g + (i >> 1) * 8;
-            const int kpos = kt.kpos0 + col;
-            if (col >= kt.valid || kpos > qpos || qpos - kpos >= W) x = kNegInf;
-          }
-          sc[mt][nt][i] = x;
-        }
-      }
+      apply_scores(reinterpret_cast<float(&)[kBlockN / 2]>(sc[mt]), score, need_mask, [&](int e) {
+        const int nt = e / 4, i = e % 4;  // sc[mt][nt][i]
+        const int col = nt * 8 + 2 * tq + (i & 1);
+        const int qpos = qpos_lo + warp_row0 + mt * 16 + g + (i >> 1) * 8;
+        const int kpos = kt.kpos0 + col;
+        return col >= kt.valid || kpos > qpos || qpos - kpos >= W;
+      });
       // Online softmax over rows g (r = 0) and g + 8 (r = 1); the four lanes of a quad share a row.
 #pragma unroll
       for (int r = 0; r < 2; ++r) {

@@ -1,16 +1,19 @@
-// Forward kernel on Hopper warpgroup MMA (sm_90a), bf16, head dims 64, 128, 192 and 256 -- the first
-// step of the wgmma path (docs/cuda.md). Same contract and two-region walk as dkv_fwd.cuh; per
-// block one warpgroup (128 threads) and 64 query rows of one head; a head dim of D is D / 64
-// column "halves" (64-column swizzled sub-tiles):
+// Forward kernel on Hopper warpgroup MMA (sm_90a), bf16, head dims 64, 128, 192 and 256 (docs/cuda.md).
+// Same contract and two-region walk as dkv_fwd.cuh. A block is two warpgroups (256 threads) on 128
+// query rows of one head, warpgroup w on rows 64 w .. 64 w + 63; both share every K / V tile. A head
+// dim of D is D / 64 column "parts" (64-column swizzled sub-tiles):
 //
-//   S (64 x 64 keys) = Q K^T     wgmma SS, D / 16 k16 steps over the head dim
-//   P = online softmax of S      in the accumulator registers (rows 16 w + l/4 and + 8 of warp w)
-//   O (64 x D) += P V            wgmma RS, P re-packed as the register operand, V an MN-major
-//                                operand, one m64n64 product per 64-column output part
+//   S (64 x kBlockN keys) = Q K^T   wgmma SS, D / 16 k16 steps; kBlockN = 128 for D <= 128, else 64
+//   P = online softmax of S         in the accumulator registers (rows 16 w + l/4 and + 8 of warp w)
+//   O (64 x D) += P V               wgmma RS, P re-packed as the register operand, V an MN-major
+//                                   operand, one m64n64 product per 64-column part and k16 step
 //
-// Tiles are 128B-swizzled in shared memory (dkv_wgmma.cuh); K/V tiles are double-buffered with
-// cp.async, made visible to the wgmma (async) proxy by a proxy fence. No producer warp, TMA or
-// ping-pong yet: two blocks fit on an SM, so one's softmax can overlap the other's matmuls.
+// The matmuls overlap the softmax inside each warpgroup: iteration t issues S_t = Q K_t^T and then
+// O += P_{t-1} V_{t-1}, waits for S_t only, computes its softmax while P V still runs, then waits
+// for it and rescales O. K and V have kStages buffers each (3, or 2 at D = 256 for shared memory),
+// V one tile behind K: iteration t loads K_{t+kStages-1} and V_{t+kStages-2} with cp.async
+// (128B-swizzled, made visible to the wgmma proxy by a fence), so every load has kStages - 1 whole
+// iterations to land. No TMA or producer warp yet (docs/cuda.md).
 #pragma once
 
 #include "dkv_fwd.cuh"
@@ -20,135 +23,199 @@ namespace dkv {
 
 template <int kHeadDim_>
 struct FwdSm90 {
-  static constexpr int kHeadDim = kHeadDim_, kBlockM = 64, kBlockN = 64, kThreads = 128;
-  static constexpr int kParts = kHeadDim / 64;  // 64-column swizzled sub-tiles per row
-  static constexpr int kHalf = 64 * 64;         // elements of one 64 x 64 sub-tile (8 KB)
-  static constexpr int kTile = kParts * kHalf;  // 64 rows x kHeadDim columns
-  static constexpr int kSmemBytes = 5 * kTile * 2 + 1024;  // Q + two stages of (K, V), + 1024-byte alignment
+  static constexpr int kHeadDim = kHeadDim_, kWarpGroups = 2, kBlockM = 64 * kWarpGroups;
+  static constexpr int kThreads = 128 * kWarpGroups;
+  static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;
+  static constexpr int kParts = kHeadDim / 64;             // 64-column swizzled sub-tiles per row
+  static constexpr int kQTile = kBlockM * kHeadDim;        // elements
+  static constexpr int kKvTile = kBlockN * kHeadDim;
+  static constexpr int kStages = kHeadDim == 256 ? 2 : 3;  // buffers of K and of V
+  static constexpr int kSmemBytes = (kQTile + 2 * kStages * kKvTile) * 2 + 1024;  // + 1024-byte alignment
   static_assert(kHeadDim % 64 == 0 && kParts >= 1 && kParts <= 4, "head dim: 64, 128, 192 or 256");
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory of one H100 / H200 block");
 };
 
-// Rows [row, row + 64) of one head of a (rows, heads, K::kHeadDim) tensor into a tile of swizzled
-// 64-column sub-tiles (rows past `valid` read as zeros).
-template <class K>
+// Rows [row, row + kRows) of one head of a (rows, heads, K::kHeadDim) tensor into kRows x 64-column
+// swizzled parts, part c at dst + c * kRows * 64 (rows past `valid` read as zeros). When the block's
+// threads cover whole rows, each thread keeps one 16-byte column chunk and steps down the rows by a
+// multiple of 8, so its swizzled position repeats and the addresses are a pointer add per copy.
+template <class K, int kRows>
 DKV_DEV void load_tile_sw128_async(uint16_t* dst, const TensorRef& t, int64_t row, int head, int valid, int tid) {
   const uint16_t* base = static_cast<const uint16_t*>(t.ptr);
   constexpr int kChunks = K::kHeadDim / 8;  // chunks of 8 elements per row
-  for (int i = tid; i < 64 * kChunks; i += K::kThreads) {
-    const int r = i / kChunks, c = i % kChunks;
-    const bool ok = r < valid;
-    const uint16_t* src = ok ? base + t.offset(row + r, head) + c * 8 : base;
-    cp_async_16(dst + (c / 8) * K::kHalf + sm90::sw128_offset(r, (c % 8) * 8) / 2, src, ok);
+  if constexpr (K::kThreads % kChunks == 0 && (K::kThreads / kChunks) % 8 == 0 && kRows % (K::kThreads / kChunks) == 0) {
+    constexpr int kRowStep = K::kThreads / kChunks;
+    const int c = tid % kChunks, r0 = tid / kChunks;
+    const uint16_t* src = base + t.offset(row + r0, head) + c * 8;
+    const int64_t step = kRowStep * t.row_stride;
+    uint16_t* d = dst + (c / 8) * kRows * 64 + sm90::sw128_offset(r0, (c % 8) * 8) / 2;
+#pragma unroll
+    for (int k = 0; k < kRows / kRowStep; ++k) {
+      const bool ok = r0 + k * kRowStep < valid;
+      cp_async_16(d + k * kRowStep * 64, ok ? src + k * step : base, ok);
+    }
+  } else {
+    for (int i = tid; i < kRows * kChunks; i += K::kThreads) {
+      const int r = i / kChunks, c = i % kChunks;
+      const bool ok = r < valid;
+      const uint16_t* src = ok ? base + t.offset(row + r, head) + c * 8 : base;
+      cp_async_16(dst + (c / 8) * kRows * 64 + sm90::sw128_offset(r, (c % 8) * 8) / 2, src, ok);
+    }
   }
 }
 
 template <class E, int D>
-DKV_GLOBAL void DKV_LAUNCH_BOUNDS(128) dkv_fwd_sm90_kernel(const DKV_GRID_CONSTANT FwdParams p) {
+DKV_GLOBAL void DKV_LAUNCH_BOUNDS(FwdSm90<D>::kThreads) dkv_fwd_sm90_kernel(const DKV_GRID_CONSTANT FwdParams p) {
   using K = FwdSm90<D>;
-  constexpr int kParts = K::kParts;
-  constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN;
+  constexpr int kParts = K::kParts, kBlockM = K::kBlockM, kBlockN = K::kBlockN;
   const QueryTile qt = query_tile<kBlockM>(p, p.q_tile_prefix);
   if (qt.s < 0) return;
   const int row0 = qt.row0, ctx_len = qt.ctx_len, ctx_row0 = qt.ctx_row0, q0 = qt.q0, m_valid = qt.m_valid;
   const int h = qt.h, hk = qt.hk;
   const int W = p.window;
 
-  const int tid = thread_idx(), lane = tid & 31, warp = tid >> 5;
+  const int tid = thread_idx(), lane = tid & 31, warp = (tid >> 5) & 3, wg = tid >> 7;
   const int g = lane >> 2, tq = lane & 3;
 
   uint16_t* sQ = reinterpret_cast<uint16_t*>(sm90::dynamic_smem_1024());
-  uint16_t* sK0 = sQ + K::kTile;  // stage b: K at sK0 + 2 b kTile, V right after it
-  auto sK = [&](int b) { return sK0 + 2 * b * K::kTile; };
-  auto sV = [&](int b) { return sK0 + (2 * b + 1) * K::kTile; };
+  constexpr int kStages = K::kStages;
+  uint16_t* sK0 = sQ + K::kQTile;  // K buffers, then V buffers; tile t in buffer t % kStages
+  auto sK = [&](int t) { return sK0 + (t % kStages) * K::kKvTile; };
+  auto sV = [&](int t) { return sK0 + (kStages + t % kStages) * K::kKvTile; };
 
   const TwoRegionWalk walk = make_walk<kBlockN>(q0, m_valid, ctx_len, ctx_row0, row0, W);
   const int n_tiles = walk.n_ctx_tiles + walk.n_own_tiles;
   const int qpos_lo = ctx_len + q0, qpos_hi = qpos_lo + m_valid - 1;
 
-  auto issue_kv = [&](int ti) {
-    const KvTile kt = walk.tile<kBlockN>(ti);
-    load_tile_sw128_async<K>(sK(ti & 1), kt.ctx ? p.k_ctx : p.k, kt.row, hk, kt.valid, tid);
-    load_tile_sw128_async<K>(sV(ti & 1), kt.ctx ? p.v_ctx : p.v, kt.row, hk, kt.valid, tid);
+  auto load_k = [&](int t) {
+    const KvTile kt = walk.tile<kBlockN>(t);
+    load_tile_sw128_async<K, kBlockN>(sK(t), kt.ctx ? p.k_ctx : p.k, kt.row, hk, kt.valid, tid);
   };
-  load_tile_sw128_async<K>(sQ, p.q, row0 + q0, h, m_valid, tid);
-  issue_kv(0);  // n_tiles >= 1: a query always sees its own key
+  auto load_v = [&](int t) {
+    const KvTile kt = walk.tile<kBlockN>(t);
+    load_tile_sw128_async<K, kBlockN>(sV(t), kt.ctx ? p.v_ctx : p.v, kt.row, hk, kt.valid, tid);
+  };
+  // One cp.async group per step: group 0 = Q and K_0, group j = K_j and V_{j-1} (prologue j < kStages - 1,
+  // then iteration j - kStages + 1): iteration t needs group t.
+  load_tile_sw128_async<K, kBlockM>(sQ, p.q, row0 + q0, h, m_valid, tid);
+  load_k(0);  // n_tiles >= 1: a query always sees its own key
   cp_async_commit();
+  for (int j = 1; j < kStages - 1; ++j) {
+    if (j < n_tiles) load_k(j);
+    if (j - 1 < n_tiles) load_v(j - 1);
+    cp_async_commit();
+  }
+
+  // Descriptors are built once and advanced by byte offsets (sm90::desc_advance). This warpgroup's 64
+  // query rows start 64 rows (8 KB) into every 128-row part of Q.
+  const uint64_t desc_q = sm90::smem_desc_sw128(reinterpret_cast<const char*>(sQ) + wg * 64 * 128);
+  const uint64_t desc_k = sm90::smem_desc_sw128(sK(0)), desc_v = sm90::smem_desc_sw128_mn64(sV(0));
+  constexpr uint32_t kKvTileBytes = K::kKvTile * 2;
+  auto issue_qk = [&](float (&s)[kBlockN / 2], int t) {
+    const uint64_t dk = sm90::desc_advance(desc_k, (t % kStages) * kKvTileBytes);
+#pragma unroll
+    for (int k = 0; k < D / 16; ++k) {  // part k / 4, 32 bytes per k16 step inside it
+      const uint64_t da = sm90::desc_advance(desc_q, (k / 4) * kBlockM * 128 + (k % 4) * 32);
+      const uint64_t db = sm90::desc_advance(dk, (k / 4) * kBlockN * 128 + (k % 4) * 32);
+      sm90::wgmma_ss_k_major<kBlockN>(s, da, db, k > 0);
+    }
+  };
+  float o[kParts][32];
+  uint32_t pa[kBlockN / 16][4];
+  auto issue_pv = [&](int t) {
+    const uint64_t dv = sm90::desc_advance(desc_v, (t % kStages) * kKvTileBytes);
+#pragma unroll
+    for (int part = 0; part < kParts; ++part)
+#pragma unroll
+      for (int k = 0; k < kBlockN / 16; ++k)  // keys 16 k .. 16 k + 15: rows 2048 bytes apart per step
+        sm90::wgmma_m64n64k16_rs_bf16<1>(o[part], pa[k], sm90::desc_advance(dv, part * kBlockN * 128 + k * 2048), true);
+  };
 
   const ScoreFn score = make_score_fn(p.scale, p.softcap);
-  float o[kParts][32];
-  for (int half = 0; half < kParts; ++half)
-    for (int i = 0; i < 32; ++i) o[half][i] = 0.f;
+  for (int part = 0; part < kParts; ++part)
+    for (int i = 0; i < 32; ++i) o[part][i] = 0.f;
   float m_run[2] = {kNegInf, kNegInf}, l_run[2] = {0.f, 0.f};
-  const int row_in_tile[2] = {16 * warp + g, 16 * warp + g + 8};
+  const int row_in_tile[2] = {64 * wg + 16 * warp + g, 64 * wg + 16 * warp + g + 8};
 
-  for (int ti = 0; ti < n_tiles; ++ti) {
-    if (ti + 1 < n_tiles) issue_kv(ti + 1);
-    cp_async_commit();
-    cp_async_wait<1>();
-    sm90::fence_smem_to_async_proxy();
-    block_sync();
-
-    const KvTile kt = walk.tile<kBlockN>(ti);
-    const char* q_bytes = reinterpret_cast<const char*>(sQ);
-    const char* k_bytes = reinterpret_cast<const char*>(sK(ti & 1));
-    float sc[32];
-    sm90::wgmma_fence();
-    for (int k = 0; k < K::kHeadDim / 16; ++k) {  // sub-tile k / 4, 32 bytes per k16 step inside it
-      const int off = (k / 4) * K::kHalf * 2 + (k % 4) * 32;
-      sm90::wgmma_m64n64k16_ss_bf16<0>(sc, sm90::smem_desc_sw128(q_bytes + off), sm90::smem_desc_sw128(k_bytes + off),
-                                       k > 0);
-    }
-    sm90::wgmma_commit();
-    sm90::wgmma_wait<0>();
-
+  // Softmax of S (in place: S becomes exp(S - m)) and the factors alpha that rescale O and l.
+  auto softmax = [&](float (&s)[kBlockN / 2], int t, float (&alpha)[2]) {
+    const KvTile kt = walk.tile<kBlockN>(t);
     const bool need_mask = kt.valid < kBlockN || kt.kpos0 + kt.valid - 1 > qpos_lo || qpos_hi - kt.kpos0 >= W;
-    float blocks[8][4];
+    apply_scores(s, score, need_mask, [&](int e) {  // s[4 j + 2 r + c]: row r, column 8 j + 2 tq + c
+      const int col = 8 * (e / 4) + 2 * tq + (e % 2), kpos = kt.kpos0 + col;
+      const int qpos = qpos_lo + row_in_tile[(e / 2) % 2];
+      return col >= kt.valid || kpos > qpos || qpos - kpos >= W;
+    });
+#pragma unroll
     for (int r = 0; r < 2; ++r) {  // rows g (r = 0) and g + 8 (r = 1); a quad of lanes shares a row
-      const int qpos = qpos_lo + row_in_tile[r];
       float mx = kNegInf;
-      for (int j = 0; j < 8; ++j)
-        for (int c = 0; c < 2; ++c) {
-          float x = score(sc[4 * j + 2 * r + c]);
-          if (need_mask) {
-            const int col = 8 * j + 2 * tq + c, kpos = kt.kpos0 + col;
-            if (col >= kt.valid || kpos > qpos || qpos - kpos >= W) x = kNegInf;
-          }
-          blocks[j][2 * r + c] = x;
-          mx = fmaxf(mx, x);
-        }
+#pragma unroll
+      for (int j = 0; j < kBlockN / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
       mx = fmaxf(mx, shfl_xor(mx, 1));
       mx = fmaxf(mx, shfl_xor(mx, 2));
       const float m_new = fmaxf(m_run[r], mx);
       const float m_use = m_new == kNegInf ? 0.f : m_new;
-      const float alpha = fast_exp2(m_run[r] - m_use);
+      alpha[r] = fast_exp2(m_run[r] - m_use);
       m_run[r] = m_new;
       float sum = 0.f;
-      for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
         for (int c = 0; c < 2; ++c) {
-          const float e = fast_exp2(blocks[j][2 * r + c] - m_use);
-          blocks[j][2 * r + c] = e;
+          const float e = fast_exp2(s[4 * j + 2 * r + c] - m_use);
+          s[4 * j + 2 * r + c] = e;
           sum += e;
         }
-      l_run[r] = l_run[r] * alpha + sum;
-      for (int half = 0; half < kParts; ++half)
-        for (int j = 0; j < 8; ++j) {
-          o[half][4 * j + 2 * r] *= alpha;
-          o[half][4 * j + 2 * r + 1] *= alpha;
-        }
+      l_run[r] = l_run[r] * alpha[r] + sum;
     }
-    uint32_t pa[4][4];
-    c_to_a<E, 64>(pa, blocks);
+  };
 
-    const char* v_bytes = reinterpret_cast<const char*>(sV(ti & 1));
+  float s[kBlockN / 2];
+  for (int t = 0; t < n_tiles; ++t) {
+    // K_t and V_{t-1} (group t) have landed, and every warpgroup is done with K_{t-1} and V_{t-2},
+    // whose buffers the loads below refill.
+    cp_async_wait<kStages - 2>();
+    sm90::fence_smem_to_async_proxy();
+    block_sync();
+    if (t + kStages - 1 < n_tiles) load_k(t + kStages - 1);
+    if (t + kStages - 2 < n_tiles) load_v(t + kStages - 2);
+    cp_async_commit();
+
     sm90::wgmma_fence();
-    for (int half = 0; half < kParts; ++half)
-      for (int k = 0; k < kBlockN / 16; ++k)  // keys 16 k .. 16 k + 15: rows 2048 bytes apart per step
-        sm90::wgmma_m64n64k16_rs_bf16<1>(o[half], pa[k],
-                                         sm90::smem_desc_sw128_mn64(v_bytes + half * K::kHalf * 2 + k * 2048), true);
+    issue_qk(s, t);
     sm90::wgmma_commit();
+    if (t > 0) {
+      issue_pv(t - 1);
+      sm90::wgmma_commit();
+      sm90::wgmma_wait<1>();  // S_t is ready; P_{t-1} V_{t-1} may still run
+    } else {
+      sm90::wgmma_wait<0>();
+    }
+    sm90::fence_operand<kBlockN / 2>(s);
+    float alpha[2];
+    softmax(s, t, alpha);
     sm90::wgmma_wait<0>();
-    block_sync();  // every thread is done with this stage before the next iteration refills it
+#pragma unroll
+    for (int part = 0; part < kParts; ++part) {
+      sm90::fence_operand<32>(o[part]);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        o[part][4 * j] *= alpha[0];
+        o[part][4 * j + 1] *= alpha[0];
+        o[part][4 * j + 2] *= alpha[1];
+        o[part][4 * j + 3] *= alpha[1];
+      }
+    }
+    c_to_a<E, kBlockN>(pa, reinterpret_cast<const float(&)[kBlockN / 8][4]>(s));
   }
+  cp_async_wait<kStages - 2>();  // V_{n-1}: group n
+  sm90::fence_smem_to_async_proxy();
+  block_sync();
+  sm90::wgmma_fence();
+  issue_pv(n_tiles - 1);
+  sm90::wgmma_commit();
+  sm90::wgmma_wait<0>();
+  for (int part = 0; part < kParts; ++part) sm90::fence_operand<32>(o[part]);
 
   uint16_t* out_ptr = static_cast<uint16_t*>(p.out.ptr);
   for (int r = 0; r < 2; ++r) {
@@ -160,10 +227,10 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(128) dkv_fwd_sm90_kernel(const DKV_GRID_CONSTA
       const float inv = l > 0.f ? 1.f / l : 0.f;
       const int64_t qrow = row0 + q0 + row;
       uint16_t* dst = out_ptr + p.out.offset(qrow, h);
-      for (int half = 0; half < kParts; ++half)
+      for (int part = 0; part < kParts; ++part)
         for (int j = 0; j < 8; ++j)
-          store_u32(dst + 64 * half + 8 * j + 2 * tq,
-                    pack2<E>(o[half][4 * j + 2 * r] * inv, o[half][4 * j + 2 * r + 1] * inv));
+          store_u32(dst + 64 * part + 8 * j + 2 * tq,
+                    pack2<E>(o[part][4 * j + 2 * r] * inv, o[part][4 * j + 2 * r + 1] * inv));
       if (tq == 0) {
         p.lse[static_cast<int64_t>(h) * p.total_q + qrow] = l > 0.f ? (m_run[r] + fast_log2(l)) * kLn2 : kNegInf;
       }

@@ -21,7 +21,7 @@ cudaError_t run_fwd(const FwdParams& p, cudaStream_t stream);
 // Forward on Hopper warpgroup MMA (bf16, head dims 64 / 128 / 192 / 256; blocks of 64 query rows).
 cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream);
 bool sm90_forward_supports(int head_dim);
-constexpr int kSm90BlockM = 64;
+constexpr int kSm90BlockM = 128;
 // Backward: dq kernel and dkdv kernel for one head dim.
 template <class E, int D>
 cudaError_t run_dq(const BwdParams& p, cudaStream_t stream);

@@ -10,6 +10,8 @@
 // Two adjacent accumulators (16 x 16) repack into the A operand of the next MMA (c_to_a).
 #pragma once
 
+#include <type_traits>
+
 #include "dkv_device.cuh"
 #include "dkv_params.h"
 
@@ -169,10 +171,38 @@ struct ScoreFn {
   float cap_inv_scale;  // scale / softcap         (softcap)
   float cap_log2;    // softcap * log2(e)          (softcap)
   bool softcap;
-  DKV_DEV float operator()(float raw) const {
-    return softcap ? cap_log2 * tanh_f(raw * cap_inv_scale) : raw * scale_log2;
-  }
+  DKV_DEV float operator()(float raw) const { return softcap ? capped(raw) : plain(raw); }
+  DKV_DEV float capped(float raw) const { return cap_log2 * tanh_f(raw * cap_inv_scale); }
+  DKV_DEV float plain(float raw) const { return raw * scale_log2; }
 };
+
+// x[e] = score(x[e]), or -inf where need_mask and masked(e). The softcap and mask choices are made
+// once per call, not per element: written per element, the compiler evaluates tanh for every score
+// of an unrolled tile and selects (the wgmma forward ran at half speed that way).
+template <int kN, class Masked>
+DKV_DEV void apply_scores(float (&x)[kN], const ScoreFn& score, bool need_mask, const Masked& masked) {
+  auto run = [&](auto cap, auto mask) {
+#pragma unroll
+    for (int e = 0; e < kN; ++e) {
+      float v;
+      if constexpr (decltype(cap)::value)
+        v = score.capped(x[e]);
+      else
+        v = score.plain(x[e]);
+      if constexpr (decltype(mask)::value) {
+        if (masked(e)) v = kNegInf;
+      }
+      x[e] = v;
+    }
+  };
+  using Yes = std::true_type;
+  using No = std::false_type;
+  if (score.softcap) {
+    if (need_mask) run(Yes{}, Yes{}); else run(Yes{}, No{});
+  } else {
+    if (need_mask) run(No{}, Yes{}); else run(No{}, No{});
+  }
+}
 
 DKV_DEV ScoreFn make_score_fn(float scale, float softcap) {
   ScoreFn f;

@@ -52,6 +52,10 @@ DKV_DEV uint64_t smem_desc_sw128(const void* smem_ptr, uint32_t lbo_bytes = 16, 
   return desc;
 }
 
+// The descriptor of the same layout `bytes` further on (the start address field is in 16-byte units;
+// the caller keeps the address inside shared memory, so the 14-bit field does not overflow).
+DKV_DEV uint64_t desc_advance(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
+
 // The first 1024-byte-aligned address of this block's dynamic shared memory (swizzle atoms need
 // it); allocate 1024 bytes more than the tiles take.
 DKV_DEV unsigned char* dynamic_smem_1024() {
@@ -153,8 +157,63 @@ DKV_DEV void wgmma_m64n64k16_rs_bf16(float (&d)[32], const uint32_t (&a)[4], uin
 #endif
 }
 
+// The 64 accumulator registers of an m64n128 fp32 tile.
+#define DKV_WGMMA_D64(d)                                                                                          \
+  DKV_WGMMA_D32(d), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]),    \
+      "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]),     \
+      "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]),     \
+      "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),     \
+      "+f"(d[63])
+
+#define DKV_WGMMA_DREGS64                                                                                         \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
+  "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, "  \
+  "%46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+
+// d (64 x 128) = A (64 x 16, descriptor, K-major) * B (16 x 128, descriptor, K-major: 128 rows of N,
+// 8-row atoms 1024 bytes apart) + (accumulate ? d : 0). Same accumulator layout as m64n64, with
+// 16 column blocks (d[4j + i], j < 16).
+DKV_DEV void wgmma_m64n128k16_ss_bf16(float (&d)[64], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
+#if DKV_HAS_WGMMA
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " DKV_WGMMA_DREGS64 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
+      : DKV_WGMMA_D64(d)
+      : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)));
+#elif defined(DKV_EMULATE)
+  dkv_emu::wgmma(d, 128, nullptr, desc_a, desc_b, accumulate, false, true);
+#else
+  (void)d, (void)desc_a, (void)desc_b, (void)accumulate;
+  __trap();  // wgmma needs sm_90a
+#endif
+}
+
+// S (64 x kN) = A B^T with B K-major (kN = 64 or 128): one wgmma per call.
+template <int kN>
+DKV_DEV void wgmma_ss_k_major(float (&d)[kN / 2], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
+  static_assert(kN == 64 || kN == 128, "wgmma_ss_k_major: N is 64 or 128");
+  if constexpr (kN == 64)
+    wgmma_m64n64k16_ss_bf16<0>(d, desc_a, desc_b, accumulate);
+  else
+    wgmma_m64n128k16_ss_bf16(d, desc_a, desc_b, accumulate);
+}
+
+// Pin accumulator registers in place between a wgmma's issue and its wait: the compiler must neither
+// read them early nor move them while the asynchronous MMA still writes them.
+template <int kN>
+DKV_DEV void fence_operand(float (&d)[kN]) {
+#if DKV_HAS_WGMMA
+#pragma unroll
+  for (int i = 0; i < kN; ++i) asm volatile("" : "+f"(d[i])::"memory");
+#else
+  (void)d;
+#endif
+}
+
 #undef DKV_WGMMA_D32
 #undef DKV_WGMMA_DREGS
+#undef DKV_WGMMA_D64
+#undef DKV_WGMMA_DREGS64
 
 }  // namespace sm90
 }  // namespace dkv

@@ -131,9 +131,10 @@ CASES = [
 ]
 
 
-# The wgmma forward's cases (bf16, d = 64, 128, 192, 256; 64-row query tiles, 64-key tiles): ragged
-# tails, several tiles per segment and groups, GQA, windows reaching into the prompt, softcap,
-# separate context.
+# The wgmma forward's cases (bf16, d = 64, 128, 192, 256; 128-row query tiles of two warpgroups,
+# 128-key tiles up to d = 128, 64-key tiles above): ragged tails, several tiles per segment and
+# groups (up to six key tiles per query tile: the double-buffered K / V pipeline wraps around), GQA,
+# windows reaching into the prompt, softcap, separate context.
 SM90_CASES = [
     dict(d=128, dtype=torch.bfloat16, prompts=[40], responses=[[17, 2]], H=2, Hkv=1),
     dict(d=128, dtype=torch.bfloat16, prompts=[130, 5], responses=[[70, 1], [66]], H=4, Hkv=2),
@@ -143,6 +144,8 @@ SM90_CASES = [
     dict(d=64, dtype=torch.bfloat16, prompts=[70, 9], responses=[[33], [1, 80]], H=2, Hkv=2),
     dict(d=192, dtype=torch.bfloat16, prompts=[20], responses=[[17, 70]], H=1, Hkv=1, softcap=30.0),
     dict(d=256, dtype=torch.bfloat16, prompts=[66], responses=[[17]], H=2, Hkv=1, window=40),
+    dict(d=128, dtype=torch.bfloat16, prompts=[520], responses=[[150, 7]], H=1, Hkv=1),
+    dict(d=256, dtype=torch.bfloat16, prompts=[200], responses=[[140]], H=1, Hkv=1),
 ]
 
 

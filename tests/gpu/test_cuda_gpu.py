@@ -152,11 +152,11 @@ def test_wgmma_forward_matches_reference(cuda_backend, case, monkeypatch):
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the wgmma forward needs an sm_90 GPU")
     monkeypatch.setenv("DUALKV_CUDA_WGMMA", "1")
-    r = _run_packed(case, torch.bfloat16, deterministic=False)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        r = _run_packed(case, torch.bfloat16, deterministic=False)
     _check_against_reference(case, torch.bfloat16, r)
-    monkeypatch.setenv("DUALKV_CUDA_WGMMA", "0")
-    plain = _run_packed(case, torch.bfloat16, deterministic=False)
-    assert not torch.equal(r["out"], plain["out"]) or r["out"].numel() == 0  # the wgmma path really ran
+    kernels = {e.name for e in prof.events()}
+    assert any("dkv_fwd_sm90_kernel" in name for name in kernels), f"the wgmma forward did not run: {sorted(kernels)}"
 
 
 @pytest.mark.parametrize("case", [GRID[0], GRID[3], GRID[4], GRID[8]], ids=lambda c: _ids(c))
