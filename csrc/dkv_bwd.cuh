@@ -127,35 +127,36 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(K::kThreads) dkv_dq_kernel(const DKV_GRID_CONS
     const bool need_mask =
         kt.valid < kBlockN || kt.kpos0 + kt.valid - 1 > qpos_lo || qpos_hi - kt.kpos0 >= W;
     uint32_t dsa[kMT][kBlockN / 16][4];
+    with_score_mode(score.softcap, need_mask, [&](auto cap, auto mask) {
 #pragma unroll
-    for (int mt = 0; mt < kMT; ++mt) {
+      for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
-      for (int nt = 0; nt < kBlockN / 8; ++nt) {
+        for (int nt = 0; nt < kBlockN / 8; ++nt) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int r = i >> 1;
-          bool masked = false;
-          if (need_mask) {
-            const int col = nt * 8 + 2 * tq + (i & 1);
-            const int qpos = qpos_lo + warp_row0 + mt * 16 + g + r * 8;
-            const int kpos = kt.kpos0 + col;
-            masked = col >= kt.valid || kpos > qpos || qpos - kpos >= W;
-          }
-          float ds = 0.f;
-          if (!masked) {
-            const float raw = sc[mt][nt][i];
-            const float pr = fast_exp2(score(raw) - lse2[mt][r]);
-            ds = pr * (dp[mt][nt][i] - dsum[mt][r]);
-            if (score.softcap) {
-              const float th = tanh_f(raw * score.cap_inv_scale);
-              ds *= 1.f - th * th;
+          for (int i = 0; i < 4; ++i) {
+            const int r = i >> 1;
+            bool masked = false;
+            if constexpr (decltype(mask)::value) {
+              const int col = nt * 8 + 2 * tq + (i & 1);
+              const int qpos = qpos_lo + warp_row0 + mt * 16 + g + r * 8;
+              const int kpos = kt.kpos0 + col;
+              masked = col >= kt.valid || kpos > qpos || qpos - kpos >= W;
             }
+            const float raw = sc[mt][nt][i];
+            float ds;
+            if constexpr (decltype(cap)::value) {
+              const float th = tanh_f(raw * score.cap_inv_scale);
+              ds = fast_exp2(score.cap_log2 * th - lse2[mt][r]) * (dp[mt][nt][i] - dsum[mt][r]) * (1.f - th * th);
+            } else {
+              ds = fast_exp2(score.plain(raw) - lse2[mt][r]) * (dp[mt][nt][i] - dsum[mt][r]);
+            }
+            dp[mt][nt][i] = masked ? 0.f : ds;
           }
-          dp[mt][nt][i] = ds;
         }
       }
-      c_to_a<E, kBlockN>(dsa[mt], dp[mt]);
-    }
+    });
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) c_to_a<E, kBlockN>(dsa[mt], dp[mt]);
     gemm_rs_m<E, kMT, kDSlice, kBlockN, kStride>(dq, dsa, sK + dsl * kDSlice, lane);
     block_sync();
   }
@@ -468,32 +469,34 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(K::kThreads) dkv_dkdv_kernel(const DKV_GRID_CO
       const int kpos_first = desc.kpos0 + desc.klo, kpos_last = desc.kpos0 + desc.khi - 1;
       const bool need_mask = desc.m_valid < kBlockM || desc.klo > 0 || desc.khi < kBlockN ||
                              kpos_last > desc.qpos0 || desc.qpos0 + desc.m_valid - 1 - kpos_first >= W;
+      with_score_mode(score.softcap, need_mask, [&](auto cap, auto mask) {
 #pragma unroll
-      for (int nt = 0; nt < kBlockM / 8; ++nt) {
+        for (int nt = 0; nt < kBlockM / 8; ++nt) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int col = nt * 8 + 2 * tq + (i & 1);
-          const int key = kw * 16 + g + (i >> 1) * 8;
-          bool masked = false;
-          if (need_mask) {
-            const int qpos = desc.qpos0 + col;
-            const int kpos = desc.kpos0 + key;
-            masked = col >= desc.m_valid || key < desc.klo || key >= desc.khi || kpos > qpos || qpos - kpos >= W;
-          }
-          float pr = 0.f, ds = 0.f;
-          if (!masked) {
-            const float raw = st[nt][i];
-            pr = fast_exp2(score(raw) - sL[col]);
-            ds = pr * (dpt[nt][i] - sD[col]);
-            if (score.softcap) {
-              const float th = tanh_f(raw * score.cap_inv_scale);
-              ds *= 1.f - th * th;
+          for (int i = 0; i < 4; ++i) {
+            const int col = nt * 8 + 2 * tq + (i & 1);
+            const int key = kw * 16 + g + (i >> 1) * 8;
+            bool masked = false;
+            if constexpr (decltype(mask)::value) {
+              const int qpos = desc.qpos0 + col;
+              const int kpos = desc.kpos0 + key;
+              masked = col >= desc.m_valid || key < desc.klo || key >= desc.khi || kpos > qpos || qpos - kpos >= W;
             }
+            const float raw = st[nt][i];
+            float pr, ds;
+            if constexpr (decltype(cap)::value) {
+              const float th = tanh_f(raw * score.cap_inv_scale);
+              pr = fast_exp2(score.cap_log2 * th - sL[col]);
+              ds = pr * (dpt[nt][i] - sD[col]) * (1.f - th * th);
+            } else {
+              pr = fast_exp2(score.plain(raw) - sL[col]);
+              ds = pr * (dpt[nt][i] - sD[col]);
+            }
+            st[nt][i] = masked ? 0.f : pr;
+            dpt[nt][i] = masked ? 0.f : ds;
           }
-          st[nt][i] = pr;
-          dpt[nt][i] = ds;
         }
-      }
+      });
       uint32_t pa[kBlockM / 16][4], dsa[kBlockM / 16][4];
       c_to_a<E, kBlockM>(pa, st);
       c_to_a<E, kBlockM>(dsa, dpt);
