@@ -1,14 +1,14 @@
-// Forward on Hopper warpgroup MMA (dkv_fwd_sm90.cuh): bf16, head dims 64, 128, 192, 256. The kernel traps
-// unless the unit is built for sm_90a; the binding only calls it on such a device (DUALKV_CUDA_WGMMA=1).
+// Forward on Hopper warpgroup MMA (dkv_fwd_sm90.cuh): fp16 and bf16, head dims 64, 128, 192, 256. The
+// kernel traps unless the unit is built for sm_90a; the binding only calls it on an sm_90 device.
 #include "dkv_fwd_sm90.cuh"
 #include "dkv_launch_impl.cuh"
 
 namespace dkv {
 
-template <int D>
+template <class E, int D>
 cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   using K = FwdSm90<D>;
-  auto kernel = &dkv_fwd_sm90_kernel<Bf16, D>;
+  auto kernel = &dkv_fwd_sm90_kernel<E, D>;
   static const cudaError_t attr = allow_smem(kernel, K::kSmemBytes);
   if (attr != cudaSuccess) return attr;
   if (p.grid_tiles == 0 || p.nheads == 0) return cudaSuccess;
@@ -18,14 +18,41 @@ cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
 
 bool sm90_forward_supports(int head_dim) { return head_dim == 64 || head_dim == 128 || head_dim == 192 || head_dim == 256; }
 
+#ifndef DKV_EMULATE
+DKV_GLOBAL void dkv_wgmma_probe_kernel(int* built) { *built = DKV_HAS_WGMMA; }
+#endif
+
+// Whether the device code this process runs was compiled with wgmma (sm_90a): an extension built for
+// plain sm_90 (TORCH_CUDA_ARCH_LIST=9.0) has the kernels, but they trap. Asked once, on first use.
+bool sm90_kernels_built() {
+#ifdef DKV_EMULATE
+  return true;
+#else
+  static const bool built = [] {
+    int* flag = nullptr;
+    if (cudaMalloc(&flag, sizeof(int)) != cudaSuccess) return false;
+    dkv_wgmma_probe_kernel<<<1, 1>>>(flag);
+    int host = 0;
+    const bool ok = cudaMemcpy(&host, flag, sizeof(int), cudaMemcpyDeviceToHost) == cudaSuccess;
+    cudaFree(flag);
+    return ok && host == 1;
+  }();
+  return built;
+#endif
+}
+
+template <class E>
 cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   switch (p.head_dim) {
-    case 64: return launch_fwd_sm90<64>(p, stream);
-    case 128: return launch_fwd_sm90<128>(p, stream);
-    case 192: return launch_fwd_sm90<192>(p, stream);
-    case 256: return launch_fwd_sm90<256>(p, stream);
+    case 64: return launch_fwd_sm90<E, 64>(p, stream);
+    case 128: return launch_fwd_sm90<E, 128>(p, stream);
+    case 192: return launch_fwd_sm90<E, 192>(p, stream);
+    case 256: return launch_fwd_sm90<E, 256>(p, stream);
     default: return static_cast<cudaError_t>(1);  // cudaErrorInvalidValue: the binding never asks for it
   }
 }
+
+template cudaError_t run_fwd_sm90<Fp16>(const FwdParams&, cudaStream_t);
+template cudaError_t run_fwd_sm90<Bf16>(const FwdParams&, cudaStream_t);
 
 }  // namespace dkv

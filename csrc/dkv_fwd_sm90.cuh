@@ -1,4 +1,4 @@
-// Forward kernel on Hopper warpgroup MMA (sm_90a), bf16, head dims 64, 128, 192 and 256 (docs/cuda.md).
+// Forward kernel on Hopper warpgroup MMA (sm_90a), fp16 / bf16, head dims 64, 128, 192 and 256 (docs/cuda.md).
 // Same contract and two-region walk as dkv_fwd.cuh. A block is two warpgroups (256 threads) on 128
 // query rows of one head, warpgroup w on rows 64 w .. 64 w + 63; both share every K / V tile. A head
 // dim of D is D / 64 column "parts" (64-column swizzled sub-tiles):
@@ -117,7 +117,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(FwdSm90<D>::kThreads) dkv_fwd_sm90_kernel(cons
     for (int k = 0; k < D / 16; ++k) {  // part k / 4, 32 bytes per k16 step inside it
       const uint64_t da = sm90::desc_advance(desc_q, (k / 4) * kBlockM * 128 + (k % 4) * 32);
       const uint64_t db = sm90::desc_advance(dk, (k / 4) * kBlockN * 128 + (k % 4) * 32);
-      sm90::wgmma_ss_k_major<kBlockN>(s, da, db, k > 0);
+      sm90::wgmma_ss_k_major<E, kBlockN>(s, da, db, k > 0);
     }
   };
   float o[kParts][32];
@@ -128,7 +128,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(FwdSm90<D>::kThreads) dkv_fwd_sm90_kernel(cons
     for (int part = 0; part < kParts; ++part)
 #pragma unroll
       for (int k = 0; k < kBlockN / 16; ++k)  // keys 16 k .. 16 k + 15: rows 2048 bytes apart per step
-        sm90::wgmma_m64n64k16_rs_bf16<1>(o[part], pa[k], sm90::desc_advance(dv, part * kBlockN * 128 + k * 2048), true);
+        sm90::wgmma_m64n64k16_rs<E, 1>(o[part], pa[k], sm90::desc_advance(dv, part * kBlockN * 128 + k * 2048), true);
   };
 
   const ScoreFn score = make_score_fn(p.scale, p.softcap);

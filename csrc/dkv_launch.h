@@ -18,9 +18,11 @@ struct Bf16;
 // Forward for one head dim (E = Fp16 / Bf16, D in 64, 96, 128, 192, 256, 512).
 template <class E, int D>
 cudaError_t run_fwd(const FwdParams& p, cudaStream_t stream);
-// Forward on Hopper warpgroup MMA (bf16, head dims 64 / 128 / 192 / 256; blocks of 64 query rows).
+// Forward on Hopper warpgroup MMA (fp16 / bf16, head dims 64 / 128 / 192 / 256; blocks of 128 query rows).
+template <class E>
 cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream);
 bool sm90_forward_supports(int head_dim);
+bool sm90_kernels_built();  // the wgmma kernels were compiled for sm_90a (checked once on the device)
 constexpr int kSm90BlockM = 128;
 // Backward: dq kernel and dkdv kernel for one head dim.
 template <class E, int D>

@@ -1,7 +1,6 @@
-// Hopper (sm_90a) warpgroup MMA building blocks for the planned wgmma path of the kernels: shared-
-// memory matrix descriptors for 128-byte-swizzled tiles, and m64n64k16 bf16 wgmma with fp32
-// accumulators, operands from shared memory (SS) or A from registers (RS). Not used by the mma.sync
-// kernels yet; tests/gpu/test_wgmma_gpu.py checks every helper against torch on an sm_90 GPU, and
+// Hopper (sm_90a) warpgroup MMA building blocks of the wgmma kernels (dkv_fwd_sm90.cuh): shared-
+// memory matrix descriptors for 128-byte-swizzled tiles, and m64n64k16 / m64n128k16 bf16 or fp16
+// wgmma with fp32 accumulators, operands from shared memory (SS) or A from registers (RS); tests/gpu/test_wgmma_gpu.py checks every helper against torch on an sm_90 GPU, and
 // under -DDKV_EMULATE they run on the CPU emulation (csrc/emulation/emulate.py --wgmma).
 //
 // Tile layout (the copy engine's 128B swizzle): a tile of rows x 64 bf16 elements, 128 bytes per
@@ -119,19 +118,27 @@ DKV_DEV void wgmma_wait() {
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
   "%24, %25, %26, %27, %28, %29, %30, %31}"
 
-// d (64 x 64) = A (64 x 16, descriptor, K-major) * B (16 x 64, descriptor) + (accumulate ? d : 0).
+// d (64 x 64) = A (64 x 16, descriptor, K-major) * B (16 x 64, descriptor) + (accumulate ? d : 0),
+// E = Bf16 or Fp16 inputs, fp32 accumulators.
 // kTransB = 0: B stored K-major (64 rows of N, k contiguous: S = Q K^T with K rows);
 // kTransB = 1: B stored MN-major (16 rows of k, n contiguous: O = P V with V rows).
-template <int kTransB>
-DKV_DEV void wgmma_m64n64k16_ss_bf16(float (&d)[32], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
+template <class E, int kTransB>
+DKV_DEV void wgmma_m64n64k16_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
 #if DKV_HAS_WGMMA
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " DKV_WGMMA_DREGS ", %32, %33, p, 1, 1, 0, %35;\n}\n"
-      : DKV_WGMMA_D32(d)
-      : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)), "n"(kTransB));
+  if constexpr (E::kIsBf16)
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " DKV_WGMMA_DREGS ", %32, %33, p, 1, 1, 0, %35;\n}\n"
+        : DKV_WGMMA_D32(d)
+        : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)), "n"(kTransB));
+  else
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " DKV_WGMMA_DREGS ", %32, %33, p, 1, 1, 0, %35;\n}\n"
+        : DKV_WGMMA_D32(d)
+        : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)), "n"(kTransB));
 #elif defined(DKV_EMULATE)
-  dkv_emu::wgmma(d, 64, nullptr, desc_a, desc_b, accumulate, kTransB != 0, true);
+  dkv_emu::wgmma(d, 64, nullptr, desc_a, desc_b, accumulate, kTransB != 0, E::kIsBf16);
 #else
   (void)d, (void)desc_a, (void)desc_b, (void)accumulate;
   __trap();  // wgmma needs sm_90a
@@ -140,17 +147,25 @@ DKV_DEV void wgmma_m64n64k16_ss_bf16(float (&d)[32], uint64_t desc_a, uint64_t d
 
 // d (64 x 64) = A (64 x 16, registers: the mma.sync m16n8k16 A fragment of this warp's 16 rows) *
 // B (16 x 64, descriptor) + (accumulate ? d : 0).
-template <int kTransB>
-DKV_DEV void wgmma_m64n64k16_rs_bf16(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
+template <class E, int kTransB>
+DKV_DEV void wgmma_m64n64k16_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
 #if DKV_HAS_WGMMA
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " DKV_WGMMA_DREGS
-      ", {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
-      : DKV_WGMMA_D32(d)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<int>(accumulate)), "n"(kTransB));
+  if constexpr (E::kIsBf16)
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " DKV_WGMMA_DREGS
+        ", {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+        : DKV_WGMMA_D32(d)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<int>(accumulate)), "n"(kTransB));
+  else
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " DKV_WGMMA_DREGS
+        ", {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+        : DKV_WGMMA_D32(d)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<int>(accumulate)), "n"(kTransB));
 #elif defined(DKV_EMULATE)
-  dkv_emu::wgmma(d, 64, a, 0, desc_b, accumulate, kTransB != 0, true);
+  dkv_emu::wgmma(d, 64, a, 0, desc_b, accumulate, kTransB != 0, E::kIsBf16);
 #else
   (void)d, (void)a, (void)desc_b, (void)accumulate;
   __trap();  // wgmma needs sm_90a
@@ -173,15 +188,23 @@ DKV_DEV void wgmma_m64n64k16_rs_bf16(float (&d)[32], const uint32_t (&a)[4], uin
 // d (64 x 128) = A (64 x 16, descriptor, K-major) * B (16 x 128, descriptor, K-major: 128 rows of N,
 // 8-row atoms 1024 bytes apart) + (accumulate ? d : 0). Same accumulator layout as m64n64, with
 // 16 column blocks (d[4j + i], j < 16).
-DKV_DEV void wgmma_m64n128k16_ss_bf16(float (&d)[64], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
+template <class E>
+DKV_DEV void wgmma_m64n128k16_ss(float (&d)[64], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
 #if DKV_HAS_WGMMA
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " DKV_WGMMA_DREGS64 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
-      : DKV_WGMMA_D64(d)
-      : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)));
+  if constexpr (E::kIsBf16)
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " DKV_WGMMA_DREGS64 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
+        : DKV_WGMMA_D64(d)
+        : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)));
+  else
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " DKV_WGMMA_DREGS64 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
+        : DKV_WGMMA_D64(d)
+        : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)));
 #elif defined(DKV_EMULATE)
-  dkv_emu::wgmma(d, 128, nullptr, desc_a, desc_b, accumulate, false, true);
+  dkv_emu::wgmma(d, 128, nullptr, desc_a, desc_b, accumulate, false, E::kIsBf16);
 #else
   (void)d, (void)desc_a, (void)desc_b, (void)accumulate;
   __trap();  // wgmma needs sm_90a
@@ -189,13 +212,13 @@ DKV_DEV void wgmma_m64n128k16_ss_bf16(float (&d)[64], uint64_t desc_a, uint64_t 
 }
 
 // S (64 x kN) = A B^T with B K-major (kN = 64 or 128): one wgmma per call.
-template <int kN>
+template <class E, int kN>
 DKV_DEV void wgmma_ss_k_major(float (&d)[kN / 2], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
   static_assert(kN == 64 || kN == 128, "wgmma_ss_k_major: N is 64 or 128");
   if constexpr (kN == 64)
-    wgmma_m64n64k16_ss_bf16<0>(d, desc_a, desc_b, accumulate);
+    wgmma_m64n64k16_ss<E, 0>(d, desc_a, desc_b, accumulate);
   else
-    wgmma_m64n128k16_ss_bf16(d, desc_a, desc_b, accumulate);
+    wgmma_m64n128k16_ss<E>(d, desc_a, desc_b, accumulate);
 }
 
 // Pin accumulator registers in place between a wgmma's issue and its wait: the compiler must neither

@@ -67,7 +67,7 @@ DKV_DEV void ss_product(float (&d)[32], uint16_t* sA, uint16_t* sB) {
     const uint64_t da = sm90::smem_desc_sw128(reinterpret_cast<char*>(sA) + 32 * s);
     const uint64_t db = kTransB ? sm90::smem_desc_sw128_mn64(reinterpret_cast<char*>(sB) + 2048 * s)
                                 : sm90::smem_desc_sw128(reinterpret_cast<char*>(sB) + 32 * s);
-    sm90::wgmma_m64n64k16_ss_bf16<kTransB>(d, da, db, s > 0);
+    sm90::wgmma_m64n64k16_ss<Bf16, kTransB>(d, da, db, s > 0);
   }
   sm90::wgmma_commit();
   sm90::wgmma_wait<0>();
@@ -99,7 +99,7 @@ DKV_GLOBAL void gemm_rs(const DKV_GRID_CONSTANT Args p) {
                               pack_halves(rows[k0 + 8], rows[k0 + 9]),
                               pack_halves(rows[8 * kT + k0 + 8], rows[8 * kT + k0 + 9])};
     sm90::wgmma_fence();  // the fragment registers were just written
-    sm90::wgmma_m64n64k16_rs_bf16<0>(d, frag, sm90::smem_desc_sw128(reinterpret_cast<char*>(sB) + 32 * s), s > 0);
+    sm90::wgmma_m64n64k16_rs<Bf16, 0>(d, frag, sm90::smem_desc_sw128(reinterpret_cast<char*>(sB) + 32 * s), s > 0);
   }
   sm90::wgmma_commit();
   sm90::wgmma_wait<0>();
@@ -127,7 +127,7 @@ DKV_GLOBAL void attention_step(const DKV_GRID_CONSTANT Args p) {
   sm90::wgmma_fence();
   for (int s = 0; s < kT / 16; ++s) {
     const uint64_t dv = sm90::smem_desc_sw128_mn64(reinterpret_cast<char*>(sV) + 2048 * s);
-    sm90::wgmma_m64n64k16_rs_bf16<1>(o, pf[s], dv, s > 0);
+    sm90::wgmma_m64n64k16_rs<Bf16, 1>(o, pf[s], dv, s > 0);
   }
   sm90::wgmma_commit();
   sm90::wgmma_wait<0>();

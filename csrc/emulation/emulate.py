@@ -8,7 +8,7 @@ per CUDA thread): keep the shapes tiny.
     python csrc/emulation/emulate.py            # the default case list
     python csrc/emulation/emulate.py --quick    # two cases
     python csrc/emulation/emulate.py --wgmma    # the wgmma building blocks (csrc/dkv_wgmma.cuh) only
-    python csrc/emulation/emulate.py --sm90     # the wgmma forward (DUALKV_CUDA_WGMMA=1: bf16)
+    python csrc/emulation/emulate.py --sm90     # the wgmma forward (DUALKV_CUDA_WGMMA=1)
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ CASES = [
 ]
 
 
-# The wgmma forward's cases (bf16, d = 64, 128, 192, 256; 128-row query tiles of two warpgroups,
+# The wgmma forward's cases (bf16 and fp16, d = 64, 128, 192, 256; 128-row query tiles of two warpgroups,
 # 128-key tiles up to d = 128, 64-key tiles above): ragged tails, several tiles per segment and
 # groups (up to six key tiles per query tile: the double-buffered K / V pipeline wraps around), GQA,
 # windows reaching into the prompt, softcap, separate context.
@@ -146,6 +146,7 @@ SM90_CASES = [
     dict(d=256, dtype=torch.bfloat16, prompts=[66], responses=[[17]], H=2, Hkv=1, window=40),
     dict(d=128, dtype=torch.bfloat16, prompts=[520], responses=[[150, 7]], H=1, Hkv=1),
     dict(d=256, dtype=torch.bfloat16, prompts=[200], responses=[[140]], H=1, Hkv=1),
+    dict(d=128, dtype=torch.float16, prompts=[150, 3], responses=[[70, 1], [40]], H=4, Hkv=1, window=100),
 ]
 
 

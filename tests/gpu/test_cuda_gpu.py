@@ -144,19 +144,35 @@ def test_grid_matches_reference(cuda_backend, case, dtype):
     _check_against_reference(case, dtype, r)
 
 
+def _forward_kernels(case, dtype):
+    """Run the case under the CUDA profiler: its result and the names of the kernels that ran."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        r = _run_packed(case, dtype, deterministic=False)
+    return r, {e.name for e in prof.events()}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", [c for c in GRID if c[4] in (64, 128, 192, 256)], ids=lambda c: _ids(c))
-def test_wgmma_forward_matches_reference(cuda_backend, case, monkeypatch):
-    """DUALKV_CUDA_WGMMA=1: the Hopper wgmma forward (bf16, d = 64 / 128 / 192 / 256;
-    csrc/dkv_fwd_sm90.cuh) on the grid, out / lse / gradients (the backward is the mma.sync one)
-    against the fp32 reference."""
+def test_wgmma_forward_matches_reference(cuda_backend, case, dtype, monkeypatch):
+    """The Hopper wgmma forward (csrc/dkv_fwd_sm90.cuh; d = 64 / 128 / 192 / 256, the default on sm_90)
+    on the grid: out / lse / gradients (the backward is the mma.sync one) against the fp32 reference,
+    and the profiler shows that the wgmma kernel ran."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the wgmma forward needs an sm_90 GPU")
-    monkeypatch.setenv("DUALKV_CUDA_WGMMA", "1")
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        r = _run_packed(case, torch.bfloat16, deterministic=False)
-    _check_against_reference(case, torch.bfloat16, r)
-    kernels = {e.name for e in prof.events()}
+    monkeypatch.delenv("DUALKV_CUDA_WGMMA", raising=False)
+    r, kernels = _forward_kernels(case, dtype)
+    _check_against_reference(case, dtype, r)
     assert any("dkv_fwd_sm90_kernel" in name for name in kernels), f"the wgmma forward did not run: {sorted(kernels)}"
+
+
+@pytest.mark.parametrize("case", [GRID[0], GRID[4]], ids=lambda c: _ids(c))
+def test_mma_sync_forward_on_request(cuda_backend, case, monkeypatch):
+    """DUALKV_CUDA_WGMMA=0 selects the mma.sync forward on any card, and it matches the reference."""
+    monkeypatch.setenv("DUALKV_CUDA_WGMMA", "0")
+    r, kernels = _forward_kernels(case, torch.bfloat16)
+    _check_against_reference(case, torch.bfloat16, r)
+    assert not any("dkv_fwd_sm90_kernel" in name for name in kernels)
+    assert any("dkv_fwd_kernel" in name for name in kernels), f"the mma.sync forward did not run: {sorted(kernels)}"
 
 
 @pytest.mark.parametrize("case", [GRID[0], GRID[3], GRID[4], GRID[8]], ids=lambda c: _ids(c))
