@@ -180,8 +180,8 @@ def _cell(row: dict | None, mode: str = "fwdbwd") -> str:
     if row is None:
         return "—"
     s = row["status"]
-    if s == "ok" and row.get(f"{mode}_ms") is not None:
-        return f"{row[f'{mode}_ms']:.1f} ({row[f'{mode}_tflops']:.0f})"
+    if s == "ok":  # a run of other modes (--modes) did not measure this one
+        return f"{row[f'{mode}_ms']:.1f} ({row[f'{mode}_tflops']:.0f})" if row.get(f"{mode}_ms") is not None else "—"
     if s == "OOM":
         return "OOM"
     return s.split(":")[0]
@@ -253,7 +253,8 @@ def write_markdown(path: Path, results: list[dict], rows: list[dict] | None = No
     lines += ["", "Useful TFLOP/s = 3.5 * 4*d*H*(attended pairs of the packed layout) / time for forward+backward "
               "(1x forward, 2.5x backward); the same FLOP count for every provider.", ""]
     for mode in ("fwdbwd", "fwd", "bwd"):
-        lines += [markdown_table(rows, mode), ""]
+        if any(r.get(f"{mode}_ms") is not None for r in rows) or not any(r["status"] == "ok" for r in rows):
+            lines += [markdown_table(rows, mode), ""]
     lines += ["All rows:", "", detail_table(rows), ""]
     for res in results:
         val = res.get("validation", [])
@@ -294,13 +295,16 @@ def save_figure(fig, path: Path, rect=None) -> Path:
 
 
 def plot_results(rows: list[dict], stem: Path, title: str = "") -> list[Path]:
-    """``<stem>_tflops.png`` (useful TFLOP/s, forward+backward) and ``<stem>_ms.png`` (time, log scale)."""
+    """``<stem>_tflops.png`` (useful TFLOP/s) and ``<stem>_ms.png`` (time, log scale) of forward+backward,
+    or of the first mode the rows measured (a ``--modes fwd`` run plots the forward)."""
     plt = pyplot()
 
     groups = _groups(rows)
     paths = []
-    for metric, ylabel, log in (("fwdbwd_tflops", "useful TFLOP/s, forward+backward", False),
-                                ("fwdbwd_ms", "forward+backward ms (log scale)", True)):
+    mode = next((m for m in ("fwdbwd", "fwd", "bwd") if any(r.get(f"{m}_ms") is not None for r in rows)), "fwdbwd")
+    name = _MODE_NAMES[mode]
+    for metric, ylabel, log in ((f"{mode}_tflops", f"useful TFLOP/s, {name}", False),
+                                (f"{mode}_ms", f"{name} ms (log scale)", True)):
         n_configs = sum(len({r["config"] for r in g}) for g in groups.values())
         fig, axes = plt.subplots(1, len(groups), figsize=(min(18.0, 3.0 + 1.4 * n_configs), 5.0),
                                  squeeze=False, gridspec_kw=dict(width_ratios=[len({r["config"] for r in g}) for g in groups.values()]))

@@ -238,6 +238,18 @@ def test_writer_tables_and_plots(tmp_path):
     assert csv_text[0].startswith("config,label") and csv_text[0].endswith("card,date,command") and len(csv_text) == 4
 
 
+def test_writer_shows_only_measured_modes(tmp_path):
+    """A forward-only run (--modes fwd) gets a forward table, no forward+backward or backward table."""
+    meta = report.environment(CPU, "benchmarks.bench_attention", ["--modes", "fwd"])
+    writer = report.ResultWriter(tmp_path, "fwd_only", meta)
+    row = dict(_fake_rows()[0], bwd_ms=None, fwdbwd_ms=None, bwd_tflops=None, fwdbwd_tflops=None)
+    writer.add(row)
+    writer.finish()
+    md = (tmp_path / "fwd_only.md").read_text()
+    assert "; forward, ms" in md and "forward+backward, ms" not in md and "; backward, ms" not in md
+    assert f"{row['fwd_ms']:.1f} ({row['fwd_tflops']:.0f})" in md
+
+
 def test_merge_prefers_measured_rows(tmp_path):
     rows = _fake_rows()
     first = dict(meta=dict(date="a", command="x"), rows=[rows[0]])
@@ -314,3 +326,13 @@ def test_decoder_tables_and_plot(tmp_path):
     md = dl.tables(rows)
     assert "| 5120 | 32 | 1090 | 5.00 | 100.0 | 400.0 | OOM |" in md and "4.00x" in md
     assert dl.plot(rows, tmp_path / "p.png", "test").exists()
+
+
+def test_kernel_once_runs_forward_and_backward(capsys):
+    from benchmarks import kernel_once
+
+    kernel_once.main(["--config", "N=2,P=40,R=9,H=4,H_kv=2,d=32,dtype=float32", "--backend", "reference",
+                      "--backward", "--device", "cpu", "--calls", "2"])
+    assert "2 call(s) on reference" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        kernel_once.main(["--calls", "0", "--device", "cpu"])
