@@ -180,6 +180,19 @@ bool use_sm90_forward(const Tensor& q, int head_dim) {
 #endif
 }
 
+// The wgmma dK/dV kernel (dkv_bwd_sm90.cuh) is opt-in until it has run on a GPU:
+// DUALKV_CUDA_WGMMA_BWD=1, head dims 64 / 128, on an sm_90 device with wgmma code, or the CPU emulation.
+bool use_sm90_dkdv(const Tensor& q, int head_dim) {
+  const char* flag = std::getenv("DUALKV_CUDA_WGMMA_BWD");
+  if (flag == nullptr || std::string(flag) != "1" || !sm90_dkdv_supports(head_dim)) return false;
+#ifdef DKV_EMULATE
+  (void)q;
+  return true;
+#else
+  return at::cuda::getDeviceProperties(q.device().index())->major == 9 && sm90_kernels_built();
+#endif
+}
+
 template <class E>
 cudaError_t dispatch_fwd(const FwdParams& p, cudaStream_t st) {
   switch (p.head_dim) {
@@ -291,16 +304,18 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
     dv_accum = at::zeros({accum_rows, args.nheads_kv, args.head_dim}, f32);
   }
 
-  const TileConfig dqc = dq_config(args.head_dim), kvc = dkdv_config(args.head_dim);
+  const TileConfig dqc = dq_config(args.head_dim);
+  const bool dkdv_sm90 = use_sm90_dkdv(q, args.head_dim);
+  const int kv_block = dkdv_sm90 ? kSm90DkdvBlockN : dkdv_config(args.head_dim).block_n;
   const Tensor seg_len = segment_lengths(cu_seqlens);
   Tensor q_tile_prefix = prefix_of(seg_len, dqc.block_m);
   // dkdv items per segment: its own key tiles (+ its context tiles, by default); deterministic with
   // a separate context adds one group per context region.
-  Tensor per_seg = at::div(seg_len + (kvc.block_n - 1), kvc.block_n, "floor");
-  if (!deterministic) per_seg = per_seg + at::div(seg_ctx_len + (kvc.block_n - 1), kvc.block_n, "floor");
+  Tensor per_seg = at::div(seg_len + (kv_block - 1), kv_block, "floor");
+  if (!deterministic) per_seg = per_seg + at::div(seg_ctx_len + (kv_block - 1), kv_block, "floor");
   Tensor groups = per_seg;
   if (deterministic && args.ctx_separate) {
-    groups = at::cat({per_seg, at::div(ctx_key_len + (kvc.block_n - 1), kvc.block_n, "floor")});
+    groups = at::cat({per_seg, at::div(ctx_key_len + (kv_block - 1), kv_block, "floor")});
   }
   Tensor kv_item_prefix = prefix_of(groups, 1);
   Tensor work_counter = at::zeros({1}, q.options().dtype(at::kInt));
@@ -336,7 +351,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
   const bool bf16 = q.scalar_type() == at::kBFloat16;
   check_launch(bf16 ? run_bwd_prep<Bf16>(p, st) : run_bwd_prep<Fp16>(p, st), "backward preprocessing kernel");
   check_launch(bf16 ? dispatch_dq<Bf16>(p, st) : dispatch_dq<Fp16>(p, st), "dq kernel");
-  check_launch(bf16 ? dispatch_dkdv<Bf16>(p, st) : dispatch_dkdv<Fp16>(p, st), "dk/dv kernel");
+  if (dkdv_sm90) {
+    check_launch(bf16 ? run_dkdv_sm90<Bf16>(p, st) : run_dkdv_sm90<Fp16>(p, st), "dk/dv kernel (sm90 wgmma)");
+  } else {
+    check_launch(bf16 ? dispatch_dkdv<Bf16>(p, st) : dispatch_dkdv<Fp16>(p, st), "dk/dv kernel");
+  }
   if (accum_rows > 0) {
     check_launch(bf16 ? run_bwd_convert<Bf16>(p, st) : run_bwd_convert<Fp16>(p, st), "context-gradient convert kernel");
   }

@@ -35,35 +35,6 @@ struct FwdSm90 {
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one H100 / H200 block");
 };
 
-// Rows [row, row + kRows) of one head of a (rows, heads, K::kHeadDim) tensor into kRows x 64-column
-// swizzled parts, part c at dst + c * kRows * 64 (rows past `valid` read as zeros). When the block's
-// threads cover whole rows, each thread keeps one 16-byte column chunk and steps down the rows by a
-// multiple of 8, so its swizzled position repeats and the addresses are a pointer add per copy.
-template <class K, int kRows>
-DKV_DEV void load_tile_sw128_async(uint16_t* dst, const TensorRef& t, int64_t row, int head, int valid, int tid) {
-  const uint16_t* base = static_cast<const uint16_t*>(t.ptr);
-  constexpr int kChunks = K::kHeadDim / 8;  // chunks of 8 elements per row
-  if constexpr (K::kThreads % kChunks == 0 && (K::kThreads / kChunks) % 8 == 0 && kRows % (K::kThreads / kChunks) == 0) {
-    constexpr int kRowStep = K::kThreads / kChunks;
-    const int c = tid % kChunks, r0 = tid / kChunks;
-    const uint16_t* src = base + t.offset(row + r0, head) + c * 8;
-    const int64_t step = kRowStep * t.row_stride;
-    uint16_t* d = dst + (c / 8) * kRows * 64 + sm90::sw128_offset(r0, (c % 8) * 8) / 2;
-#pragma unroll
-    for (int k = 0; k < kRows / kRowStep; ++k) {
-      const bool ok = r0 + k * kRowStep < valid;
-      cp_async_16(d + k * kRowStep * 64, ok ? src + k * step : base, ok);
-    }
-  } else {
-    for (int i = tid; i < kRows * kChunks; i += K::kThreads) {
-      const int r = i / kChunks, c = i % kChunks;
-      const bool ok = r < valid;
-      const uint16_t* src = ok ? base + t.offset(row + r, head) + c * 8 : base;
-      cp_async_16(dst + (c / 8) * kRows * 64 + sm90::sw128_offset(r, (c % 8) * 8) / 2, src, ok);
-    }
-  }
-}
-
 template <class E, int D>
 DKV_GLOBAL void DKV_LAUNCH_BOUNDS(FwdSm90<D>::kThreads) dkv_fwd_sm90_kernel(const DKV_GRID_CONSTANT FwdParams p) {
   using K = FwdSm90<D>;
@@ -89,15 +60,15 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(FwdSm90<D>::kThreads) dkv_fwd_sm90_kernel(cons
 
   auto load_k = [&](int t) {
     const KvTile kt = walk.tile<kBlockN>(t);
-    load_tile_sw128_async<K, kBlockN>(sK(t), kt.ctx ? p.k_ctx : p.k, kt.row, hk, kt.valid, tid);
+    sm90::load_tile_sw128_async<D, K::kThreads, kBlockN>(sK(t), kt.ctx ? p.k_ctx : p.k, kt.row, hk, kt.valid, tid);
   };
   auto load_v = [&](int t) {
     const KvTile kt = walk.tile<kBlockN>(t);
-    load_tile_sw128_async<K, kBlockN>(sV(t), kt.ctx ? p.v_ctx : p.v, kt.row, hk, kt.valid, tid);
+    sm90::load_tile_sw128_async<D, K::kThreads, kBlockN>(sV(t), kt.ctx ? p.v_ctx : p.v, kt.row, hk, kt.valid, tid);
   };
   // One cp.async group per step: group 0 = Q and K_0, group j = K_j and V_{j-1} (prologue j < kStages - 1,
   // then iteration j - kStages + 1): iteration t needs group t.
-  load_tile_sw128_async<K, kBlockM>(sQ, p.q, row0 + q0, h, m_valid, tid);
+  sm90::load_tile_sw128_async<D, K::kThreads, kBlockM>(sQ, p.q, row0 + q0, h, m_valid, tid);
   load_k(0);  // n_tiles >= 1: a query always sees its own key
   cp_async_commit();
   for (int j = 1; j < kStages - 1; ++j) {

@@ -24,6 +24,7 @@
 #include <cstdint>
 
 #include "dkv_device.cuh"
+#include "dkv_params.h"
 
 namespace dkv {
 namespace sm90 {
@@ -71,6 +72,35 @@ DKV_DEV unsigned char* dynamic_smem_1024() {
 
 // An MN-major operand of 64 columns (one swizzle atom wide), k16 step starting at smem_ptr.
 DKV_DEV uint64_t smem_desc_sw128_mn64(const void* smem_ptr) { return smem_desc_sw128(smem_ptr, 1024, 1024); }
+
+// Rows [row, row + kRows) of one head of a (rows, heads, kHeadDim) tensor into kRows x 64-column
+// swizzled parts, part c at dst + c * kRows * 64 (rows past `valid` read as zeros). When the block's
+// threads cover whole rows, each thread keeps one 16-byte column chunk and steps down the rows by a
+// multiple of 8, so its swizzled position repeats and the addresses are a pointer add per copy.
+template <int kHeadDim, int kThreads, int kRows>
+DKV_DEV void load_tile_sw128_async(uint16_t* dst, const TensorRef& t, int64_t row, int head, int valid, int tid) {
+  const uint16_t* base = static_cast<const uint16_t*>(t.ptr);
+  constexpr int kChunks = kHeadDim / 8;  // chunks of 8 elements per row
+  if constexpr (kThreads % kChunks == 0 && (kThreads / kChunks) % 8 == 0 && kRows % (kThreads / kChunks) == 0) {
+    constexpr int kRowStep = kThreads / kChunks;
+    const int c = tid % kChunks, r0 = tid / kChunks;
+    const uint16_t* src = base + t.offset(row + r0, head) + c * 8;
+    const int64_t step = kRowStep * t.row_stride;
+    uint16_t* d = dst + (c / 8) * kRows * 64 + sw128_offset(r0, (c % 8) * 8) / 2;
+#pragma unroll
+    for (int k = 0; k < kRows / kRowStep; ++k) {
+      const bool ok = r0 + k * kRowStep < valid;
+      cp_async_16(d + k * kRowStep * 64, ok ? src + k * step : base, ok);
+    }
+  } else {
+    for (int i = tid; i < kRows * kChunks; i += kThreads) {
+      const int r = i / kChunks, c = i % kChunks;
+      const bool ok = r < valid;
+      const uint16_t* src = ok ? base + t.offset(row + r, head) + c * 8 : base;
+      cp_async_16(dst + (c / 8) * kRows * 64 + sw128_offset(r, (c % 8) * 8) / 2, src, ok);
+    }
+  }
+}
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define DKV_HAS_WGMMA 1
@@ -219,6 +249,16 @@ DKV_DEV void wgmma_ss_k_major(float (&d)[kN / 2], uint64_t desc_a, uint64_t desc
     wgmma_m64n64k16_ss<E, 0>(d, desc_a, desc_b, accumulate);
   else
     wgmma_m64n128k16_ss<E>(d, desc_a, desc_b, accumulate);
+}
+
+// Make a descriptor opaque to the compiler at this point, so that the descriptors derived from it in
+// an unrolled loop are computed where they are used instead of hoisted out of the enclosing loop and
+// held in registers for its whole duration (two registers each, 16-64 of them per block of wgmmas).
+DKV_DEV uint64_t desc_here(uint64_t desc) {
+#if DKV_HAS_WGMMA
+  asm volatile("" : "+l"(desc));
+#endif
+  return desc;
 }
 
 // Pin accumulator registers in place between a wgmma's issue and its wait: the compiler must neither

@@ -70,7 +70,7 @@ def test_every_kernel_translation_unit_compiles_for_sm80_and_sm90a(tmp_path):
 
 
 def test_wgmma_check_kernels_compile_for_sm90a(tmp_path):
-    """csrc/dkv_wgmma.cuh (not used by the kernels yet) and its GPU check kernels compile for sm_90a."""
+    """csrc/dkv_wgmma.cuh and its GPU check kernels (tests/gpu/wgmma_check.cu) compile for sm_90a."""
     nvcc = _nvcc()
     if nvcc is None:
         pytest.skip("nvcc is not installed")
@@ -81,15 +81,15 @@ def test_wgmma_check_kernels_compile_for_sm90a(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
-def test_wgmma_building_blocks_and_forward_on_the_cpu_emulation():
-    """The wgmma check kernels and the wgmma forward kernel on the host emulation
-    (csrc/emulation/emulate.py --wgmma / --sm90): tile layout, descriptors, fragment packing and the
-    forward's masking and online softmax agree with torch and the reference; the GPU tests check
-    that the hardware reads the layouts the same way."""
+def test_wgmma_building_blocks_and_kernels_on_the_cpu_emulation():
+    """The wgmma check kernels, the wgmma forward and the wgmma dK/dV kernel on the host emulation
+    (csrc/emulation/emulate.py --wgmma / --sm90 / --sm90-bwd --quick): tile layout, descriptors,
+    fragment packing, the forward's masking and online softmax, and the dK/dV reader walk agree with
+    torch and the reference; the GPU tests check that the hardware reads the layouts the same way."""
     if shutil.which("c++") is None and shutil.which("g++") is None:
         pytest.skip("no C++ compiler for the emulation build")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    for mode in (["--wgmma"], ["--sm90", "--forward-only"]):  # the building blocks, then the wgmma forward
+    for mode in (["--wgmma"], ["--sm90", "--forward-only"], ["--sm90-bwd", "--quick"]):
         proc = subprocess.run([sys.executable, str(CSRC / "emulation" / "emulate.py"), *mode], capture_output=True,
                               text=True, env=env, timeout=1200)
         assert proc.returncode == 0 and "ALL OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]

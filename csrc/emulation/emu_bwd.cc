@@ -6,3 +6,4 @@
 #include "../dkv_bwd_hdim192.cu"
 #include "../dkv_bwd_hdim256.cu"
 #include "../dkv_bwd_hdim512.cu"
+#include "../dkv_bwd_sm90.cu"

@@ -9,6 +9,7 @@ per CUDA thread): keep the shapes tiny.
     python csrc/emulation/emulate.py --quick    # two cases
     python csrc/emulation/emulate.py --wgmma    # the wgmma building blocks (csrc/dkv_wgmma.cuh) only
     python csrc/emulation/emulate.py --sm90     # the wgmma forward (DUALKV_CUDA_WGMMA=1)
+    python csrc/emulation/emulate.py --sm90-bwd # the wgmma dK/dV kernel (DUALKV_CUDA_WGMMA_BWD=1)
 """
 
 from __future__ import annotations
@@ -150,6 +151,20 @@ SM90_CASES = [
 ]
 
 
+# The wgmma dK/dV kernel's cases (DUALKV_CUDA_WGMMA_BWD=1; d = 64, 128; 128-key tiles of two
+# warpgroups, 64-row query tiles): prompt tiles summed over several readers (atomic and deterministic),
+# owner tiles with ragged ends, GQA, several groups, window, softcap, separate context.
+SM90_BWD_CASES = [
+    dict(d=128, dtype=torch.bfloat16, prompts=[200], responses=[[150, 7]], H=2, Hkv=1),
+    dict(d=64, dtype=torch.float16, prompts=[130, 5], responses=[[70, 1], [66]], H=4, Hkv=1),
+    dict(d=128, dtype=torch.bfloat16, prompts=[200], responses=[[150, 7]], H=2, Hkv=1, deterministic=True),
+    dict(d=64, dtype=torch.bfloat16, prompts=[140], responses=[[90, 3]], H=2, Hkv=1, window=70),
+    dict(d=128, dtype=torch.float16, prompts=[64], responses=[[65, 64]], H=1, Hkv=1, softcap=5.0),
+    dict(d=64, dtype=torch.bfloat16, prompts=[130], responses=[[30, 12]], H=2, Hkv=1, separate=True),
+    dict(d=64, dtype=torch.bfloat16, prompts=[130], responses=[[30, 12]], H=2, Hkv=1, separate=True, deterministic=True),
+]
+
+
 def run_wgmma_checks(seed: int = 0) -> bool:
     """The wgmma check kernels (csrc/dkv_wgmma_check.cuh) against torch on 64 x 64 bf16 tiles."""
     g = torch.Generator().manual_seed(seed)
@@ -174,7 +189,9 @@ def main():
     ap.add_argument("--only", type=int, default=None)
     ap.add_argument("--wgmma", action="store_true", help="only the wgmma building blocks")
     ap.add_argument("--sm90", action="store_true", help="the wgmma forward kernel's cases (DUALKV_CUDA_WGMMA=1)")
-    ap.add_argument("--forward-only", action="store_true", help="skip the backward (it has no wgmma path yet)")
+    ap.add_argument("--sm90-bwd", action="store_true",
+                    help="the wgmma dK/dV kernel's cases (DUALKV_CUDA_WGMMA_BWD=1, with the wgmma forward)")
+    ap.add_argument("--forward-only", action="store_true", help="with --sm90: skip the backward")
     args = ap.parse_args()
     t = time.time()
     build()
@@ -187,6 +204,13 @@ def main():
     if args.sm90:
         os.environ["DUALKV_CUDA_WGMMA"] = "1"
         ok = all([run_case(**c, backward=not args.forward_only) for c in SM90_CASES])
+        print("ALL OK" if ok else "FAILURES")
+        sys.exit(0 if ok else 1)
+    if args.sm90_bwd:
+        os.environ["DUALKV_CUDA_WGMMA"] = "1"
+        os.environ["DUALKV_CUDA_WGMMA_BWD"] = "1"
+        cases = [SM90_BWD_CASES[i] for i in (3, 4, 6)] if args.quick else SM90_BWD_CASES
+        ok = all([run_case(**c) for c in cases])
         print("ALL OK" if ok else "FAILURES")
         sys.exit(0 if ok else 1)
     cases = CASES[:2] if args.quick else CASES

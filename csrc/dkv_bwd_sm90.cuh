@@ -1,0 +1,224 @@
+// dK/dV kernel on Hopper warpgroup MMA (sm_90a), fp16 / bf16, head dims 64 and 128 (docs/cuda.md).
+// Same work items, reader walk and output modes as the mma.sync kernel (dkv_bwd.cuh): a persistent
+// block takes a tile of 128 keys of one kv head, walks every query tile that reads it (its owner
+// segment, then the reader segments of a shared prompt, for every query head of the group), and
+// writes dK / dV directly or adds them to the fp32 context workspace. A block is two warpgroups
+// (256 threads), warpgroup w on keys 64 w .. 64 w + 63; per query tile of 64 rows, each warpgroup:
+//
+//   S^T  (64 keys x 64 queries) = K Q^T     wgmma SS (both operands K-major in shared memory)
+//   dP^T (64 x 64)              = V dO^T    wgmma SS
+//   P^T = exp2(score(S^T) - lse), dS^T = P^T (dP^T - D)     in the accumulator registers
+//   dV (64 x d) += P^T dO                   wgmma RS: P^T re-packed as the register operand,
+//   dK (64 x d) += dS^T Q                   dO / Q as MN-major operands, per 64-column part
+//
+// Q, dO, lse and D of the next query tile load (cp.async, 128B-swizzled) while this one computes.
+// Opt-in (DUALKV_CUDA_WGMMA_BWD=1) until it is checked on a GPU; matches the reference on the CPU
+// emulation (csrc/emulation/emulate.py --sm90-bwd).
+#pragma once
+
+#include "dkv_bwd.cuh"
+#include "dkv_wgmma.cuh"
+
+namespace dkv {
+
+template <int kHeadDim_>
+struct DkdvSm90 {
+  static constexpr int kHeadDim = kHeadDim_, kBlockN = 128, kBlockM = 64, kThreads = 256;
+  static constexpr int kParts = kHeadDim / 64;
+  static constexpr int kKvTile = kBlockN * kHeadDim, kQTile = kBlockM * kHeadDim;  // elements
+  // K, V; Q and dO double-buffered; lse_log2 and dsum double-buffered; the item slot; alignment.
+  static constexpr int kSmemBytes = (2 * kKvTile + 4 * kQTile) * 2 + 4 * kBlockM * 4 + 16 + 1024;
+  static_assert(kHeadDim == 64 || kHeadDim == 128, "the wgmma dK/dV kernel: head dim 64 or 128");
+};
+
+template <class E, int D>
+DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONSTANT BwdParams p) {
+  using K = DkdvSm90<D>;
+  constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kParts = K::kParts;
+  const int tid = thread_idx(), lane = tid & 31, warp = (tid >> 5) & 3, wg = tid >> 7;
+  const int g = lane >> 2, tq = lane & 3;
+  const int rep = p.nheads / p.nheads_kv;
+  const int W = p.window;
+  const int total_items = p.kv_item_prefix[p.num_item_groups] * p.nheads_kv;
+
+  uint16_t* sK = reinterpret_cast<uint16_t*>(sm90::dynamic_smem_1024());
+  uint16_t* sV = sK + K::kKvTile;
+  uint16_t* sQ0 = sV + K::kKvTile;       // buffer b at sQ0 + b * kQTile
+  uint16_t* sdO0 = sQ0 + 2 * K::kQTile;  // buffer b at sdO0 + b * kQTile
+  float* sL0 = reinterpret_cast<float*>(sdO0 + 2 * K::kQTile);
+  float* sD0 = sL0 + 2 * kBlockM;
+  int* s_item = reinterpret_cast<int*>(sD0 + 2 * kBlockM);
+
+  // This warpgroup's 64 keys start 64 rows (8 KB) into every 128-row part of K and V.
+  const uint64_t desc_k = sm90::smem_desc_sw128(reinterpret_cast<const char*>(sK) + wg * 64 * 128);
+  const uint64_t desc_v = sm90::smem_desc_sw128(reinterpret_cast<const char*>(sV) + wg * 64 * 128);
+  const uint64_t desc_q = sm90::smem_desc_sw128(sQ0), desc_do = sm90::smem_desc_sw128(sdO0);
+  const uint64_t desc_q_mn = sm90::smem_desc_sw128_mn64(sQ0), desc_do_mn = sm90::smem_desc_sw128_mn64(sdO0);
+  constexpr uint32_t kQTileBytes = K::kQTile * 2;
+
+  const ScoreFn score = make_score_fn(p.scale, p.softcap);
+  const int key_in_tile[2] = {64 * wg + 16 * warp + g, 64 * wg + 16 * warp + g + 8};
+
+  for (;;) {
+    if (tid == 0) *s_item = atomic_add_i32(p.work_counter, 1);
+    block_sync();
+    const int item = *s_item;
+    block_sync();
+    if (item >= total_items) break;
+    const KvItem it = decode_item<kBlockN>(p, item);
+    sm90::load_tile_sw128_async<D, K::kThreads, kBlockN>(sK, it.ctx_tensor ? p.k_ctx : p.k, it.key_row0, it.hk, it.nk, tid);
+    sm90::load_tile_sw128_async<D, K::kThreads, kBlockN>(sV, it.ctx_tensor ? p.v_ctx : p.v, it.key_row0, it.hk, it.nk, tid);
+
+    auto issue_q = [&](const ReaderCursor<kBlockM>& cur, int b) -> QTileDesc {
+      const int i0 = cur.v.i_lo + cur.t * kBlockM;
+      QTileDesc d;
+      d.m_valid = imin(kBlockM, cur.v.i_hi - i0);
+      d.qpos0 = cur.v.ctx_len + i0;
+      d.kpos0 = cur.v.kpos0;
+      d.klo = cur.v.klo;
+      d.khi = cur.v.khi;
+      const int hq = it.hk * rep + cur.hl;
+      const int row = cur.v.row0 + i0;
+      sm90::load_tile_sw128_async<D, K::kThreads, kBlockM>(sQ0 + b * K::kQTile, p.q, row, hq, d.m_valid, tid);
+      sm90::load_tile_sw128_async<D, K::kThreads, kBlockM>(sdO0 + b * K::kQTile, p.dout, row, hq, d.m_valid, tid);
+      const int64_t si = static_cast<int64_t>(hq) * p.total_q + row;
+      load_vec_async<kBlockM, K::kThreads>(sL0 + b * kBlockM, p.lse_log2 + si, d.m_valid, p.lse_log2, tid);
+      load_vec_async<kBlockM, K::kThreads>(sD0 + b * kBlockM, p.dsum + si, d.m_valid, p.dsum, tid);
+      return d;
+    };
+
+    float dk[kParts][32], dv[kParts][32];
+    for (int part = 0; part < kParts; ++part)
+      for (int i = 0; i < 32; ++i) dk[part][i] = dv[part][i] = 0.f;
+
+    ReaderCursor<kBlockM> cur;
+    bool have = cur.begin(p, it);
+    QTileDesc desc{};
+    if (have) desc = issue_q(cur, 0);
+    cp_async_commit();  // group: K, V and the first query tile
+    int b = 0;
+    while (have) {
+      ReaderCursor<kBlockM> nxt = cur;
+      const bool have_next = nxt.advance(p, it, rep);
+      QTileDesc next_desc{};
+      if (have_next) next_desc = issue_q(nxt, b ^ 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+      sm90::fence_smem_to_async_proxy();
+      block_sync();
+
+      const float* sL = sL0 + b * kBlockM;
+      const float* sD = sD0 + b * kBlockM;
+      const uint32_t qb = b * kQTileBytes;
+
+      // S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys (D / 16 k16 steps each).
+      float st[32], dpt[32];
+      const uint64_t dk0 = sm90::desc_here(desc_k), dv0 = sm90::desc_here(desc_v);
+      const uint64_t dq0 = sm90::desc_here(desc_q), ddo0 = sm90::desc_here(desc_do);
+      sm90::wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < D / 16; ++k) {  // part k / 4, 32 bytes per k16 step inside it
+        const uint32_t kv_off = (k / 4) * kBlockN * 128 + (k % 4) * 32, q_off = qb + (k / 4) * kBlockM * 128 + (k % 4) * 32;
+        sm90::wgmma_m64n64k16_ss<E, 0>(st, sm90::desc_advance(dk0, kv_off), sm90::desc_advance(dq0, q_off), k > 0);
+        sm90::wgmma_m64n64k16_ss<E, 0>(dpt, sm90::desc_advance(dv0, kv_off), sm90::desc_advance(ddo0, q_off), k > 0);
+      }
+      sm90::wgmma_commit();
+      sm90::wgmma_wait<0>();
+      sm90::fence_operand<32>(st);
+      sm90::fence_operand<32>(dpt);
+
+      // st[4 j + i]: key key_in_tile[i / 2], query 8 j + 2 tq + i % 2 of the tile.
+      const int kpos_first = desc.kpos0 + desc.klo, kpos_last = desc.kpos0 + desc.khi - 1;
+      const bool need_mask = desc.m_valid < kBlockM || desc.klo > 0 || desc.khi < kBlockN ||
+                             kpos_last > desc.qpos0 || desc.qpos0 + desc.m_valid - 1 - kpos_first >= W;
+      with_score_mode(score.softcap, need_mask, [&](auto cap, auto mask) {
+#pragma unroll
+        for (int e = 0; e < 32; ++e) {
+          const int col = 8 * (e / 4) + 2 * tq + (e % 2), key = key_in_tile[(e / 2) % 2];
+          bool masked = false;
+          if constexpr (decltype(mask)::value) {
+            const int qpos = desc.qpos0 + col, kpos = desc.kpos0 + key;
+            masked = col >= desc.m_valid || key < desc.klo || key >= desc.khi || kpos > qpos || qpos - kpos >= W;
+          }
+          const float raw = st[e];
+          float pr, ds;
+          if constexpr (decltype(cap)::value) {
+            const float th = tanh_f(raw * score.cap_inv_scale);
+            pr = fast_exp2(score.cap_log2 * th - sL[col]);
+            ds = pr * (dpt[e] - sD[col]) * (1.f - th * th);
+          } else {
+            pr = fast_exp2(score.plain(raw) - sL[col]);
+            ds = pr * (dpt[e] - sD[col]);
+          }
+          st[e] = masked ? 0.f : pr;
+          dpt[e] = masked ? 0.f : ds;
+        }
+      });
+      uint32_t pa[kBlockM / 16][4], dsa[kBlockM / 16][4];
+      c_to_a<E, kBlockM>(pa, reinterpret_cast<const float(&)[kBlockM / 8][4]>(st));
+      c_to_a<E, kBlockM>(dsa, reinterpret_cast<const float(&)[kBlockM / 8][4]>(dpt));
+
+      // dV += P^T dO, dK += dS^T Q: queries 16 kq .. 16 kq + 15 are rows 2048 bytes apart per step.
+      const uint64_t ddo_mn = sm90::desc_here(desc_do_mn), dq_mn = sm90::desc_here(desc_q_mn);
+      sm90::wgmma_fence();
+#pragma unroll
+      for (int part = 0; part < kParts; ++part)
+#pragma unroll
+        for (int kq = 0; kq < kBlockM / 16; ++kq) {
+          const uint32_t off = qb + part * kBlockM * 128 + kq * 2048;
+          sm90::wgmma_m64n64k16_rs<E, 1>(dv[part], pa[kq], sm90::desc_advance(ddo_mn, off), true);
+          sm90::wgmma_m64n64k16_rs<E, 1>(dk[part], dsa[kq], sm90::desc_advance(dq_mn, off), true);
+        }
+      sm90::wgmma_commit();
+      sm90::wgmma_wait<0>();
+      for (int part = 0; part < kParts; ++part) {
+        sm90::fence_operand<32>(dk[part]);
+        sm90::fence_operand<32>(dv[part]);
+      }
+      block_sync();  // every warpgroup is done with buffer b before the next step refills it
+
+      cur = nxt;
+      have = have_next;
+      desc = next_desc;
+      b ^= 1;
+    }
+    cp_async_wait<0>();  // an item with no reader still has its K/V load in flight
+
+    // dk[part][4 j + i]: key key_in_tile[i / 2], column 64 part + 8 j + 2 tq + i % 2.
+    for (int r = 0; r < 2; ++r) {
+      const int key = key_in_tile[r];
+      if (key >= it.nk) continue;
+      const int row = it.key_row0 + key;
+      bool atomic = it.out_mode == kOutAtomic;
+      if (it.out_mode == kOutPerRow) atomic = region_of_row(p, row) >= 0;
+      if (atomic) {
+        float* dka = p.dk_accum + (static_cast<int64_t>(row) * p.nheads_kv + it.hk) * p.head_dim + 2 * tq;
+        float* dva = p.dv_accum + (static_cast<int64_t>(row) * p.nheads_kv + it.hk) * p.head_dim + 2 * tq;
+        for (int part = 0; part < kParts; ++part)
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            const int col = 64 * part + 8 * j;
+            atomic_add_f32(dka + col, dk[part][4 * j + 2 * r] * p.scale);
+            atomic_add_f32(dka + col + 1, dk[part][4 * j + 2 * r + 1] * p.scale);
+            atomic_add_f32(dva + col, dv[part][4 * j + 2 * r]);
+            atomic_add_f32(dva + col + 1, dv[part][4 * j + 2 * r + 1]);
+          }
+      } else {
+        const TensorRef dkr = it.ctx_tensor ? p.dk_ctx : p.dk;
+        const TensorRef dvr = it.ctx_tensor ? p.dv_ctx : p.dv;
+        uint16_t* dkp = static_cast<uint16_t*>(dkr.ptr) + dkr.offset(row, it.hk) + 2 * tq;
+        uint16_t* dvp = static_cast<uint16_t*>(dvr.ptr) + dvr.offset(row, it.hk) + 2 * tq;
+        for (int part = 0; part < kParts; ++part)
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            const int col = 64 * part + 8 * j;
+            store_u32(dkp + col, pack2<E>(dk[part][4 * j + 2 * r] * p.scale, dk[part][4 * j + 2 * r + 1] * p.scale));
+            store_u32(dvp + col, pack2<E>(dv[part][4 * j + 2 * r], dv[part][4 * j + 2 * r + 1]));
+          }
+      }
+    }
+    block_sync();  // shared K/V are reloaded by the next item
+  }
+}
+
+}  // namespace dkv
