@@ -180,11 +180,11 @@ bool use_sm90_forward(const Tensor& q, int head_dim) {
 #endif
 }
 
-// The wgmma dK/dV kernel (dkv_bwd_sm90.cuh) is opt-in until it has run on a GPU:
+// The wgmma backward kernels (dkv_bwd_sm90.cuh: dQ and dK/dV) are opt-in until they have run on a GPU:
 // DUALKV_CUDA_WGMMA_BWD=1, head dims 64 / 128, on an sm_90 device with wgmma code, or the CPU emulation.
-bool use_sm90_dkdv(const Tensor& q, int head_dim) {
+bool use_sm90_backward(const Tensor& q, int head_dim) {
   const char* flag = std::getenv("DUALKV_CUDA_WGMMA_BWD");
-  if (flag == nullptr || std::string(flag) != "1" || !sm90_dkdv_supports(head_dim)) return false;
+  if (flag == nullptr || std::string(flag) != "1" || !sm90_bwd_supports(head_dim)) return false;
 #ifdef DKV_EMULATE
   (void)q;
   return true;
@@ -304,11 +304,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
     dv_accum = at::zeros({accum_rows, args.nheads_kv, args.head_dim}, f32);
   }
 
-  const TileConfig dqc = dq_config(args.head_dim);
-  const bool dkdv_sm90 = use_sm90_dkdv(q, args.head_dim);
-  const int kv_block = dkdv_sm90 ? kSm90DkdvBlockN : dkdv_config(args.head_dim).block_n;
+  const bool sm90 = use_sm90_backward(q, args.head_dim);
+  const int dq_block = sm90 ? kSm90DqBlockM : dq_config(args.head_dim).block_m;
+  const int kv_block = sm90 ? kSm90DkdvBlockN : dkdv_config(args.head_dim).block_n;
   const Tensor seg_len = segment_lengths(cu_seqlens);
-  Tensor q_tile_prefix = prefix_of(seg_len, dqc.block_m);
+  Tensor q_tile_prefix = prefix_of(seg_len, dq_block);
   // dkdv items per segment: its own key tiles (+ its context tiles, by default); deterministic with
   // a separate context adds one group per context region.
   Tensor per_seg = at::div(seg_len + (kv_block - 1), kv_block, "floor");
@@ -341,7 +341,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
   p.dv_accum = accum_rows > 0 ? dv_accum.data_ptr<float>() : nullptr;
   p.accum_rows = accum_rows;
   p.q_tile_prefix = q_tile_prefix.data_ptr<int>();
-  p.grid_tiles = grid_tiles_bound(T, args.layout.num_segments, dqc.block_m);
+  p.grid_tiles = grid_tiles_bound(T, args.layout.num_segments, dq_block);
   p.kv_item_prefix = kv_item_prefix.data_ptr<int>();
   p.num_item_groups = static_cast<int>(groups.size(0));
   p.work_counter = work_counter.data_ptr<int>();
@@ -350,10 +350,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
   const cudaStream_t st = current_stream();
   const bool bf16 = q.scalar_type() == at::kBFloat16;
   check_launch(bf16 ? run_bwd_prep<Bf16>(p, st) : run_bwd_prep<Fp16>(p, st), "backward preprocessing kernel");
-  check_launch(bf16 ? dispatch_dq<Bf16>(p, st) : dispatch_dq<Fp16>(p, st), "dq kernel");
-  if (dkdv_sm90) {
+  if (sm90) {
+    check_launch(bf16 ? run_dq_sm90<Bf16>(p, st) : run_dq_sm90<Fp16>(p, st), "dq kernel (sm90 wgmma)");
     check_launch(bf16 ? run_dkdv_sm90<Bf16>(p, st) : run_dkdv_sm90<Fp16>(p, st), "dk/dv kernel (sm90 wgmma)");
   } else {
+    check_launch(bf16 ? dispatch_dq<Bf16>(p, st) : dispatch_dq<Fp16>(p, st), "dq kernel");
     check_launch(bf16 ? dispatch_dkdv<Bf16>(p, st) : dispatch_dkdv<Fp16>(p, st), "dk/dv kernel");
   }
   if (accum_rows > 0) {

@@ -1,4 +1,9 @@
-// dK/dV kernel on Hopper warpgroup MMA (sm_90a), fp16 / bf16, head dims 64 and 128 (docs/cuda.md).
+// Backward kernels on Hopper warpgroup MMA (sm_90a), fp16 / bf16, head dims 64 and 128 (docs/cuda.md):
+// dQ (query-parallel, the forward's walk) and dK/dV (key-parallel). Opt-in (DUALKV_CUDA_WGMMA_BWD=1)
+// until they are checked on a GPU; they match the reference on the CPU emulation
+// (csrc/emulation/emulate.py --sm90-bwd).
+//
+// dK/dV:
 // Same work items, reader walk and output modes as the mma.sync kernel (dkv_bwd.cuh): a persistent
 // block takes a tile of 128 keys of one kv head, walks every query tile that reads it (its owner
 // segment, then the reader segments of a shared prompt, for every query head of the group), and
@@ -12,14 +17,162 @@
 //   dK (64 x d) += dS^T Q                   dO / Q as MN-major operands, per 64-column part
 //
 // Q, dO, lse and D of the next query tile load (cp.async, 128B-swizzled) while this one computes.
-// Opt-in (DUALKV_CUDA_WGMMA_BWD=1) until it is checked on a GPU; matches the reference on the CPU
-// emulation (csrc/emulation/emulate.py --sm90-bwd).
+//
+// dQ: a block is two warpgroups on 128 query rows of one head (the forward's walk over its group's
+// prompt keys, then its own), key tiles of 64 in a ring of kStages buffers; per key tile, each
+// warpgroup computes S = Q K^T and dP = dO V^T (wgmma SS), dS = P (dP - D) in registers, and
+// dQ (64 x d) += dS K (wgmma RS, K as an MN-major operand).
 #pragma once
 
 #include "dkv_bwd.cuh"
 #include "dkv_wgmma.cuh"
 
 namespace dkv {
+
+template <int kHeadDim_>
+struct DqSm90 {
+  static constexpr int kHeadDim = kHeadDim_, kBlockM = 128, kBlockN = 64, kThreads = 256, kStages = 3;
+  static constexpr int kParts = kHeadDim / 64;
+  static constexpr int kQTile = kBlockM * kHeadDim, kKvTile = kBlockN * kHeadDim;  // elements
+  static constexpr int kSmemBytes = (2 * kQTile + 2 * kStages * kKvTile) * 2 + 1024;  // Q, dO, K / V rings
+  static_assert(kHeadDim == 64 || kHeadDim == 128, "the wgmma dQ kernel: head dim 64 or 128");
+};
+
+template <class E, int D>
+DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dq_sm90_kernel(const DKV_GRID_CONSTANT BwdParams p) {
+  using K = DqSm90<D>;
+  constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kParts = K::kParts, kStages = K::kStages;
+  const QueryTile qt = query_tile<kBlockM>(p, p.q_tile_prefix);
+  if (qt.s < 0) return;
+  const int row0 = qt.row0, ctx_len = qt.ctx_len, ctx_row0 = qt.ctx_row0, q0 = qt.q0, m_valid = qt.m_valid;
+  const int h = qt.h, hk = qt.hk;
+  const int W = p.window;
+  const int tid = thread_idx(), lane = tid & 31, warp = (tid >> 5) & 3, wg = tid >> 7;
+  const int g = lane >> 2, tq = lane & 3;
+
+  uint16_t* sQ = reinterpret_cast<uint16_t*>(sm90::dynamic_smem_1024());
+  uint16_t* sdO = sQ + K::kQTile;
+  uint16_t* sK0 = sdO + K::kQTile;  // K buffers, then V buffers; tile t in buffer t % kStages
+  auto sK = [&](int t) { return sK0 + (t % kStages) * K::kKvTile; };
+  auto sV = [&](int t) { return sK0 + (kStages + t % kStages) * K::kKvTile; };
+
+  const TwoRegionWalk walk = make_walk<kBlockN>(q0, m_valid, ctx_len, ctx_row0, row0, W);
+  const int n_tiles = walk.n_ctx_tiles + walk.n_own_tiles;
+  const int qpos_lo = ctx_len + q0, qpos_hi = qpos_lo + m_valid - 1;
+
+  auto load_kv = [&](int t) {
+    const KvTile kt = walk.tile<kBlockN>(t);
+    sm90::load_tile_sw128_async<D, K::kThreads, kBlockN>(sK(t), kt.ctx ? p.k_ctx : p.k, kt.row, hk, kt.valid, tid);
+    sm90::load_tile_sw128_async<D, K::kThreads, kBlockN>(sV(t), kt.ctx ? p.v_ctx : p.v, kt.row, hk, kt.valid, tid);
+  };
+  // One cp.async group per step: group 0 = Q, dO and tile 0; group j = tile j: iteration t needs group t.
+  sm90::load_tile_sw128_async<D, K::kThreads, kBlockM>(sQ, p.q, row0 + q0, h, m_valid, tid);
+  sm90::load_tile_sw128_async<D, K::kThreads, kBlockM>(sdO, p.dout, row0 + q0, h, m_valid, tid);
+  load_kv(0);  // n_tiles >= 1: a query always sees its own key
+  cp_async_commit();
+  for (int j = 1; j < kStages - 1; ++j) {
+    if (j < n_tiles) load_kv(j);
+    cp_async_commit();
+  }
+
+  const int row_in_tile[2] = {64 * wg + 16 * warp + g, 64 * wg + 16 * warp + g + 8};
+  float lse2[2], dsum[2];
+  for (int r = 0; r < 2; ++r) {
+    const int row = row_in_tile[r];
+    const int64_t i = static_cast<int64_t>(h) * p.total_q + row0 + q0 + row;
+    lse2[r] = row < m_valid ? p.lse_log2[i] : 0.f;
+    dsum[r] = row < m_valid ? p.dsum[i] : 0.f;
+  }
+
+  // This warpgroup's 64 query rows start 64 rows (8 KB) into every 128-row part of Q and dO.
+  const uint64_t desc_q = sm90::smem_desc_sw128(reinterpret_cast<const char*>(sQ) + wg * 64 * 128);
+  const uint64_t desc_do = sm90::smem_desc_sw128(reinterpret_cast<const char*>(sdO) + wg * 64 * 128);
+  const uint64_t desc_k = sm90::smem_desc_sw128(sK(0)), desc_v = sm90::smem_desc_sw128(sV(0));
+  const uint64_t desc_k_mn = sm90::smem_desc_sw128_mn64(sK(0));
+  constexpr uint32_t kKvTileBytes = K::kKvTile * 2;
+
+  const ScoreFn score = make_score_fn(p.scale, p.softcap);
+  float dq[kParts][32];
+  for (int part = 0; part < kParts; ++part)
+    for (int i = 0; i < 32; ++i) dq[part][i] = 0.f;
+
+  for (int t = 0; t < n_tiles; ++t) {
+    // Tile t (group t) has landed, and every warpgroup is done with tile t - 1, whose buffer the
+    // load below refills.
+    cp_async_wait<kStages - 2>();
+    sm90::fence_smem_to_async_proxy();
+    block_sync();
+    if (t + kStages - 1 < n_tiles) load_kv(t + kStages - 1);
+    cp_async_commit();
+
+    const uint32_t buf = (t % kStages) * kKvTileBytes;
+    const uint64_t dq0 = sm90::desc_here(desc_q), ddo0 = sm90::desc_here(desc_do);
+    const uint64_t dk0 = sm90::desc_advance(desc_k, buf), dv0 = sm90::desc_advance(desc_v, buf);
+    float s[32], dp[32];
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < D / 16; ++k) {  // part k / 4, 32 bytes per k16 step inside it
+      const uint32_t q_off = (k / 4) * kBlockM * 128 + (k % 4) * 32, kv_off = (k / 4) * kBlockN * 128 + (k % 4) * 32;
+      sm90::wgmma_m64n64k16_ss<E, 0>(s, sm90::desc_advance(dq0, q_off), sm90::desc_advance(dk0, kv_off), k > 0);
+      sm90::wgmma_m64n64k16_ss<E, 0>(dp, sm90::desc_advance(ddo0, q_off), sm90::desc_advance(dv0, kv_off), k > 0);
+    }
+    sm90::wgmma_commit();
+    sm90::wgmma_wait<0>();
+    sm90::fence_operand<32>(s);
+    sm90::fence_operand<32>(dp);
+
+    // s[4 j + i]: row row_in_tile[i / 2], key 8 j + 2 tq + i % 2 of the tile.
+    const KvTile kt = walk.tile<kBlockN>(t);
+    const bool need_mask = kt.valid < kBlockN || kt.kpos0 + kt.valid - 1 > qpos_lo || qpos_hi - kt.kpos0 >= W;
+    with_score_mode(score.softcap, need_mask, [&](auto cap, auto mask) {
+#pragma unroll
+      for (int e = 0; e < 32; ++e) {
+        const int r = (e / 2) % 2;
+        bool masked = false;
+        if constexpr (decltype(mask)::value) {
+          const int col = 8 * (e / 4) + 2 * tq + (e % 2), kpos = kt.kpos0 + col;
+          const int qpos = qpos_lo + row_in_tile[r];
+          masked = col >= kt.valid || kpos > qpos || qpos - kpos >= W;
+        }
+        const float raw = s[e];
+        float ds;
+        if constexpr (decltype(cap)::value) {
+          const float th = tanh_f(raw * score.cap_inv_scale);
+          ds = fast_exp2(score.cap_log2 * th - lse2[r]) * (dp[e] - dsum[r]) * (1.f - th * th);
+        } else {
+          ds = fast_exp2(score.plain(raw) - lse2[r]) * (dp[e] - dsum[r]);
+        }
+        dp[e] = masked ? 0.f : ds;
+      }
+    });
+    uint32_t dsa[kBlockN / 16][4];
+    c_to_a<E, kBlockN>(dsa, reinterpret_cast<const float(&)[kBlockN / 8][4]>(dp));
+
+    // dQ += dS K: keys 16 kk .. 16 kk + 15 are rows 2048 bytes apart per step.
+    const uint64_t dk_mn = sm90::desc_advance(desc_k_mn, buf);
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int part = 0; part < kParts; ++part)
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk)
+        sm90::wgmma_m64n64k16_rs<E, 1>(dq[part], dsa[kk], sm90::desc_advance(dk_mn, part * kBlockN * 128 + kk * 2048), true);
+    sm90::wgmma_commit();
+    sm90::wgmma_wait<0>();
+    for (int part = 0; part < kParts; ++part) sm90::fence_operand<32>(dq[part]);
+  }
+  cp_async_wait<0>();
+
+  uint16_t* dq_ptr = static_cast<uint16_t*>(p.dq.ptr);
+  for (int r = 0; r < 2; ++r) {
+    const int row = row_in_tile[r];
+    if (row >= m_valid) continue;
+    uint16_t* dst = dq_ptr + p.dq.offset(row0 + q0 + row, h) + 2 * tq;
+    for (int part = 0; part < kParts; ++part)
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        store_u32(dst + 64 * part + 8 * j, pack2<E>(dq[part][4 * j + 2 * r] * p.scale, dq[part][4 * j + 2 * r + 1] * p.scale));
+  }
+}
 
 template <int kHeadDim_>
 struct DkdvSm90 {

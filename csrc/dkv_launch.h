@@ -24,10 +24,14 @@ cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream);
 bool sm90_forward_supports(int head_dim);
 bool sm90_kernels_built();  // the wgmma kernels were compiled for sm_90a (checked once on the device)
 constexpr int kSm90BlockM = 128;
-// dK/dV on Hopper warpgroup MMA (fp16 / bf16, head dims 64 / 128; key tiles of 128).
+// Backward on Hopper warpgroup MMA (fp16 / bf16, head dims 64 / 128): dQ on query tiles of 128 rows,
+// dK/dV on key tiles of 128.
+template <class E>
+cudaError_t run_dq_sm90(const BwdParams& p, cudaStream_t stream);
 template <class E>
 cudaError_t run_dkdv_sm90(const BwdParams& p, cudaStream_t stream);
-bool sm90_dkdv_supports(int head_dim);
+bool sm90_bwd_supports(int head_dim);
+constexpr int kSm90DqBlockM = 128;
 constexpr int kSm90DkdvBlockN = 128;
 // Backward: dq kernel and dkdv kernel for one head dim.
 template <class E, int D>

@@ -9,7 +9,7 @@ per CUDA thread): keep the shapes tiny.
     python csrc/emulation/emulate.py --quick    # two cases
     python csrc/emulation/emulate.py --wgmma    # the wgmma building blocks (csrc/dkv_wgmma.cuh) only
     python csrc/emulation/emulate.py --sm90     # the wgmma forward (DUALKV_CUDA_WGMMA=1)
-    python csrc/emulation/emulate.py --sm90-bwd # the wgmma dK/dV kernel (DUALKV_CUDA_WGMMA_BWD=1)
+    python csrc/emulation/emulate.py --sm90-bwd # the wgmma dQ and dK/dV kernels (DUALKV_CUDA_WGMMA_BWD=1)
 """
 
 from __future__ import annotations
@@ -151,9 +151,9 @@ SM90_CASES = [
 ]
 
 
-# The wgmma dK/dV kernel's cases (DUALKV_CUDA_WGMMA_BWD=1; d = 64, 128; 128-key tiles of two
-# warpgroups, 64-row query tiles): prompt tiles summed over several readers (atomic and deterministic),
-# owner tiles with ragged ends, GQA, several groups, window, softcap, separate context.
+# The wgmma backward's cases (DUALKV_CUDA_WGMMA_BWD=1; d = 64, 128; dQ on 128-row query tiles with
+# 64-key tiles, dK/dV on 128-key tiles with 64-row query tiles): prompt tiles summed over several
+# readers (atomic and deterministic), ragged ends, GQA, several groups, window, softcap, separate context.
 SM90_BWD_CASES = [
     dict(d=128, dtype=torch.bfloat16, prompts=[200], responses=[[150, 7]], H=2, Hkv=1),
     dict(d=64, dtype=torch.float16, prompts=[130, 5], responses=[[70, 1], [66]], H=4, Hkv=1),
@@ -190,7 +190,7 @@ def main():
     ap.add_argument("--wgmma", action="store_true", help="only the wgmma building blocks")
     ap.add_argument("--sm90", action="store_true", help="the wgmma forward kernel's cases (DUALKV_CUDA_WGMMA=1)")
     ap.add_argument("--sm90-bwd", action="store_true",
-                    help="the wgmma dK/dV kernel's cases (DUALKV_CUDA_WGMMA_BWD=1, with the wgmma forward)")
+                    help="the wgmma backward's cases (DUALKV_CUDA_WGMMA_BWD=1, with the wgmma forward)")
     ap.add_argument("--forward-only", action="store_true", help="with --sm90: skip the backward")
     args = ap.parse_args()
     t = time.time()

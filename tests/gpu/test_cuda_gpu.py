@@ -168,18 +168,19 @@ def test_wgmma_forward_matches_reference(cuda_backend, case, dtype, monkeypatch)
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", [c for c in GRID if c[4] in (64, 128)], ids=lambda c: _ids(c))
-def test_wgmma_dkdv_matches_reference(cuda_backend, case, dtype, deterministic, monkeypatch):
-    """DUALKV_CUDA_WGMMA_BWD=1: the Hopper wgmma dK/dV kernel (csrc/dkv_bwd_sm90.cuh; d = 64 / 128)
-    on the grid against the fp32 reference, in both accumulation modes, and the profiler shows that
-    it ran."""
+def test_wgmma_backward_matches_reference(cuda_backend, case, dtype, deterministic, monkeypatch):
+    """DUALKV_CUDA_WGMMA_BWD=1: the Hopper wgmma dQ and dK/dV kernels (csrc/dkv_bwd_sm90.cuh;
+    d = 64 / 128) on the grid against the fp32 reference, in both accumulation modes, and the
+    profiler shows that they ran."""
     if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the wgmma dK/dV kernel needs an sm_90 GPU")
+        pytest.skip("the wgmma backward needs an sm_90 GPU")
     monkeypatch.setenv("DUALKV_CUDA_WGMMA_BWD", "1")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         r = _run_packed(case, dtype, deterministic=deterministic)
     _check_against_reference(case, dtype, r)
     kernels = {e.name for e in prof.events()}
-    assert any("dkv_dkdv_sm90_kernel" in name for name in kernels), f"the wgmma dK/dV did not run: {sorted(kernels)}"
+    for kernel in ("dkv_dq_sm90_kernel", "dkv_dkdv_sm90_kernel"):
+        assert any(kernel in name for name in kernels), f"{kernel} did not run: {sorted(kernels)}"
 
 
 @pytest.mark.parametrize("case", [GRID[0], GRID[4]], ids=lambda c: _ids(c))
