@@ -108,37 +108,50 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(FwdSm90<D>::kThreads) dkv_fwd_sm90_kernel(cons
   float m_run[2] = {kNegInf, kNegInf}, l_run[2] = {0.f, 0.f};
   const int row_in_tile[2] = {64 * wg + 16 * warp + g, 64 * wg + 16 * warp + g + 8};
 
-  // Softmax of S (in place: S becomes exp(S - m)) and the factors alpha that rescale O and l.
+  // Softmax of S (in place: S becomes exp2(x - m)) and the factors alpha that rescale O and l. Without
+  // softcap the scores stay raw and the scale goes into the exponent, one FFMA per score
+  // (exp2(raw * scale_log2 - m), m in scaled units; the scale is positive, so the raw row maximum
+  // scales to the scaled one); with softcap, x = cap * tanh(raw * scale / cap) in log2 units.
   auto softmax = [&](float (&s)[kBlockN / 2], int t, float (&alpha)[2]) {
     const KvTile kt = walk.tile<kBlockN>(t);
     const bool need_mask = kt.valid < kBlockN || kt.kpos0 + kt.valid - 1 > qpos_lo || qpos_hi - kt.kpos0 >= W;
-    apply_scores(s, score, need_mask, [&](int e) {  // s[4 j + 2 r + c]: row r, column 8 j + 2 tq + c
-      const int col = 8 * (e / 4) + 2 * tq + (e % 2), kpos = kt.kpos0 + col;
-      const int qpos = qpos_lo + row_in_tile[(e / 2) % 2];
-      return col >= kt.valid || kpos > qpos || qpos - kpos >= W;
-    });
+    with_score_mode(score.softcap, need_mask, [&](auto cap, auto mask) {
+      constexpr bool kCap = decltype(cap)::value;
+      const float sl = kCap ? 1.f : score.scale_log2;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {  // rows g (r = 0) and g + 8 (r = 1); a quad of lanes shares a row
-      float mx = kNegInf;
-#pragma unroll
-      for (int j = 0; j < kBlockN / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
-      mx = fmaxf(mx, shfl_xor(mx, 1));
-      mx = fmaxf(mx, shfl_xor(mx, 2));
-      const float m_new = fmaxf(m_run[r], mx);
-      const float m_use = m_new == kNegInf ? 0.f : m_new;
-      alpha[r] = fast_exp2(m_run[r] - m_use);
-      m_run[r] = m_new;
-      float sum = 0.f;
-#pragma unroll
-      for (int j = 0; j < kBlockN / 8; ++j)
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const float e = fast_exp2(s[4 * j + 2 * r + c] - m_use);
-          s[4 * j + 2 * r + c] = e;
-          sum += e;
+      for (int e = 0; e < kBlockN / 2; ++e) {  // s[4 j + 2 r + c]: row r, column 8 j + 2 tq + c
+        float x = s[e];
+        if constexpr (kCap) x = score.capped(x);
+        if constexpr (decltype(mask)::value) {
+          const int col = 8 * (e / 4) + 2 * tq + (e % 2), kpos = kt.kpos0 + col;
+          const int qpos = qpos_lo + row_in_tile[(e / 2) % 2];
+          if (col >= kt.valid || kpos > qpos || qpos - kpos >= W) x = kNegInf;
         }
-      l_run[r] = l_run[r] * alpha[r] + sum;
-    }
+        s[e] = x;
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {  // rows g (r = 0) and g + 8 (r = 1); a quad of lanes shares a row
+        float mx = kNegInf;
+#pragma unroll
+        for (int j = 0; j < kBlockN / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
+        mx = fmaxf(mx, shfl_xor(mx, 1));
+        mx = fmaxf(mx, shfl_xor(mx, 2));
+        const float m_new = fmaxf(m_run[r], mx * sl);
+        const float m_use = m_new == kNegInf ? 0.f : m_new;
+        alpha[r] = fast_exp2(m_run[r] - m_use);
+        m_run[r] = m_new;
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const float e = fast_exp2(fmaf(s[4 * j + 2 * r + c], sl, -m_use));
+            s[4 * j + 2 * r + c] = e;
+            sum += e;
+          }
+        l_run[r] = l_run[r] * alpha[r] + sum;
+      }
+    });
   };
 
   float s[kBlockN / 2];
