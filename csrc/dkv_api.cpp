@@ -176,7 +176,7 @@ bool use_sm90_forward(const Tensor& q, int head_dim) {
   (void)q;
   return choice == "1";
 #else
-  return choice != "0" && at::cuda::getDeviceProperties(q.device().index())->major == 9 && sm90_kernels_built();
+  return choice != "0" && at::cuda::getDeviceProperties(q.device().index())->major == 9 && sm90_kernels_built(current_stream());
 #endif
 }
 
@@ -189,7 +189,7 @@ bool use_sm90_backward(const Tensor& q, int head_dim) {
   (void)q;
   return true;
 #else
-  return at::cuda::getDeviceProperties(q.device().index())->major == 9 && sm90_kernels_built();
+  return at::cuda::getDeviceProperties(q.device().index())->major == 9 && sm90_kernels_built(current_stream());
 #endif
 }
 

@@ -3,6 +3,8 @@
 #include "dkv_fwd_sm90.cuh"
 #include "dkv_launch_impl.cuh"
 
+#include <atomic>
+
 namespace dkv {
 
 template <class E, int D>
@@ -23,21 +25,29 @@ DKV_GLOBAL void dkv_wgmma_probe_kernel(int* built) { *built = DKV_HAS_WGMMA; }
 #endif
 
 // Whether the device code this process runs was compiled with wgmma (sm_90a): an extension built for
-// plain sm_90 (TORCH_CUDA_ARCH_LIST=9.0) has the kernels, but they trap. Asked once, on first use.
-bool sm90_kernels_built() {
+// plain sm_90 (TORCH_CUDA_ARCH_LIST=9.0) has the kernels, but they trap. Asked once, on first use; a
+// first use inside CUDA graph capture (where the probe's allocation is not allowed) answers false
+// without asking, so that call takes the mma.sync kernels.
+bool sm90_kernels_built(cudaStream_t stream) {
 #ifdef DKV_EMULATE
+  (void)stream;
   return true;
 #else
-  static const bool built = [] {
-    int* flag = nullptr;
-    if (cudaMalloc(&flag, sizeof(int)) != cudaSuccess) return false;
+  static std::atomic<int> built{-1};
+  const int known = built.load();
+  if (known >= 0) return known == 1;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess || capture != cudaStreamCaptureStatusNone) return false;
+  int* flag = nullptr;
+  int host = 0;
+  bool ok = cudaMalloc(&flag, sizeof(int)) == cudaSuccess;
+  if (ok) {
     dkv_wgmma_probe_kernel<<<1, 1>>>(flag);
-    int host = 0;
-    const bool ok = cudaMemcpy(&host, flag, sizeof(int), cudaMemcpyDeviceToHost) == cudaSuccess;
+    ok = cudaMemcpy(&host, flag, sizeof(int), cudaMemcpyDeviceToHost) == cudaSuccess;
     cudaFree(flag);
-    return ok && host == 1;
-  }();
-  return built;
+  }
+  built.store(ok && host == 1 ? 1 : 0);
+  return ok && host == 1;
 #endif
 }
 

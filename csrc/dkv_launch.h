@@ -22,7 +22,7 @@ cudaError_t run_fwd(const FwdParams& p, cudaStream_t stream);
 template <class E>
 cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream);
 bool sm90_forward_supports(int head_dim);
-bool sm90_kernels_built();  // the wgmma kernels were compiled for sm_90a (checked once on the device)
+bool sm90_kernels_built(cudaStream_t stream);  // the wgmma kernels were compiled for sm_90a (checked once)
 constexpr int kSm90BlockM = 128;
 // Backward on Hopper warpgroup MMA (fp16 / bf16, head dims 64 / 128): dQ on query tiles of 128 rows,
 // dK/dV on key tiles of 128.
