@@ -181,15 +181,19 @@ bool use_sm90_forward(const Tensor& q, int head_dim) {
 }
 
 // The wgmma backward kernels (dkv_bwd_sm90.cuh: dQ and dK/dV) are opt-in until they have run on a GPU:
-// DUALKV_CUDA_WGMMA_BWD=1, head dims 64 / 128, on an sm_90 device with wgmma code, or the CPU emulation.
-bool use_sm90_backward(const Tensor& q, int head_dim) {
+// DUALKV_CUDA_WGMMA_BWD=1 (dK/dV steps one after the other) or 2 (dK/dV with the next query tile's
+// products overlapping), head dims 64 / 128, on an sm_90 device with wgmma code, or the CPU emulation.
+// Returns 0 (mma.sync), 1 or 2.
+int use_sm90_backward(const Tensor& q, int head_dim) {
   const char* flag = std::getenv("DUALKV_CUDA_WGMMA_BWD");
-  if (flag == nullptr || std::string(flag) != "1" || !sm90_bwd_supports(head_dim)) return false;
+  const std::string choice = flag == nullptr ? "" : flag;
+  const int mode = choice == "1" ? 1 : choice == "2" ? 2 : 0;
+  if (mode == 0 || !sm90_bwd_supports(head_dim)) return 0;
 #ifdef DKV_EMULATE
   (void)q;
-  return true;
+  return mode;
 #else
-  return at::cuda::getDeviceProperties(q.device().index())->major == 9 && sm90_kernels_built(current_stream());
+  return at::cuda::getDeviceProperties(q.device().index())->major == 9 && sm90_kernels_built(current_stream()) ? mode : 0;
 #endif
 }
 
@@ -304,7 +308,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
     dv_accum = at::zeros({accum_rows, args.nheads_kv, args.head_dim}, f32);
   }
 
-  const bool sm90 = use_sm90_backward(q, args.head_dim);
+  const int sm90 = use_sm90_backward(q, args.head_dim);
   const int dq_block = sm90 ? kSm90DqBlockM : dq_config(args.head_dim).block_m;
   const int kv_block = sm90 ? kSm90DkdvBlockN : dkdv_config(args.head_dim).block_n;
   const Tensor seg_len = segment_lengths(cu_seqlens);
@@ -352,7 +356,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
   check_launch(bf16 ? run_bwd_prep<Bf16>(p, st) : run_bwd_prep<Fp16>(p, st), "backward preprocessing kernel");
   if (sm90) {
     check_launch(bf16 ? run_dq_sm90<Bf16>(p, st) : run_dq_sm90<Fp16>(p, st), "dq kernel (sm90 wgmma)");
-    check_launch(bf16 ? run_dkdv_sm90<Bf16>(p, st) : run_dkdv_sm90<Fp16>(p, st), "dk/dv kernel (sm90 wgmma)");
+    const bool overlap = sm90 == 2;
+    check_launch(bf16 ? run_dkdv_sm90<Bf16>(p, st, overlap) : run_dkdv_sm90<Fp16>(p, st, overlap),
+                 "dk/dv kernel (sm90 wgmma)");
   } else {
     check_launch(bf16 ? dispatch_dq<Bf16>(p, st) : dispatch_dq<Fp16>(p, st), "dq kernel");
     check_launch(bf16 ? dispatch_dkdv<Bf16>(p, st) : dispatch_dkdv<Fp16>(p, st), "dk/dv kernel");

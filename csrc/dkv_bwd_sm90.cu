@@ -1,15 +1,15 @@
 // dQ and dK/dV on Hopper warpgroup MMA (dkv_bwd_sm90.cuh): fp16 and bf16, head dims 64 and 128. The
 // kernels trap unless the unit is built for sm_90a; the binding only calls them on an sm_90 device
-// whose code has wgmma (sm90_kernels_built), and only with DUALKV_CUDA_WGMMA_BWD=1 for now.
+// whose code has wgmma (sm90_kernels_built), and only with DUALKV_CUDA_WGMMA_BWD=1 or 2 for now.
 #include "dkv_bwd_sm90.cuh"
 #include "dkv_launch_impl.cuh"
 
 namespace dkv {
 
-template <class E, int D>
+template <class E, int D, bool kOverlap>
 cudaError_t launch_dkdv_sm90(const BwdParams& p, cudaStream_t stream) {
-  using K = DkdvSm90<D>;
-  auto kernel = &dkv_dkdv_sm90_kernel<E, D>;
+  using K = DkdvSm90<D, kOverlap>;
+  auto kernel = &dkv_dkdv_sm90_kernel<E, D, kOverlap>;
   static const cudaError_t attr = allow_smem(kernel, K::kSmemBytes);
   if (attr != cudaSuccess) return attr;
   static const int blocks = persistent_blocks(kernel, K::kThreads, K::kSmemBytes);
@@ -40,17 +40,17 @@ cudaError_t run_dq_sm90(const BwdParams& p, cudaStream_t stream) {
 }
 
 template <class E>
-cudaError_t run_dkdv_sm90(const BwdParams& p, cudaStream_t stream) {
+cudaError_t run_dkdv_sm90(const BwdParams& p, cudaStream_t stream, bool overlap) {
   switch (p.head_dim) {
-    case 64: return launch_dkdv_sm90<E, 64>(p, stream);
-    case 128: return launch_dkdv_sm90<E, 128>(p, stream);
+    case 64: return overlap ? launch_dkdv_sm90<E, 64, true>(p, stream) : launch_dkdv_sm90<E, 64, false>(p, stream);
+    case 128: return overlap ? launch_dkdv_sm90<E, 128, true>(p, stream) : launch_dkdv_sm90<E, 128, false>(p, stream);
     default: return static_cast<cudaError_t>(1);  // cudaErrorInvalidValue: the binding never asks for it
   }
 }
 
 template cudaError_t run_dq_sm90<Fp16>(const BwdParams&, cudaStream_t);
 template cudaError_t run_dq_sm90<Bf16>(const BwdParams&, cudaStream_t);
-template cudaError_t run_dkdv_sm90<Fp16>(const BwdParams&, cudaStream_t);
-template cudaError_t run_dkdv_sm90<Bf16>(const BwdParams&, cudaStream_t);
+template cudaError_t run_dkdv_sm90<Fp16>(const BwdParams&, cudaStream_t, bool);
+template cudaError_t run_dkdv_sm90<Bf16>(const BwdParams&, cudaStream_t, bool);
 
 }  // namespace dkv

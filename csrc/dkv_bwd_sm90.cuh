@@ -174,20 +174,28 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dq_sm90_kernel(const DKV_GRID_CONSTAN
   }
 }
 
-template <int kHeadDim_>
+// kOverlap = false: per query tile, the two shared-memory products, the element-wise step, then the
+// two register-operand products, each waited for. kOverlap = true: the shared-memory products of
+// tile i + 1 are issued before the register-operand products of tile i, and the element-wise step
+// of tile i + 1 runs while those still run (the forward's pattern); Q / dO / lse / D then need three
+// buffers instead of two.
+template <int kHeadDim_, bool kOverlap_>
 struct DkdvSm90 {
   static constexpr int kHeadDim = kHeadDim_, kBlockN = 128, kBlockM = 64, kThreads = 256;
+  static constexpr bool kOverlap = kOverlap_;
+  static constexpr int kQBuffers = kOverlap ? 3 : 2;
   static constexpr int kParts = kHeadDim / 64;
   static constexpr int kKvTile = kBlockN * kHeadDim, kQTile = kBlockM * kHeadDim;  // elements
-  // K, V; Q and dO double-buffered; lse_log2 and dsum double-buffered; the item slot; alignment.
-  static constexpr int kSmemBytes = (2 * kKvTile + 4 * kQTile) * 2 + 4 * kBlockM * 4 + 16 + 1024;
+  // K, V; Q and dO buffers; lse_log2 and dsum buffers; the item slot; alignment.
+  static constexpr int kSmemBytes =
+      (2 * kKvTile + 2 * kQBuffers * kQTile) * 2 + 2 * kQBuffers * kBlockM * 4 + 16 + 1024;
   static_assert(kHeadDim == 64 || kHeadDim == 128, "the wgmma dK/dV kernel: head dim 64 or 128");
 };
 
-template <class E, int D>
+template <class E, int D, bool kOverlap>
 DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONSTANT BwdParams p) {
-  using K = DkdvSm90<D>;
-  constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kParts = K::kParts;
+  using K = DkdvSm90<D, kOverlap>;
+  constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kParts = K::kParts, kQBuffers = K::kQBuffers;
   const int tid = thread_idx(), lane = tid & 31, warp = (tid >> 5) & 3, wg = tid >> 7;
   const int g = lane >> 2, tq = lane & 3;
   const int rep = p.nheads / p.nheads_kv;
@@ -196,11 +204,11 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
 
   uint16_t* sK = reinterpret_cast<uint16_t*>(sm90::dynamic_smem_1024());
   uint16_t* sV = sK + K::kKvTile;
-  uint16_t* sQ0 = sV + K::kKvTile;       // buffer b at sQ0 + b * kQTile
-  uint16_t* sdO0 = sQ0 + 2 * K::kQTile;  // buffer b at sdO0 + b * kQTile
-  float* sL0 = reinterpret_cast<float*>(sdO0 + 2 * K::kQTile);
-  float* sD0 = sL0 + 2 * kBlockM;
-  int* s_item = reinterpret_cast<int*>(sD0 + 2 * kBlockM);
+  uint16_t* sQ0 = sV + K::kKvTile;               // buffer b at sQ0 + b * kQTile
+  uint16_t* sdO0 = sQ0 + kQBuffers * K::kQTile;  // buffer b at sdO0 + b * kQTile
+  float* sL0 = reinterpret_cast<float*>(sdO0 + kQBuffers * K::kQTile);
+  float* sD0 = sL0 + kQBuffers * kBlockM;
+  int* s_item = reinterpret_cast<int*>(sD0 + kQBuffers * kBlockM);
 
   // This warpgroup's 64 keys start 64 rows (8 KB) into every 128-row part of K and V.
   const uint64_t desc_k = sm90::smem_desc_sw128(reinterpret_cast<const char*>(sK) + wg * 64 * 128);
@@ -211,6 +219,81 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
 
   const ScoreFn score = make_score_fn(p.scale, p.softcap);
   const int key_in_tile[2] = {64 * wg + 16 * warp + g, 64 * wg + 16 * warp + g + 8};
+
+  float dk[kParts][32], dv[kParts][32];
+  float st[32], dpt[32];
+  uint32_t pa[kBlockM / 16][4], dsa[kBlockM / 16][4];
+
+  // S^T = K Q^T and dP^T = V dO^T of the query tile in buffer b (D / 16 k16 steps each).
+  auto issue_ss = [&](int b) {
+    const uint32_t qb = b * kQTileBytes;
+    const uint64_t dk0 = sm90::desc_here(desc_k), dv0 = sm90::desc_here(desc_v);
+    const uint64_t dq0 = sm90::desc_here(desc_q), ddo0 = sm90::desc_here(desc_do);
+#pragma unroll
+    for (int k = 0; k < D / 16; ++k) {  // part k / 4, 32 bytes per k16 step inside it
+      const uint32_t kv_off = (k / 4) * kBlockN * 128 + (k % 4) * 32, q_off = qb + (k / 4) * kBlockM * 128 + (k % 4) * 32;
+      sm90::wgmma_m64n64k16_ss<E, 0>(st, sm90::desc_advance(dk0, kv_off), sm90::desc_advance(dq0, q_off), k > 0);
+      sm90::wgmma_m64n64k16_ss<E, 0>(dpt, sm90::desc_advance(dv0, kv_off), sm90::desc_advance(ddo0, q_off), k > 0);
+    }
+  };
+  // dV += P^T dO, dK += dS^T Q with the tile in buffer b: queries 16 kq .. 16 kq + 15 are rows 2048
+  // bytes apart per step.
+  auto issue_rs = [&](int b) {
+    const uint64_t ddo_mn = sm90::desc_here(desc_do_mn), dq_mn = sm90::desc_here(desc_q_mn);
+#pragma unroll
+    for (int part = 0; part < kParts; ++part)
+#pragma unroll
+      for (int kq = 0; kq < kBlockM / 16; ++kq) {
+        const uint32_t off = b * kQTileBytes + part * kBlockM * 128 + kq * 2048;
+        sm90::wgmma_m64n64k16_rs<E, 1>(dv[part], pa[kq], sm90::desc_advance(ddo_mn, off), true);
+        sm90::wgmma_m64n64k16_rs<E, 1>(dk[part], dsa[kq], sm90::desc_advance(dq_mn, off), true);
+      }
+  };
+  // P^T and dS^T in place of S^T and dP^T (st[4 j + i]: key key_in_tile[i / 2], query 8 j + 2 tq + i % 2).
+  auto elementwise = [&](const QTileDesc& desc, int b) {
+    const float* sL = sL0 + b * kBlockM;
+    const float* sD = sD0 + b * kBlockM;
+    const int kpos_first = desc.kpos0 + desc.klo, kpos_last = desc.kpos0 + desc.khi - 1;
+    const bool need_mask = desc.m_valid < kBlockM || desc.klo > 0 || desc.khi < kBlockN ||
+                           kpos_last > desc.qpos0 || desc.qpos0 + desc.m_valid - 1 - kpos_first >= W;
+    with_score_mode(score.softcap, need_mask, [&](auto cap, auto mask) {
+#pragma unroll
+      for (int e = 0; e < 32; ++e) {
+        const int col = 8 * (e / 4) + 2 * tq + (e % 2), key = key_in_tile[(e / 2) % 2];
+        bool masked = false;
+        if constexpr (decltype(mask)::value) {
+          const int qpos = desc.qpos0 + col, kpos = desc.kpos0 + key;
+          masked = col >= desc.m_valid || key < desc.klo || key >= desc.khi || kpos > qpos || qpos - kpos >= W;
+        }
+        const float raw = st[e];
+        float pr, ds;
+        if constexpr (decltype(cap)::value) {
+          const float th = tanh_f(raw * score.cap_inv_scale);
+          pr = fast_exp2(score.cap_log2 * th - sL[col]);
+          ds = pr * (dpt[e] - sD[col]) * (1.f - th * th);
+        } else {
+          pr = fast_exp2(score.plain(raw) - sL[col]);
+          ds = pr * (dpt[e] - sD[col]);
+        }
+        st[e] = masked ? 0.f : pr;
+        dpt[e] = masked ? 0.f : ds;
+      }
+    });
+  };
+  auto pack = [&] {
+    c_to_a<E, kBlockM>(pa, reinterpret_cast<const float(&)[kBlockM / 8][4]>(st));
+    c_to_a<E, kBlockM>(dsa, reinterpret_cast<const float(&)[kBlockM / 8][4]>(dpt));
+  };
+  auto wait_ss = [&] {
+    sm90::fence_operand<32>(st);
+    sm90::fence_operand<32>(dpt);
+  };
+  auto wait_rs = [&] {
+    for (int part = 0; part < kParts; ++part) {
+      sm90::fence_operand<32>(dk[part]);
+      sm90::fence_operand<32>(dv[part]);
+    }
+  };
 
   for (;;) {
     if (tid == 0) *s_item = atomic_add_i32(p.work_counter, 1);
@@ -240,7 +323,6 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
       return d;
     };
 
-    float dk[kParts][32], dv[kParts][32];
     for (int part = 0; part < kParts; ++part)
       for (int i = 0; i < 32; ++i) dk[part][i] = dv[part][i] = 0.f;
 
@@ -249,94 +331,94 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
     QTileDesc desc{};
     if (have) desc = issue_q(cur, 0);
     cp_async_commit();  // group: K, V and the first query tile
-    int b = 0;
-    while (have) {
+    if constexpr (!kOverlap) {
+      int b = 0;
+      while (have) {
+        ReaderCursor<kBlockM> nxt = cur;
+        const bool have_next = nxt.advance(p, it, rep);
+        QTileDesc next_desc{};
+        if (have_next) next_desc = issue_q(nxt, b ^ 1);
+        cp_async_commit();
+        cp_async_wait<1>();
+        sm90::fence_smem_to_async_proxy();
+        block_sync();
+
+        sm90::wgmma_fence();
+        issue_ss(b);
+        sm90::wgmma_commit();
+        sm90::wgmma_wait<0>();
+        wait_ss();
+        elementwise(desc, b);
+        pack();
+        sm90::wgmma_fence();
+        issue_rs(b);
+        sm90::wgmma_commit();
+        sm90::wgmma_wait<0>();
+        wait_rs();
+        block_sync();  // every warpgroup is done with buffer b before the next step refills it
+
+        cur = nxt;
+        have = have_next;
+        desc = next_desc;
+        b ^= 1;
+      }
+    } else {
+      // Tile i sits in buffer i % 3. Entering step i: tile i is packed (pa, dsa), tile i + 1 is
+      // loading (its group is the newest), and tile i - 1's buffer is free once every warpgroup has
+      // passed the barrier below.
       ReaderCursor<kBlockM> nxt = cur;
-      const bool have_next = nxt.advance(p, it, rep);
+      bool have_next = have && nxt.advance(p, it, rep);
       QTileDesc next_desc{};
-      if (have_next) next_desc = issue_q(nxt, b ^ 1);
+      if (have_next) next_desc = issue_q(nxt, 1);
       cp_async_commit();
-      cp_async_wait<1>();
-      sm90::fence_smem_to_async_proxy();
-      block_sync();
-
-      const float* sL = sL0 + b * kBlockM;
-      const float* sD = sD0 + b * kBlockM;
-      const uint32_t qb = b * kQTileBytes;
-
-      // S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys (D / 16 k16 steps each).
-      float st[32], dpt[32];
-      const uint64_t dk0 = sm90::desc_here(desc_k), dv0 = sm90::desc_here(desc_v);
-      const uint64_t dq0 = sm90::desc_here(desc_q), ddo0 = sm90::desc_here(desc_do);
-      sm90::wgmma_fence();
-#pragma unroll
-      for (int k = 0; k < D / 16; ++k) {  // part k / 4, 32 bytes per k16 step inside it
-        const uint32_t kv_off = (k / 4) * kBlockN * 128 + (k % 4) * 32, q_off = qb + (k / 4) * kBlockM * 128 + (k % 4) * 32;
-        sm90::wgmma_m64n64k16_ss<E, 0>(st, sm90::desc_advance(dk0, kv_off), sm90::desc_advance(dq0, q_off), k > 0);
-        sm90::wgmma_m64n64k16_ss<E, 0>(dpt, sm90::desc_advance(dv0, kv_off), sm90::desc_advance(ddo0, q_off), k > 0);
+      if (have) {
+        cp_async_wait<1>();
+        sm90::fence_smem_to_async_proxy();
+        block_sync();
+        sm90::wgmma_fence();
+        issue_ss(0);
+        sm90::wgmma_commit();
+        sm90::wgmma_wait<0>();
+        wait_ss();
+        elementwise(desc, 0);
+        pack();
       }
-      sm90::wgmma_commit();
-      sm90::wgmma_wait<0>();
-      sm90::fence_operand<32>(st);
-      sm90::fence_operand<32>(dpt);
+      int b = 0;  // buffer of tile i
+      while (have) {
+        cp_async_wait<0>();  // tile i + 1
+        sm90::fence_smem_to_async_proxy();
+        block_sync();
+        const int b1 = b == kQBuffers - 1 ? 0 : b + 1, b2 = b1 == kQBuffers - 1 ? 0 : b1 + 1;
+        ReaderCursor<kBlockM> after = nxt;
+        const bool have_after = have_next && after.advance(p, it, rep);
+        QTileDesc after_desc{};
+        if (have_after) after_desc = issue_q(after, b2);
+        cp_async_commit();
 
-      // st[4 j + i]: key key_in_tile[i / 2], query 8 j + 2 tq + i % 2 of the tile.
-      const int kpos_first = desc.kpos0 + desc.klo, kpos_last = desc.kpos0 + desc.khi - 1;
-      const bool need_mask = desc.m_valid < kBlockM || desc.klo > 0 || desc.khi < kBlockN ||
-                             kpos_last > desc.qpos0 || desc.qpos0 + desc.m_valid - 1 - kpos_first >= W;
-      with_score_mode(score.softcap, need_mask, [&](auto cap, auto mask) {
-#pragma unroll
-        for (int e = 0; e < 32; ++e) {
-          const int col = 8 * (e / 4) + 2 * tq + (e % 2), key = key_in_tile[(e / 2) % 2];
-          bool masked = false;
-          if constexpr (decltype(mask)::value) {
-            const int qpos = desc.qpos0 + col, kpos = desc.kpos0 + key;
-            masked = col >= desc.m_valid || key < desc.klo || key >= desc.khi || kpos > qpos || qpos - kpos >= W;
-          }
-          const float raw = st[e];
-          float pr, ds;
-          if constexpr (decltype(cap)::value) {
-            const float th = tanh_f(raw * score.cap_inv_scale);
-            pr = fast_exp2(score.cap_log2 * th - sL[col]);
-            ds = pr * (dpt[e] - sD[col]) * (1.f - th * th);
-          } else {
-            pr = fast_exp2(score.plain(raw) - sL[col]);
-            ds = pr * (dpt[e] - sD[col]);
-          }
-          st[e] = masked ? 0.f : pr;
-          dpt[e] = masked ? 0.f : ds;
+        sm90::wgmma_fence();
+        if (have_next) {
+          issue_ss(b1);
+          sm90::wgmma_commit();
         }
-      });
-      uint32_t pa[kBlockM / 16][4], dsa[kBlockM / 16][4];
-      c_to_a<E, kBlockM>(pa, reinterpret_cast<const float(&)[kBlockM / 8][4]>(st));
-      c_to_a<E, kBlockM>(dsa, reinterpret_cast<const float(&)[kBlockM / 8][4]>(dpt));
+        issue_rs(b);
+        sm90::wgmma_commit();
+        if (have_next) {
+          sm90::wgmma_wait<1>();  // S^T and dP^T of tile i + 1; dK / dV of tile i may still run
+          wait_ss();
+          elementwise(next_desc, b1);
+        }
+        sm90::wgmma_wait<0>();
+        wait_rs();
+        if (have_next) pack();
 
-      // dV += P^T dO, dK += dS^T Q: queries 16 kq .. 16 kq + 15 are rows 2048 bytes apart per step.
-      const uint64_t ddo_mn = sm90::desc_here(desc_do_mn), dq_mn = sm90::desc_here(desc_q_mn);
-      sm90::wgmma_fence();
-#pragma unroll
-      for (int part = 0; part < kParts; ++part)
-#pragma unroll
-        for (int kq = 0; kq < kBlockM / 16; ++kq) {
-          const uint32_t off = qb + part * kBlockM * 128 + kq * 2048;
-          sm90::wgmma_m64n64k16_rs<E, 1>(dv[part], pa[kq], sm90::desc_advance(ddo_mn, off), true);
-          sm90::wgmma_m64n64k16_rs<E, 1>(dk[part], dsa[kq], sm90::desc_advance(dq_mn, off), true);
-        }
-      sm90::wgmma_commit();
-      sm90::wgmma_wait<0>();
-      for (int part = 0; part < kParts; ++part) {
-        sm90::fence_operand<32>(dk[part]);
-        sm90::fence_operand<32>(dv[part]);
+        nxt = after;
+        have = have_next;
+        have_next = have_after;
+        next_desc = after_desc;
+        b = b1;
       }
-      block_sync();  // every warpgroup is done with buffer b before the next step refills it
-
-      cur = nxt;
-      have = have_next;
-      desc = next_desc;
-      b ^= 1;
     }
     cp_async_wait<0>();  // an item with no reader still has its K/V load in flight
-
     // dk[part][4 j + i]: key key_in_tile[i / 2], column 64 part + 8 j + 2 tq + i % 2.
     for (int r = 0; r < 2; ++r) {
       const int key = key_in_tile[r];

@@ -9,7 +9,7 @@ per CUDA thread): keep the shapes tiny.
     python csrc/emulation/emulate.py --quick    # two cases
     python csrc/emulation/emulate.py --wgmma    # the wgmma building blocks (csrc/dkv_wgmma.cuh) only
     python csrc/emulation/emulate.py --sm90     # the wgmma forward (DUALKV_CUDA_WGMMA=1)
-    python csrc/emulation/emulate.py --sm90-bwd # the wgmma dQ and dK/dV kernels (DUALKV_CUDA_WGMMA_BWD=1)
+    python csrc/emulation/emulate.py --sm90-bwd # the wgmma dQ and dK/dV kernels (DUALKV_CUDA_WGMMA_BWD=1, 2)
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ SM90_CASES = [
 ]
 
 
-# The wgmma backward's cases (DUALKV_CUDA_WGMMA_BWD=1; d = 64, 128; dQ on 128-row query tiles with
+# The wgmma backward's cases (DUALKV_CUDA_WGMMA_BWD=1 and 2; d = 64, 128; dQ on 128-row query tiles with
 # 64-key tiles, dK/dV on 128-key tiles with 64-row query tiles): prompt tiles summed over several
 # readers (atomic and deterministic), ragged ends, GQA, several groups, window, softcap, separate context.
 SM90_BWD_CASES = [
@@ -208,9 +208,12 @@ def main():
         sys.exit(0 if ok else 1)
     if args.sm90_bwd:
         os.environ["DUALKV_CUDA_WGMMA"] = "1"
-        os.environ["DUALKV_CUDA_WGMMA_BWD"] = "1"
         cases = [SM90_BWD_CASES[i] for i in (3, 4, 6)] if args.quick else SM90_BWD_CASES
-        ok = all([run_case(**c) for c in cases])
+        ok = True
+        for mode in ("1", "2"):  # dK/dV steps in turn, then overlapped
+            os.environ["DUALKV_CUDA_WGMMA_BWD"] = mode
+            print(f"DUALKV_CUDA_WGMMA_BWD={mode}", flush=True)
+            ok = all([run_case(**c) for c in cases]) and ok
         print("ALL OK" if ok else "FAILURES")
         sys.exit(0 if ok else 1)
     cases = CASES[:2] if args.quick else CASES

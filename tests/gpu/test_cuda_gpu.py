@@ -165,16 +165,17 @@ def test_wgmma_forward_matches_reference(cuda_backend, case, dtype, monkeypatch)
     assert any("dkv_fwd_sm90_kernel" in name for name in kernels), f"the wgmma forward did not run: {sorted(kernels)}"
 
 
+@pytest.mark.parametrize("mode", ["1", "2"], ids=["steps", "overlap"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", [c for c in GRID if c[4] in (64, 128)], ids=lambda c: _ids(c))
-def test_wgmma_backward_matches_reference(cuda_backend, case, dtype, deterministic, monkeypatch):
-    """DUALKV_CUDA_WGMMA_BWD=1: the Hopper wgmma dQ and dK/dV kernels (csrc/dkv_bwd_sm90.cuh;
-    d = 64 / 128) on the grid against the fp32 reference, in both accumulation modes, and the
-    profiler shows that they ran."""
+def test_wgmma_backward_matches_reference(cuda_backend, case, dtype, deterministic, mode, monkeypatch):
+    """DUALKV_CUDA_WGMMA_BWD=1 / 2: the Hopper wgmma dQ and dK/dV kernels (csrc/dkv_bwd_sm90.cuh;
+    d = 64 / 128; dK/dV with its steps in turn, or overlapped) on the grid against the fp32
+    reference, in both accumulation modes, and the profiler shows that they ran."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the wgmma backward needs an sm_90 GPU")
-    monkeypatch.setenv("DUALKV_CUDA_WGMMA_BWD", "1")
+    monkeypatch.setenv("DUALKV_CUDA_WGMMA_BWD", mode)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         r = _run_packed(case, dtype, deterministic=deterministic)
     _check_against_reference(case, dtype, r)
