@@ -181,8 +181,8 @@ bool use_sm90_forward(const Tensor& q, int head_dim) {
 }
 
 // The wgmma backward kernels (dkv_bwd_sm90.cuh: dQ and dK/dV) are opt-in until they have run on a GPU:
-// DUALKV_CUDA_WGMMA_BWD=1 (dK/dV steps one after the other) or 2 (dK/dV with the next query tile's
-// products overlapping), head dims 64 / 128, on an sm_90 device with wgmma code, or the CPU emulation.
+// DUALKV_CUDA_WGMMA_BWD=1 (the products of a tile one after the other) or 2 (the next tile's products
+// overlapping), head dims 64 / 128, on an sm_90 device with wgmma code, or the CPU emulation.
 // Returns 0 (mma.sync), 1 or 2.
 int use_sm90_backward(const Tensor& q, int head_dim) {
   const char* flag = std::getenv("DUALKV_CUDA_WGMMA_BWD");
@@ -355,8 +355,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
   const bool bf16 = q.scalar_type() == at::kBFloat16;
   check_launch(bf16 ? run_bwd_prep<Bf16>(p, st) : run_bwd_prep<Fp16>(p, st), "backward preprocessing kernel");
   if (sm90) {
-    check_launch(bf16 ? run_dq_sm90<Bf16>(p, st) : run_dq_sm90<Fp16>(p, st), "dq kernel (sm90 wgmma)");
     const bool overlap = sm90 == 2;
+    check_launch(bf16 ? run_dq_sm90<Bf16>(p, st, overlap) : run_dq_sm90<Fp16>(p, st, overlap), "dq kernel (sm90 wgmma)");
     check_launch(bf16 ? run_dkdv_sm90<Bf16>(p, st, overlap) : run_dkdv_sm90<Fp16>(p, st, overlap),
                  "dk/dv kernel (sm90 wgmma)");
   } else {

@@ -1,10 +1,24 @@
-// dQ and dK/dV on Hopper warpgroup MMA (dkv_bwd_sm90.cuh): fp16 and bf16, head dims 64 and 128. The
-// kernels trap unless the unit is built for sm_90a; the binding only calls them on an sm_90 device
-// whose code has wgmma (sm90_kernels_built), and only with DUALKV_CUDA_WGMMA_BWD=1 or 2 for now.
+// dQ and dK/dV on Hopper warpgroup MMA (dkv_bwd_sm90.cuh): fp16 and bf16, head dims 64 and 128, each in
+// two schedules (overlap = false / true). The kernels trap unless the unit is built for sm_90a; the
+// binding only calls them on an sm_90 device whose code has wgmma (sm90_kernels_built), and only
+// with DUALKV_CUDA_WGMMA_BWD=1 or 2 for now.
 #include "dkv_bwd_sm90.cuh"
 #include "dkv_launch_impl.cuh"
 
 namespace dkv {
+
+bool sm90_bwd_supports(int head_dim) { return head_dim == 64 || head_dim == 128; }
+
+template <class E, int D, bool kOverlap>
+cudaError_t launch_dq_sm90(const BwdParams& p, cudaStream_t stream) {
+  using K = DqSm90<D, kOverlap>;
+  auto kernel = &dkv_dq_sm90_kernel<E, D, kOverlap>;
+  static const cudaError_t attr = allow_smem(kernel, K::kSmemBytes);
+  if (attr != cudaSuccess) return attr;
+  if (p.grid_tiles == 0 || p.nheads == 0) return cudaSuccess;
+  DKV_LAUNCH(kernel, dim3(p.grid_tiles, p.nheads), dim3(K::kThreads), K::kSmemBytes, stream, p);
+  return last_error();
+}
 
 template <class E, int D, bool kOverlap>
 cudaError_t launch_dkdv_sm90(const BwdParams& p, cudaStream_t stream) {
@@ -17,24 +31,11 @@ cudaError_t launch_dkdv_sm90(const BwdParams& p, cudaStream_t stream) {
   return last_error();
 }
 
-bool sm90_bwd_supports(int head_dim) { return head_dim == 64 || head_dim == 128; }
-
-template <class E, int D>
-cudaError_t launch_dq_sm90(const BwdParams& p, cudaStream_t stream) {
-  using K = DqSm90<D>;
-  auto kernel = &dkv_dq_sm90_kernel<E, D>;
-  static const cudaError_t attr = allow_smem(kernel, K::kSmemBytes);
-  if (attr != cudaSuccess) return attr;
-  if (p.grid_tiles == 0 || p.nheads == 0) return cudaSuccess;
-  DKV_LAUNCH(kernel, dim3(p.grid_tiles, p.nheads), dim3(K::kThreads), K::kSmemBytes, stream, p);
-  return last_error();
-}
-
 template <class E>
-cudaError_t run_dq_sm90(const BwdParams& p, cudaStream_t stream) {
+cudaError_t run_dq_sm90(const BwdParams& p, cudaStream_t stream, bool overlap) {
   switch (p.head_dim) {
-    case 64: return launch_dq_sm90<E, 64>(p, stream);
-    case 128: return launch_dq_sm90<E, 128>(p, stream);
+    case 64: return overlap ? launch_dq_sm90<E, 64, true>(p, stream) : launch_dq_sm90<E, 64, false>(p, stream);
+    case 128: return overlap ? launch_dq_sm90<E, 128, true>(p, stream) : launch_dq_sm90<E, 128, false>(p, stream);
     default: return static_cast<cudaError_t>(1);  // cudaErrorInvalidValue: the binding never asks for it
   }
 }
@@ -48,8 +49,8 @@ cudaError_t run_dkdv_sm90(const BwdParams& p, cudaStream_t stream, bool overlap)
   }
 }
 
-template cudaError_t run_dq_sm90<Fp16>(const BwdParams&, cudaStream_t);
-template cudaError_t run_dq_sm90<Bf16>(const BwdParams&, cudaStream_t);
+template cudaError_t run_dq_sm90<Fp16>(const BwdParams&, cudaStream_t, bool);
+template cudaError_t run_dq_sm90<Bf16>(const BwdParams&, cudaStream_t, bool);
 template cudaError_t run_dkdv_sm90<Fp16>(const BwdParams&, cudaStream_t, bool);
 template cudaError_t run_dkdv_sm90<Bf16>(const BwdParams&, cudaStream_t, bool);
 

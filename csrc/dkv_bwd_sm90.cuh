@@ -19,9 +19,13 @@
 // Q, dO, lse and D of the next query tile load (cp.async, 128B-swizzled) while this one computes.
 //
 // dQ: a block is two warpgroups on 128 query rows of one head (the forward's walk over its group's
-// prompt keys, then its own), key tiles of 64 in a ring of kStages buffers; per key tile, each
+// prompt keys, then its own), key tiles of 64 in a ring of 3 buffers; per key tile, each
 // warpgroup computes S = Q K^T and dP = dO V^T (wgmma SS), dS = P (dP - D) in registers, and
 // dQ (64 x d) += dS K (wgmma RS, K as an MN-major operand).
+//
+// Both kernels have two schedules (DUALKV_CUDA_WGMMA_BWD=1: the products of a tile in turn; =2: the
+// next tile's shared-memory products issued before this tile's register-operand ones, and the
+// element-wise step under them), for the GPU to choose between.
 #pragma once
 
 #include "dkv_bwd.cuh"
@@ -29,19 +33,26 @@
 
 namespace dkv {
 
-template <int kHeadDim_>
+// kOverlap = false: per key tile, S and dP, the element-wise step, then dQ += dS K, each waited for;
+// the K / V ring loads two tiles ahead. kOverlap = true: S and dP of key tile t are issued before
+// dQ += dS_{t-1} K_{t-1}, and the element-wise step of tile t runs while that product still runs;
+// the ring then holds tiles t - 1, t and t + 1 and loads one tile ahead.
+template <int kHeadDim_, bool kOverlap_>
 struct DqSm90 {
   static constexpr int kHeadDim = kHeadDim_, kBlockM = 128, kBlockN = 64, kThreads = 256, kStages = 3;
+  static constexpr bool kOverlap = kOverlap_;
+  static constexpr int kAhead = kOverlap ? 1 : kStages - 1;  // key tiles loaded ahead of the one in use
   static constexpr int kParts = kHeadDim / 64;
   static constexpr int kQTile = kBlockM * kHeadDim, kKvTile = kBlockN * kHeadDim;  // elements
   static constexpr int kSmemBytes = (2 * kQTile + 2 * kStages * kKvTile) * 2 + 1024;  // Q, dO, K / V rings
   static_assert(kHeadDim == 64 || kHeadDim == 128, "the wgmma dQ kernel: head dim 64 or 128");
 };
 
-template <class E, int D>
+template <class E, int D, bool kOverlap>
 DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dq_sm90_kernel(const DKV_GRID_CONSTANT BwdParams p) {
-  using K = DqSm90<D>;
+  using K = DqSm90<D, kOverlap>;
   constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kParts = K::kParts, kStages = K::kStages;
+  constexpr int kAhead = K::kAhead;
   const QueryTile qt = query_tile<kBlockM>(p, p.q_tile_prefix);
   if (qt.s < 0) return;
   const int row0 = qt.row0, ctx_len = qt.ctx_len, ctx_row0 = qt.ctx_row0, q0 = qt.q0, m_valid = qt.m_valid;
@@ -70,7 +81,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dq_sm90_kernel(const DKV_GRID_CONSTAN
   sm90::load_tile_sw128_async<D, K::kThreads, kBlockM>(sdO, p.dout, row0 + q0, h, m_valid, tid);
   load_kv(0);  // n_tiles >= 1: a query always sees its own key
   cp_async_commit();
-  for (int j = 1; j < kStages - 1; ++j) {
+  for (int j = 1; j < kAhead; ++j) {
     if (j < n_tiles) load_kv(j);
     cp_async_commit();
   }
@@ -95,33 +106,32 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dq_sm90_kernel(const DKV_GRID_CONSTAN
   float dq[kParts][32];
   for (int part = 0; part < kParts; ++part)
     for (int i = 0; i < 32; ++i) dq[part][i] = 0.f;
+  float s[32], dp[32];
+  uint32_t dsa[kBlockN / 16][4];
 
-  for (int t = 0; t < n_tiles; ++t) {
-    // Tile t (group t) has landed, and every warpgroup is done with tile t - 1, whose buffer the
-    // load below refills.
-    cp_async_wait<kStages - 2>();
-    sm90::fence_smem_to_async_proxy();
-    block_sync();
-    if (t + kStages - 1 < n_tiles) load_kv(t + kStages - 1);
-    cp_async_commit();
-
+  // S = Q K^T and dP = dO V^T of key tile t.
+  auto issue_ss = [&](int t) {
     const uint32_t buf = (t % kStages) * kKvTileBytes;
     const uint64_t dq0 = sm90::desc_here(desc_q), ddo0 = sm90::desc_here(desc_do);
     const uint64_t dk0 = sm90::desc_advance(desc_k, buf), dv0 = sm90::desc_advance(desc_v, buf);
-    float s[32], dp[32];
-    sm90::wgmma_fence();
 #pragma unroll
     for (int k = 0; k < D / 16; ++k) {  // part k / 4, 32 bytes per k16 step inside it
       const uint32_t q_off = (k / 4) * kBlockM * 128 + (k % 4) * 32, kv_off = (k / 4) * kBlockN * 128 + (k % 4) * 32;
       sm90::wgmma_m64n64k16_ss<E, 0>(s, sm90::desc_advance(dq0, q_off), sm90::desc_advance(dk0, kv_off), k > 0);
       sm90::wgmma_m64n64k16_ss<E, 0>(dp, sm90::desc_advance(ddo0, q_off), sm90::desc_advance(dv0, kv_off), k > 0);
     }
-    sm90::wgmma_commit();
-    sm90::wgmma_wait<0>();
-    sm90::fence_operand<32>(s);
-    sm90::fence_operand<32>(dp);
-
-    // s[4 j + i]: row row_in_tile[i / 2], key 8 j + 2 tq + i % 2 of the tile.
+  };
+  // dQ += dS K with key tile t: keys 16 kk .. 16 kk + 15 are rows 2048 bytes apart per step.
+  auto issue_rs = [&](int t) {
+    const uint64_t dk_mn = sm90::desc_advance(sm90::desc_here(desc_k_mn), (t % kStages) * kKvTileBytes);
+#pragma unroll
+    for (int part = 0; part < kParts; ++part)
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk)
+        sm90::wgmma_m64n64k16_rs<E, 1>(dq[part], dsa[kk], sm90::desc_advance(dk_mn, part * kBlockN * 128 + kk * 2048), true);
+  };
+  // dS = P (dP - D) in place of dP (s[4 j + i]: row row_in_tile[i / 2], key 8 j + 2 tq + i % 2).
+  auto elementwise = [&](int t) {
     const KvTile kt = walk.tile<kBlockN>(t);
     const bool need_mask = kt.valid < kBlockN || kt.kpos0 + kt.valid - 1 > qpos_lo || qpos_hi - kt.kpos0 >= W;
     with_score_mode(score.softcap, need_mask, [&](auto cap, auto mask) {
@@ -145,20 +155,52 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dq_sm90_kernel(const DKV_GRID_CONSTAN
         dp[e] = masked ? 0.f : ds;
       }
     });
-    uint32_t dsa[kBlockN / 16][4];
-    c_to_a<E, kBlockN>(dsa, reinterpret_cast<const float(&)[kBlockN / 8][4]>(dp));
+  };
+  auto wait_dq = [&] {
+    for (int part = 0; part < kParts; ++part) sm90::fence_operand<32>(dq[part]);
+  };
 
-    // dQ += dS K: keys 16 kk .. 16 kk + 15 are rows 2048 bytes apart per step.
-    const uint64_t dk_mn = sm90::desc_advance(desc_k_mn, buf);
+  for (int t = 0; t < n_tiles; ++t) {
+    // Tile t (group t) has landed, and every warpgroup is done with the products that read the
+    // buffer the load below refills (tile t - 1 without overlap, t - 2 with it).
+    cp_async_wait<kAhead - 1>();
+    sm90::fence_smem_to_async_proxy();
+    block_sync();
+    if (t + kAhead < n_tiles) load_kv(t + kAhead);
+    cp_async_commit();
+
     sm90::wgmma_fence();
-#pragma unroll
-    for (int part = 0; part < kParts; ++part)
-#pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk)
-        sm90::wgmma_m64n64k16_rs<E, 1>(dq[part], dsa[kk], sm90::desc_advance(dk_mn, part * kBlockN * 128 + kk * 2048), true);
+    issue_ss(t);
+    sm90::wgmma_commit();
+    if (kOverlap && t > 0) {
+      issue_rs(t - 1);
+      sm90::wgmma_commit();
+      sm90::wgmma_wait<1>();  // S and dP of tile t; dQ += dS_{t-1} K_{t-1} may still run
+    } else {
+      sm90::wgmma_wait<0>();
+    }
+    sm90::fence_operand<32>(s);
+    sm90::fence_operand<32>(dp);
+    elementwise(t);
+    if constexpr (kOverlap) {
+      sm90::wgmma_wait<0>();
+      wait_dq();
+      c_to_a<E, kBlockN>(dsa, reinterpret_cast<const float(&)[kBlockN / 8][4]>(dp));
+    } else {
+      c_to_a<E, kBlockN>(dsa, reinterpret_cast<const float(&)[kBlockN / 8][4]>(dp));
+      sm90::wgmma_fence();
+      issue_rs(t);
+      sm90::wgmma_commit();
+      sm90::wgmma_wait<0>();
+      wait_dq();
+    }
+  }
+  if constexpr (kOverlap) {  // the last tile's dQ product; its K is still in its buffer
+    sm90::wgmma_fence();
+    issue_rs(n_tiles - 1);
     sm90::wgmma_commit();
     sm90::wgmma_wait<0>();
-    for (int part = 0; part < kParts; ++part) sm90::fence_operand<32>(dq[part]);
+    wait_dq();
   }
   cp_async_wait<0>();
 

@@ -27,7 +27,7 @@ constexpr int kSm90BlockM = 128;
 // Backward on Hopper warpgroup MMA (fp16 / bf16, head dims 64 / 128): dQ on query tiles of 128 rows,
 // dK/dV on key tiles of 128.
 template <class E>
-cudaError_t run_dq_sm90(const BwdParams& p, cudaStream_t stream);
+cudaError_t run_dq_sm90(const BwdParams& p, cudaStream_t stream, bool overlap);
 template <class E>
 cudaError_t run_dkdv_sm90(const BwdParams& p, cudaStream_t stream, bool overlap);
 bool sm90_bwd_supports(int head_dim);
