@@ -107,7 +107,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dq_sm90_kernel(const DKV_GRID_CONSTAN
   for (int part = 0; part < kParts; ++part)
     for (int i = 0; i < 32; ++i) dq[part][i] = 0.f;
   float s[32], dp[32];
-  uint32_t dsa[kBlockN / 16][4];
+  uint32_t dsa[kBlockN / 16][4] = {};
 
   // S = Q K^T and dP = dO V^T of key tile t.
   auto issue_ss = [&](int t) {
@@ -157,6 +157,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dq_sm90_kernel(const DKV_GRID_CONSTAN
     });
   };
   auto wait_dq = [&] {
+    sm90::fence_operand(dsa);
     for (int part = 0; part < kParts; ++part) sm90::fence_operand<32>(dq[part]);
   };
 
@@ -264,7 +265,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
 
   float dk[kParts][32], dv[kParts][32];
   float st[32], dpt[32];
-  uint32_t pa[kBlockM / 16][4], dsa[kBlockM / 16][4];
+  uint32_t pa[kBlockM / 16][4] = {}, dsa[kBlockM / 16][4] = {};
 
   // S^T = K Q^T and dP^T = V dO^T of the query tile in buffer b (D / 16 k16 steps each).
   auto issue_ss = [&](int b) {
@@ -331,6 +332,8 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
     sm90::fence_operand<32>(dpt);
   };
   auto wait_rs = [&] {
+    sm90::fence_operand(pa);
+    sm90::fence_operand(dsa);
     for (int part = 0; part < kParts; ++part) {
       sm90::fence_operand<32>(dk[part]);
       sm90::fence_operand<32>(dv[part]);

@@ -92,7 +92,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(FwdSm90<D>::kThreads) dkv_fwd_sm90_kernel(cons
     }
   };
   float o[kParts][32];
-  uint32_t pa[kBlockN / 16][4];
+  uint32_t pa[kBlockN / 16][4] = {};
   auto issue_pv = [&](int t) {
     const uint64_t dv = sm90::desc_advance(desc_v, (t % kStages) * kKvTileBytes);
 #pragma unroll
@@ -179,6 +179,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(FwdSm90<D>::kThreads) dkv_fwd_sm90_kernel(cons
     float alpha[2];
     softmax(s, t, alpha);
     sm90::wgmma_wait<0>();
+    sm90::fence_operand(pa);
 #pragma unroll
     for (int part = 0; part < kParts; ++part) {
       sm90::fence_operand<32>(o[part]);

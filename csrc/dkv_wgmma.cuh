@@ -273,6 +273,20 @@ DKV_DEV void fence_operand(float (&d)[kN]) {
 #endif
 }
 
+// The same for register A fragments: called after the wait that ends the wgmma reading them, it keeps
+// them live (and unmoved) until then, so no temporary takes their registers while the MMA reads them.
+template <int kSteps>
+DKV_DEV void fence_operand(uint32_t (&a)[kSteps][4]) {
+#if DKV_HAS_WGMMA
+#pragma unroll
+  for (int k = 0; k < kSteps; ++k)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(a[k][i])::"memory");
+#else
+  (void)a;
+#endif
+}
+
 #undef DKV_WGMMA_D32
 #undef DKV_WGMMA_DREGS
 #undef DKV_WGMMA_D64
