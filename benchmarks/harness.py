@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import gc
 import math
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -252,6 +253,10 @@ class _DualKV(Provider):
     """DualKV through its public op ``dualkv.core.dualkv_attention`` (custom op + autograd)."""
 
     backend = "reference"
+    # Kernel choices of the CUDA backend, read by its binding at every call: set before each forward
+    # (the backward of that forward follows it), None = unset (the default). The CUDA variants below
+    # time the backend's kernel paths against each other in one run.
+    env: dict[str, str | None] = {}
 
     @classmethod
     def unsupported(cls, cfg, device):
@@ -268,6 +273,11 @@ class _DualKV(Provider):
         return None
 
     def forward(self, q, k, v):
+        for key, value in self.env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
         return dualkv_attention(q, k, v, self.layout, softmax_scale=self.scale, backend=self.backend)
 
 
@@ -278,7 +288,31 @@ class DualKVTriton(_DualKV):
 
 @register("dualkv-cuda")
 class DualKVCuda(_DualKV):
+    """The CUDA backend's defaults: wgmma forward on sm_90, mma.sync backward."""
+
     backend = "cuda"
+    env = {"DUALKV_CUDA_WGMMA": None, "DUALKV_CUDA_WGMMA_BWD": None}
+
+
+@register("dualkv-cuda-mma")
+class DualKVCudaMma(DualKVCuda):
+    """mma.sync kernels only (the sm_80 path), on any card."""
+
+    env = {"DUALKV_CUDA_WGMMA": "0", "DUALKV_CUDA_WGMMA_BWD": None}
+
+
+@register("dualkv-cuda-wgmma-bwd")
+class DualKVCudaWgmmaBwd(DualKVCuda):
+    """The opt-in wgmma backward (d 64 / 128; the products of a tile in turn)."""
+
+    env = {"DUALKV_CUDA_WGMMA": None, "DUALKV_CUDA_WGMMA_BWD": "1"}
+
+
+@register("dualkv-cuda-wgmma-bwd-overlap")
+class DualKVCudaWgmmaBwdOverlap(DualKVCuda):
+    """The opt-in wgmma backward with the next tile's products overlapping (d 64 / 128)."""
+
+    env = {"DUALKV_CUDA_WGMMA": None, "DUALKV_CUDA_WGMMA_BWD": "2"}
 
 
 @register("reference")

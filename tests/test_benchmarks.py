@@ -4,6 +4,7 @@ reference provider end to end at a tiny shape."""
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -260,6 +261,28 @@ def test_merge_prefers_measured_rows(tmp_path):
 
 
 # ------------------------------------------------------------------------ end to end, reference
+def test_cuda_kernel_variants_set_their_environment(monkeypatch):
+    """The CUDA variants select kernel paths through the binding's environment variables, set before
+    each forward (None unsets); on a machine without CUDA they answer unsupported."""
+    from benchmarks import harness
+
+    cfg = bench_attention.AttnConfig.parse("N=2,P=40,R=9,H=4,H_kv=2,d=32,dtype=float32")
+    layout = cfg.layout(CPU)
+    expect = {"dualkv-cuda": (None, None), "dualkv-cuda-mma": ("0", None), "dualkv-cuda-wgmma-bwd": (None, "1"),
+              "dualkv-cuda-wgmma-bwd-overlap": (None, "2")}
+    q, k, v = harness._random_qkv(cfg, CPU, 0)
+    for name, (fwd, bwd) in expect.items():
+        cls = harness.get_provider(name)
+        assert cls.backend == "cuda" and name in report.PROVIDER_ORDER
+        if not torch.cuda.is_available():
+            assert "CUDA device" in cls.unsupported(cfg, CPU)
+        monkeypatch.setenv("DUALKV_CUDA_WGMMA", "stale")
+        monkeypatch.setenv("DUALKV_CUDA_WGMMA_BWD", "stale")
+        ref = type("Probe", (cls,), {"backend": "reference"})(cfg, layout, CPU)  # same env, any device
+        ref.forward(q, k, v)
+        assert (os.environ.get("DUALKV_CUDA_WGMMA"), os.environ.get("DUALKV_CUDA_WGMMA_BWD")) == (fwd, bwd), name
+
+
 def test_reference_provider_end_to_end(tmp_path):
     path = bench_attention.main(["--preset", "tiny", "--device", "cpu", "--providers", "reference,fa2-cascade",
                                  "--validate", "--validation-shape", "2,97,33", "--out", str(tmp_path), "--stem", "tiny",
