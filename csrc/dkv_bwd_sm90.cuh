@@ -1,5 +1,5 @@
 // Backward kernels on Hopper warpgroup MMA (sm_90a), fp16 / bf16, head dims 64 and 128 (docs/cuda.md):
-// dQ (query-parallel, the forward's walk) and dK/dV (key-parallel). Opt-in (DUALKV_CUDA_WGMMA_BWD=1)
+// dQ (query-parallel, the forward's walk) and dK/dV (key-parallel). Opt-in (DUALKV_CUDA_WGMMA_BWD=1 or 2)
 // until they are checked on a GPU; they match the reference on the CPU emulation
 // (csrc/emulation/emulate.py --sm90-bwd).
 //
