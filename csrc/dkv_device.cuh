@@ -61,6 +61,7 @@ DKV_DEV void mma_16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b
 }
 
 DKV_DEV float shfl_xor(float v, int mask) { return dkv_emu::shfl_xor(v, mask); }
+DKV_DEV bool warp_any(bool pred) { return dkv_emu::warp_any(pred); }
 DKV_DEV float fast_exp2(float x) { return std::exp2(x); }
 DKV_DEV float fast_log2(float x) { return std::log2(x); }
 DKV_DEV float tanh_f(float x) { return std::tanh(x); }
@@ -141,6 +142,7 @@ DKV_DEV void mma_16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b
 }
 
 DKV_DEV float shfl_xor(float v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
+DKV_DEV bool warp_any(bool pred) { return __any_sync(0xffffffffu, pred); }
 DKV_DEV float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));

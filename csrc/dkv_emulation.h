@@ -250,6 +250,17 @@ inline float shfl_xor(float v, int mask) {
   return r;
 }
 
+// __any_sync over the whole warp.
+inline bool warp_any(bool pred) {
+  Warp& w = *self.warp;
+  w.val[self.lane] = pred ? 1.f : 0.f;
+  warp_sync();
+  bool any = false;
+  for (int l = 0; l < 32; ++l) any = any || w.val[l] != 0.f;
+  warp_sync();
+  return any;
+}
+
 // Runs every block of the grid in turn, each with one OS thread per CUDA thread.
 inline void launch(dim3 grid, dim3 block, size_t smem_bytes, const std::function<void()>& body) {
   const int nthreads = static_cast<int>(block.x * block.y * block.z);

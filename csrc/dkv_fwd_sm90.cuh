@@ -181,15 +181,19 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(FwdSm90<D>::kThreads) dkv_fwd_sm90_kernel(cons
     sm90::wgmma_wait<0>();
     sm90::fence_operand(pa);
 #pragma unroll
-    for (int part = 0; part < kParts; ++part) {
-      sm90::fence_operand<32>(o[part]);
+    for (int part = 0; part < kParts; ++part) sm90::fence_operand<32>(o[part]);
+    // Rescale O only where a row maximum moved (alpha == 1 exactly otherwise: a later key tile
+    // seldom raises it); the warp takes the branch together, so a stable warp skips the multiplies.
+    if (warp_any(alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        o[part][4 * j] *= alpha[0];
-        o[part][4 * j + 1] *= alpha[0];
-        o[part][4 * j + 2] *= alpha[1];
-        o[part][4 * j + 3] *= alpha[1];
-      }
+      for (int part = 0; part < kParts; ++part)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          o[part][4 * j] *= alpha[0];
+          o[part][4 * j + 1] *= alpha[0];
+          o[part][4 * j + 2] *= alpha[1];
+          o[part][4 * j + 3] *= alpha[1];
+        }
     }
     c_to_a<E, kBlockN>(pa, reinterpret_cast<const float(&)[kBlockN / 8][4]>(s));
   }
