@@ -87,7 +87,7 @@ def train_config(args, packing: str, mb: int):
         optim=OptimConfig(lr=1e-6),
         parallel=ParallelConfig(sp=args.sp, param_dtype="bf16" if cuda else "fp32",
                                 activation_checkpointing=args.activation_checkpointing, compile=args.compile,
-                                checkpoint_keep_attention=args.keep_attention),
+                                checkpoint_keep_attention=args.keep_attention, attention_backend=args.attention_backend),
     )
 
 
@@ -302,6 +302,8 @@ def parse_args(argv=None):
     ap.add_argument("--kl-beta", type=float, default=0.04, help="GRPO KL weight (> 0 runs the ref_log_prob phase)")
     ap.add_argument("--no-activation-checkpointing", dest="activation_checkpointing", action="store_false")
     ap.add_argument("--compile", action="store_true", help="torch.compile every decoder layer (fuses the element-wise chains)")
+    ap.add_argument("--attention-backend", choices=("auto", "triton", "cuda", "reference"), default="auto",
+                    help="dualkv_attention backend of both packings (auto: Triton on CUDA tensors)")
     ap.add_argument("--keep-attention", action="store_true",
                     help="checkpointed layers keep their attention outputs (no attention forward in the recompute)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps per configuration")
@@ -366,7 +368,7 @@ def _run(args, argv) -> Path:
                 responses_per_step=args.responses_per_step, algorithm="grpo", kl_beta=args.kl_beta,
                 activation_checkpointing=args.activation_checkpointing, compile=args.compile,
                 keep_attention=args.keep_attention, warmup=args.warmup, steps=args.steps, seed=args.seed,
-                world_size=_world(), sp=args.sp)
+                world_size=_world(), sp=args.sp, attention_backend=args.attention_backend)
     card = meta["card"]["name"].split()[-1].lower() if device.type == "cuda" else "cpu"
     stem = args.stem or f"policy_step_{card}_{datetime.now(timezone.utc):%Y%m%d-%H%M}"
     main_rank = _rank() == 0
@@ -384,8 +386,9 @@ def _run(args, argv) -> Path:
 
 
 SETTINGS = ("preset", "P", "response_range", "responses_per_step", "algorithm", "kl_beta", "activation_checkpointing",
-            "compile", "keep_attention", "warmup", "steps", "seed", "world_size", "sp")
-SETTING_DEFAULTS = {"world_size": 1, "sp": 1}  # what files written before these settings existed ran
+            "compile", "keep_attention", "warmup", "steps", "seed", "world_size", "sp", "attention_backend")
+# What files written before these settings existed ran.
+SETTING_DEFAULTS = {"world_size": 1, "sp": 1, "attention_backend": "auto"}
 
 
 def merge(paths: list[str], out: str, stem: str) -> Path:
@@ -419,6 +422,7 @@ def write_report(writer) -> Path:
                   f"{meta['kl_beta']}, AdamW, activation checkpointing {'on' if meta['activation_checkpointing'] else 'off'}"
                   f"{' (keeping attention outputs)' if meta.get('keep_attention') else ''}"
                   f"{', torch.compile per decoder layer' if meta.get('compile') else ''}"
+                  f"{', attention backend ' + meta['attention_backend'] if meta.get('attention_backend', 'auto') != 'auto' else ''}"
                   f"{_ranks_text(meta)}\n\n"
                   + tables(rows, meta))
     png = plot(rows, writer.dir / f"{writer.stem}.png", meta["card"]["name"])

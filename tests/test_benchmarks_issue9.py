@@ -166,6 +166,11 @@ def test_policy_step_merge(tmp_path):
     eight = _result_file(tmp_path / "g.json", {**meta, "world_size": 8, "sp": 2}, [])
     with pytest.raises(SystemExit, match=r"--merge: .*\['world_size', 'sp'\]"):
         ps.main(["--merge", first, eight, "--out", str(tmp_path / "m")])
+    auto = _result_file(tmp_path / "h.json", {**meta, "attention_backend": "auto"}, [])  # older files ran auto
+    ps.main(["--merge", first, auto, "--out", str(tmp_path / "m"), "--stem", "fourth"])
+    pinned = _result_file(tmp_path / "i.json", {**meta, "attention_backend": "cuda"}, [])
+    with pytest.raises(SystemExit, match=r"--merge: .*\['attention_backend'\]"):
+        ps.main(["--merge", first, pinned, "--out", str(tmp_path / "m")])
 
 
 def test_policy_step_under_torchrun_with_sequence_parallelism(tmp_path):
@@ -219,10 +224,13 @@ def test_policy_step_end_to_end(tmp_path, one_thread):
 def test_policy_step_profile(tmp_path, one_thread):
     out = ps.main(["--preset", "tiny-qwen3", "--prompt", "32", "--response-range", "4:8", "--mbs", "4",
                    "--packings", "dualkv", "--responses-per-step", "4", "--steps", "1", "--warmup", "0",
-                   "--device", "cpu", "--out", str(tmp_path), "--stem", "prof", "--profile", "--keep-attention"])
+                   "--device", "cpu", "--out", str(tmp_path), "--stem", "prof", "--profile", "--keep-attention",
+                   "--attention-backend", "reference"])
     data = json.loads(out.read_text())
     row = data["rows"][0]
-    assert data["meta"]["keep_attention"] and "keeping attention outputs" in (tmp_path / "prof.md").read_text()
+    md = (tmp_path / "prof.md").read_text()
+    assert data["meta"]["keep_attention"] and "keeping attention outputs" in md
+    assert data["meta"]["attention_backend"] == "reference" and "attention backend reference" in md
     text = (tmp_path / row["profile"]).read_text()
     assert row["profile"] == "prof_dualkv_mb4_profile.txt" and "Self CPU" in text and "aten::" in text
     assert text.startswith("CPU") and "`python -m benchmarks.bench_policy_step" in text.splitlines()[0]

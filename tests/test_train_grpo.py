@@ -80,10 +80,32 @@ def test_resume_equals_uninterrupted(tmp_path, algorithm):
             assert torch.equal(v, opt_res["state"][pid][name]), (pid, name)
 
 
+def test_attention_backend_reaches_every_layer_of_policy_and_reference(tmp_path):
+    """--attention-backend pins dualkv_attention's backend in every attention module of the policy and
+    of the frozen reference; the run trains as with auto (on CPU, auto is the reference backend)."""
+    cfg = _config(tmp_path, "--attention-backend", "reference", "--kl-beta", "0.04", "--steps", "1")
+    assert cfg.parallel.attention_backend == "reference"
+    trainer = Trainer(cfg)
+    try:
+        models = (trainer.policy, trainer.updater.reference)
+        fns = [m.attn_fn for model in models for m in model.modules() if hasattr(m, "attn_fn")]
+        assert len(fns) >= 2 * len(trainer.policy.model.layers)
+        assert all(getattr(f, "keywords", None) == {"backend": "reference"} for f in fns)
+        pinned = trainer.run()
+    finally:
+        trainer.close()
+    auto, _, _ = _train(_config(tmp_path / "auto", "--kl-beta", "0.04", "--steps", "1"))
+    assert pinned[0]["loss"] == pytest.approx(auto[0]["loss"], rel=1e-6, abs=1e-9)
+
+
 def test_bad_arguments_and_rollout_files_are_rejected(tmp_path):
     parse = build_parser().parse_args
     cfg = config_from_args(parse(["--activation-checkpointing", "--checkpoint-keep-attention"]))
     assert cfg.parallel.activation_checkpointing and cfg.parallel.checkpoint_keep_attention
+    from dualkv.train.distributed import ParallelConfig
+
+    with pytest.raises(ValueError, match=r"attention_backend: expected one of \['auto', 'reference', 'triton', 'cuda'\], got 'fast'"):
+        ParallelConfig(attention_backend="fast")
     with pytest.raises(ValueError, match="checkpoint_keep_attention: needs activation_checkpointing"):
         config_from_args(parse(["--checkpoint-keep-attention"]))
     with pytest.raises(ValueError, match="mini_batches: expected a divisor of groups=6, got 4"):

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -32,17 +33,23 @@ class ParallelConfig:
     """sp: Ulysses SP degree (divides the world size); param_dtype: FSDP's compute dtype ("bf16" /
     "fp32"); activation_checkpointing: recompute decoder layers in backward; checkpoint_keep_attention:
     with it, keep each layer's attention output instead of recomputing the attention forward;
-    compile: torch.compile every decoder layer."""
+    compile: torch.compile every decoder layer; attention_backend: the dualkv_attention backend of
+    every layer of the policy and the reference ("auto", or one of ``dualkv.core.backends.BACKENDS``)."""
 
     sp: int = 1
     param_dtype: str = "bf16"
     activation_checkpointing: bool = False
     compile: bool = False
     checkpoint_keep_attention: bool = False
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
+        from dualkv.core.backends import BACKENDS
+
         if self.sp < 1:
             raise ValueError(f"sp: expected >= 1, got {self.sp}")
+        if self.attention_backend != "auto" and self.attention_backend not in BACKENDS:
+            raise ValueError(f"attention_backend: expected one of {['auto', *BACKENDS]}, got {self.attention_backend!r}")
         if self.checkpoint_keep_attention and not self.activation_checkpointing:
             raise ValueError("checkpoint_keep_attention: needs activation_checkpointing (it selects what a "
                              "checkpointed layer keeps)")
@@ -153,6 +160,10 @@ def parallelize_policy(model: torch.nn.Module, ctx: DistContext, cfg: ParallelCo
 
     if not trainable:
         model.requires_grad_(False)
+    if cfg.attention_backend != "auto":
+        from dualkv.core import dualkv_attention
+
+        model.set_attn_fn(functools.partial(dualkv_attention, backend=cfg.attention_backend))
     if cfg.activation_checkpointing and trainable:
         model.set_activation_checkpointing(True, keep_attention=cfg.checkpoint_keep_attention)
     if ctx.sp_size > 1:

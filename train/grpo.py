@@ -97,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--checkpoint-keep-attention", action="store_true",
                    help="with --activation-checkpointing: keep attention outputs, recompute the rest of each layer")
     d.add_argument("--compile", action="store_true", help="torch.compile every decoder layer")
+    d.add_argument("--attention-backend", choices=("auto", "triton", "cuda", "reference"), default="auto",
+                   help="dualkv_attention backend of every layer (auto: Triton on CUDA tensors)")
     d.add_argument("--cpu-threads", type=int, default=None,
                    help="intra-op threads of a CPU run (default: $OMP_NUM_THREADS, else 1: small models run fastest "
                         "on one thread)")
@@ -136,7 +138,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                             temperature=args.temperature, use_rollout_logprobs=args.use_rollout_logprobs),
         optim=OptimConfig(lr=lr, weight_decay=args.weight_decay, eps=args.adam_eps),
         parallel=ParallelConfig(sp=args.sp, param_dtype=dtype, activation_checkpointing=args.activation_checkpointing,
-                                compile=args.compile, checkpoint_keep_attention=args.checkpoint_keep_attention),
+                                compile=args.compile, checkpoint_keep_attention=args.checkpoint_keep_attention,
+                                attention_backend=args.attention_backend),
     )
 
 
