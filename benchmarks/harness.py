@@ -301,6 +301,13 @@ class DualKVCudaMma(DualKVCuda):
     env = {"DUALKV_CUDA_WGMMA": "0", "DUALKV_CUDA_WGMMA_BWD": None}
 
 
+@register("dualkv-cuda-ws")
+class DualKVCudaWs(DualKVCuda):
+    """The opt-in warp-specialised wgmma forward (a producer warpgroup, mbarrier hand-over)."""
+
+    env = {"DUALKV_CUDA_WGMMA": "2", "DUALKV_CUDA_WGMMA_BWD": None}
+
+
 @register("dualkv-cuda-wgmma-bwd")
 class DualKVCudaWgmmaBwd(DualKVCuda):
     """The opt-in wgmma backward (d 64 / 128; the products of a tile in turn)."""

@@ -166,17 +166,22 @@ void check_launch(cudaError_t err, const char* what) {
 
 // The wgmma forward (dkv_fwd_sm90.cuh) runs on sm_90 devices for head dims 64 / 128 / 192 / 256, fp16
 // and bf16, when the extension was built for sm_90a (else the mma.sync forward runs);
-// DUALKV_CUDA_WGMMA=0 selects the mma.sync forward.
-// The CPU emulation runs the mma.sync forward unless DUALKV_CUDA_WGMMA=1.
-bool use_sm90_forward(const Tensor& q, int head_dim) {
+// DUALKV_CUDA_WGMMA=0 selects the mma.sync forward, =2 the warp-specialised wgmma forward (opt-in
+// until it has run on a GPU). The CPU emulation runs the mma.sync forward unless DUALKV_CUDA_WGMMA=1
+// or 2. Returns 0 (mma.sync), 1 or 2.
+int use_sm90_forward(const Tensor& q, int head_dim) {
   const char* flag = std::getenv("DUALKV_CUDA_WGMMA");
   const std::string choice = flag == nullptr ? "" : flag;
-  if (!sm90_forward_supports(head_dim)) return false;
+  if (!sm90_forward_supports(head_dim)) return 0;
+  const int mode = choice == "2" ? 2 : 1;
 #ifdef DKV_EMULATE
   (void)q;
-  return choice == "1";
+  return choice == "1" || choice == "2" ? mode : 0;
 #else
-  return choice != "0" && at::cuda::getDeviceProperties(q.device().index())->major == 9 && sm90_kernels_built(current_stream());
+  return choice != "0" && at::cuda::getDeviceProperties(q.device().index())->major == 9 &&
+                 sm90_kernels_built(current_stream())
+             ? mode
+             : 0;
 #endif
 }
 
@@ -249,7 +254,7 @@ std::tuple<Tensor, Tensor> fwd(const Tensor& q, const Tensor& k, const Tensor& v
   Tensor out = at::empty(q.sizes(), q.options());
   Tensor lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
   const bool bf16 = q.scalar_type() == at::kBFloat16;
-  const bool sm90 = use_sm90_forward(q, args.head_dim);
+  const int sm90 = use_sm90_forward(q, args.head_dim);
   const int block_m = sm90 ? kSm90BlockM : fwd_config(args.head_dim).block_m;
   Tensor tile_prefix = prefix_of(segment_lengths(cu_seqlens), block_m);
 
@@ -261,7 +266,8 @@ std::tuple<Tensor, Tensor> fwd(const Tensor& q, const Tensor& k, const Tensor& v
   p.grid_tiles = grid_tiles_bound(args.total_q, args.layout.num_segments, block_m);
   const cudaStream_t st = current_stream();
   if (sm90) {
-    check_launch(bf16 ? run_fwd_sm90<Bf16>(p, st) : run_fwd_sm90<Fp16>(p, st), "forward kernel (sm90 wgmma)");
+    const bool ws = sm90 == 2;
+    check_launch(bf16 ? run_fwd_sm90<Bf16>(p, st, ws) : run_fwd_sm90<Fp16>(p, st, ws), "forward kernel (sm90 wgmma)");
   } else {
     check_launch(bf16 ? dispatch_fwd<Bf16>(p, st) : dispatch_fwd<Fp16>(p, st), "forward kernel");
   }

@@ -250,6 +250,28 @@ inline float shfl_xor(float v, int mask) {
   return r;
 }
 
+// mbarrier on an 8-byte shared-memory word: bit 63 the phase, bits 32-62 the expected arrivals,
+// bits 0-31 the arrivals still pending in this phase. A phase completes when its last arrival comes;
+// try_wait.parity(P) answers whether the phase of parity P has completed (the current phase differs).
+inline void mbar_init(uint64_t* bar, int count) {
+  std::atomic_ref<uint64_t>(*bar).store((static_cast<uint64_t>(count) << 32) | static_cast<uint32_t>(count));
+}
+inline void mbar_arrive(uint64_t* bar) {
+  std::atomic_ref<uint64_t> word(*bar);
+  uint64_t v = word.load();
+  for (;;) {
+    const uint64_t phase = v >> 63, expected = (v >> 32) & 0x7FFFFFFFu, pending = v & 0xFFFFFFFFu;
+    if (pending == 0) throw std::runtime_error("emulated mbarrier: more arrivals than expected");
+    const uint64_t next = pending == 1 ? (((phase ^ 1) << 63) | (expected << 32) | expected)
+                                       : ((phase << 63) | (expected << 32) | (pending - 1));
+    if (word.compare_exchange_weak(v, next)) return;
+  }
+}
+inline void mbar_wait_parity(uint64_t* bar, int parity) {
+  std::atomic_ref<uint64_t> word(*bar);
+  while (static_cast<int>(word.load() >> 63) == parity) std::this_thread::yield();
+}
+
 // __any_sync over the whole warp.
 inline bool warp_any(bool pred) {
   Warp& w = *self.warp;

@@ -7,10 +7,10 @@
 
 namespace dkv {
 
-template <class E, int D>
+template <class E, int D, bool kWs>
 cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
-  using K = FwdSm90<D>;
-  auto kernel = &dkv_fwd_sm90_kernel<E, D>;
+  using K = FwdSm90<D, kWs>;
+  auto kernel = &dkv_fwd_sm90_kernel<E, D, kWs>;
   static const cudaError_t attr = allow_smem(kernel, K::kSmemBytes);
   if (attr != cudaSuccess) return attr;
   if (p.grid_tiles == 0 || p.nheads == 0) return cudaSuccess;
@@ -51,18 +51,23 @@ bool sm90_kernels_built(cudaStream_t stream) {
 #endif
 }
 
-template <class E>
-cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
+template <class E, bool kWs>
+cudaError_t run_fwd_sm90_variant(const FwdParams& p, cudaStream_t stream) {
   switch (p.head_dim) {
-    case 64: return launch_fwd_sm90<E, 64>(p, stream);
-    case 128: return launch_fwd_sm90<E, 128>(p, stream);
-    case 192: return launch_fwd_sm90<E, 192>(p, stream);
-    case 256: return launch_fwd_sm90<E, 256>(p, stream);
+    case 64: return launch_fwd_sm90<E, 64, kWs>(p, stream);
+    case 128: return launch_fwd_sm90<E, 128, kWs>(p, stream);
+    case 192: return launch_fwd_sm90<E, 192, kWs>(p, stream);
+    case 256: return launch_fwd_sm90<E, 256, kWs>(p, stream);
     default: return static_cast<cudaError_t>(1);  // cudaErrorInvalidValue: the binding never asks for it
   }
 }
 
-template cudaError_t run_fwd_sm90<Fp16>(const FwdParams&, cudaStream_t);
-template cudaError_t run_fwd_sm90<Bf16>(const FwdParams&, cudaStream_t);
+template <class E>
+cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream, bool warp_specialized) {
+  return warp_specialized ? run_fwd_sm90_variant<E, true>(p, stream) : run_fwd_sm90_variant<E, false>(p, stream);
+}
+
+template cudaError_t run_fwd_sm90<Fp16>(const FwdParams&, cudaStream_t, bool);
+template cudaError_t run_fwd_sm90<Bf16>(const FwdParams&, cudaStream_t, bool);
 
 }  // namespace dkv

@@ -21,23 +21,30 @@
 
 namespace dkv {
 
-template <int kHeadDim_>
+// kWs = false: every thread loads (cp.async) and computes, a block barrier per key tile. kWs = true
+// (warp-specialised): a third warpgroup only loads, into the same ring, handing tiles over through
+// mbarriers (full: landed, empty: both consumer warpgroups are done with it), so the two consumer
+// warpgroups never wait for each other and drift apart, one's softmax under the other's matmuls;
+// the producer gives registers back (setmaxnreg) for the consumers' accumulators.
+template <int kHeadDim_, bool kWs_ = false>
 struct FwdSm90 {
   static constexpr int kHeadDim = kHeadDim_, kWarpGroups = 2, kBlockM = 64 * kWarpGroups;
-  static constexpr int kThreads = 128 * kWarpGroups;
+  static constexpr bool kWs = kWs_;
+  static constexpr int kThreads = 128 * (kWarpGroups + (kWs ? 1 : 0));
   static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;
   static constexpr int kParts = kHeadDim / 64;             // 64-column swizzled sub-tiles per row
   static constexpr int kQTile = kBlockM * kHeadDim;        // elements
   static constexpr int kKvTile = kBlockN * kHeadDim;
   static constexpr int kStages = kHeadDim == 256 ? 2 : 3;  // buffers of K and of V
-  static constexpr int kSmemBytes = (kQTile + 2 * kStages * kKvTile) * 2 + 1024;  // + 1024-byte alignment
+  // Tiles, then (kWs) the full and empty mbarriers of each stage, + 1024 bytes of alignment.
+  static constexpr int kSmemBytes = (kQTile + 2 * kStages * kKvTile) * 2 + (kWs ? 16 * kStages : 0) + 1024;
   static_assert(kHeadDim % 64 == 0 && kParts >= 1 && kParts <= 4, "head dim: 64, 128, 192 or 256");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one H100 / H200 block");
 };
 
-template <class E, int D>
-DKV_GLOBAL void DKV_LAUNCH_BOUNDS(FwdSm90<D>::kThreads) dkv_fwd_sm90_kernel(const DKV_GRID_CONSTANT FwdParams p) {
-  using K = FwdSm90<D>;
+template <class E, int D, bool kWs>
+DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs>::kThreads)) dkv_fwd_sm90_kernel(const DKV_GRID_CONSTANT FwdParams p) {
+  using K = FwdSm90<D, kWs>;
   constexpr int kParts = K::kParts, kBlockM = K::kBlockM, kBlockN = K::kBlockN;
   const QueryTile qt = query_tile<kBlockM>(p, p.q_tile_prefix);
   if (qt.s < 0) return;
@@ -45,7 +52,8 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(FwdSm90<D>::kThreads) dkv_fwd_sm90_kernel(cons
   const int h = qt.h, hk = qt.hk;
   const int W = p.window;
 
-  const int tid = thread_idx(), lane = tid & 31, warp = (tid >> 5) & 3, wg = tid >> 7;
+  // Consumer threads 0 .. 255 (kWs: threads 128 .. 383; the producer warpgroup is 0 .. 127).
+  const int tid = thread_idx() - (kWs ? 128 : 0), lane = tid & 31, warp = (tid >> 5) & 3, wg = tid >> 7;
   const int g = lane >> 2, tq = lane & 3;
 
   uint16_t* sQ = reinterpret_cast<uint16_t*>(sm90::dynamic_smem_1024());
@@ -53,28 +61,68 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(FwdSm90<D>::kThreads) dkv_fwd_sm90_kernel(cons
   uint16_t* sK0 = sQ + K::kQTile;  // K buffers, then V buffers; tile t in buffer t % kStages
   auto sK = [&](int t) { return sK0 + (t % kStages) * K::kKvTile; };
   auto sV = [&](int t) { return sK0 + (kStages + t % kStages) * K::kKvTile; };
+  uint64_t* full = reinterpret_cast<uint64_t*>(sK0 + 2 * kStages * K::kKvTile);  // kWs only
+  uint64_t* empty = full + kStages;
 
   const TwoRegionWalk walk = make_walk<kBlockN>(q0, m_valid, ctx_len, ctx_row0, row0, W);
   const int n_tiles = walk.n_ctx_tiles + walk.n_own_tiles;
   const int qpos_lo = ctx_len + q0, qpos_hi = qpos_lo + m_valid - 1;
 
-  auto load_k = [&](int t) {
+  // Loads by kLoaders threads (all 256, or the producer's 128), thread index `lt`.
+  constexpr int kLoaders = kWs ? 128 : K::kThreads;
+  auto load_k = [&](int t, int lt) {
     const KvTile kt = walk.tile<kBlockN>(t);
-    sm90::load_tile_sw128_async<D, K::kThreads, kBlockN>(sK(t), kt.ctx ? p.k_ctx : p.k, kt.row, hk, kt.valid, tid);
+    sm90::load_tile_sw128_async<D, kLoaders, kBlockN>(sK(t), kt.ctx ? p.k_ctx : p.k, kt.row, hk, kt.valid, lt);
   };
-  auto load_v = [&](int t) {
+  auto load_v = [&](int t, int lt) {
     const KvTile kt = walk.tile<kBlockN>(t);
-    sm90::load_tile_sw128_async<D, K::kThreads, kBlockN>(sV(t), kt.ctx ? p.v_ctx : p.v, kt.row, hk, kt.valid, tid);
+    sm90::load_tile_sw128_async<D, kLoaders, kBlockN>(sV(t), kt.ctx ? p.v_ctx : p.v, kt.row, hk, kt.valid, lt);
   };
-  // One cp.async group per step: group 0 = Q and K_0, group j = K_j and V_{j-1} (prologue j < kStages - 1,
-  // then iteration j - kStages + 1): iteration t needs group t.
-  sm90::load_tile_sw128_async<D, K::kThreads, kBlockM>(sQ, p.q, row0 + q0, h, m_valid, tid);
-  load_k(0);  // n_tiles >= 1: a query always sees its own key
-  cp_async_commit();
-  for (int j = 1; j < kStages - 1; ++j) {
-    if (j < n_tiles) load_k(j);
-    if (j - 1 < n_tiles) load_v(j - 1);
+  if constexpr (kWs) {
+    if (thread_idx() == 0) {
+      for (int st = 0; st < kStages; ++st) {
+        sm90::mbar_init(&full[st], 128);
+        sm90::mbar_init(&empty[st], 256);
+      }
+    }
+    block_sync();
+    if (tid < 0) {  // the producer: Q with tile 0, then every tile into the ring once it is free
+      sm90::setmaxnreg_dec<40>();
+      const int lt = thread_idx();
+      int announced = 0;  // tiles 0 .. announced - 1 are marked full
+      auto announce = [&](int upto) {
+        sm90::fence_smem_to_async_proxy();  // this thread's copies, for the wgmma that reads them
+        for (; announced <= upto; ++announced) sm90::mbar_arrive(&full[announced % kStages]);
+      };
+      sm90::load_tile_sw128_async<D, kLoaders, kBlockM>(sQ, p.q, row0 + q0, h, m_valid, lt);
+      for (int t = 0; t < n_tiles; ++t) {
+        if (t >= kStages) {
+          // Mark the tiles the consumers need before they can free this buffer (through t - kStages + 1),
+          // then wait until they have freed it (tile t - kStages, round t / kStages - 1).
+          cp_async_wait<kStages - 2>();
+          announce(t - kStages + 1);
+          sm90::mbar_wait(&empty[t % kStages], (t / kStages - 1) & 1);
+        }
+        load_k(t, lt);
+        load_v(t, lt);
+        cp_async_commit();
+      }
+      cp_async_wait<0>();
+      announce(n_tiles - 1);
+      return;
+    }
+    sm90::setmaxnreg_inc<232>();
+  } else {
+    // One cp.async group per step: group 0 = Q and K_0, group j = K_j and V_{j-1} (prologue j < kStages - 1,
+    // then iteration j - kStages + 1): iteration t needs group t.
+    sm90::load_tile_sw128_async<D, kLoaders, kBlockM>(sQ, p.q, row0 + q0, h, m_valid, tid);
+    load_k(0, tid);  // n_tiles >= 1: a query always sees its own key
     cp_async_commit();
+    for (int j = 1; j < kStages - 1; ++j) {
+      if (j < n_tiles) load_k(j, tid);
+      if (j - 1 < n_tiles) load_v(j - 1, tid);
+      cp_async_commit();
+    }
   }
 
   // Descriptors are built once and advanced by byte offsets (sm90::desc_advance). This warpgroup's 64
@@ -157,13 +205,17 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(FwdSm90<D>::kThreads) dkv_fwd_sm90_kernel(cons
   float s[kBlockN / 2];
   for (int t = 0; t < n_tiles; ++t) {
     // K_t and V_{t-1} (group t) have landed, and every warpgroup is done with K_{t-1} and V_{t-2},
-    // whose buffers the loads below refill.
-    cp_async_wait<kStages - 2>();
-    sm90::fence_smem_to_async_proxy();
-    block_sync();
-    if (t + kStages - 1 < n_tiles) load_k(t + kStages - 1);
-    if (t + kStages - 2 < n_tiles) load_v(t + kStages - 2);
-    cp_async_commit();
+    // whose buffers the loads below refill (kWs: the producer does that).
+    if constexpr (kWs) {
+      sm90::mbar_wait(&full[t % kStages], (t / kStages) & 1);  // K_t and V_t (and Q) have landed
+    } else {
+      cp_async_wait<kStages - 2>();
+      sm90::fence_smem_to_async_proxy();
+      block_sync();
+      if (t + kStages - 1 < n_tiles) load_k(t + kStages - 1, tid);
+      if (t + kStages - 2 < n_tiles) load_v(t + kStages - 2, tid);
+      cp_async_commit();
+    }
 
     sm90::wgmma_fence();
     issue_qk(s, t);
@@ -195,11 +247,16 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(FwdSm90<D>::kThreads) dkv_fwd_sm90_kernel(cons
           o[part][4 * j + 3] *= alpha[1];
         }
     }
+    if constexpr (kWs) {
+      if (t > 0) sm90::mbar_arrive(&empty[(t - 1) % kStages]);  // K_{t-1} and V_{t-1} are read
+    }
     c_to_a<E, kBlockN>(pa, reinterpret_cast<const float(&)[kBlockN / 8][4]>(s));
   }
-  cp_async_wait<kStages - 2>();  // V_{n-1}: group n
-  sm90::fence_smem_to_async_proxy();
-  block_sync();
+  if constexpr (!kWs) {  // V_{n-1}: group n (kWs: it landed with K_{n-1})
+    cp_async_wait<kStages - 2>();
+    sm90::fence_smem_to_async_proxy();
+    block_sync();
+  }
   sm90::wgmma_fence();
   issue_pv(n_tiles - 1);
   sm90::wgmma_commit();

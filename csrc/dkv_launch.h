@@ -20,7 +20,7 @@ template <class E, int D>
 cudaError_t run_fwd(const FwdParams& p, cudaStream_t stream);
 // Forward on Hopper warpgroup MMA (fp16 / bf16, head dims 64 / 128 / 192 / 256; blocks of 128 query rows).
 template <class E>
-cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream);
+cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream, bool warp_specialized);
 bool sm90_forward_supports(int head_dim);
 bool sm90_kernels_built(cudaStream_t stream);  // the wgmma kernels were compiled for sm_90a (checked once)
 constexpr int kSm90BlockM = 128;

@@ -108,6 +108,63 @@ DKV_DEV void load_tile_sw128_async(uint16_t* dst, const TensorRef& t, int64_t ro
 #define DKV_HAS_WGMMA 0
 #endif
 
+// mbarrier (shared-memory arrival barrier with phases) for producer / consumer pipelines: init by one
+// thread before a block_sync; arrive (release); wait until the phase of the given parity completed
+// (acquire). Phase r of a barrier completes with its count-th arrival; its parity is r % 2.
+DKV_DEV void mbar_init(uint64_t* bar, int count) {
+#if defined(DKV_EMULATE)
+  dkv_emu::mbar_init(bar, count);
+#elif DKV_HAS_WGMMA
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(bar))),
+               "r"(count)
+               : "memory");
+#else
+  (void)bar, (void)count;
+#endif
+}
+
+DKV_DEV void mbar_arrive(uint64_t* bar) {
+#if defined(DKV_EMULATE)
+  dkv_emu::mbar_arrive(bar);
+#elif DKV_HAS_WGMMA
+  asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(
+                   static_cast<uint32_t>(__cvta_generic_to_shared(bar)))
+               : "memory");
+#else
+  (void)bar;
+#endif
+}
+
+DKV_DEV void mbar_wait(uint64_t* bar, int parity) {
+#if defined(DKV_EMULATE)
+  dkv_emu::mbar_wait_parity(bar, parity);
+#elif DKV_HAS_WGMMA
+  asm volatile(
+      "{\n.reg .pred done;\nwait_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait_%=;\n}\n" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(bar))),
+      "r"(parity)
+      : "memory");
+#else
+  (void)bar, (void)parity;
+#endif
+}
+
+// Warp-specialised register budgets: a warpgroup gives registers back (dec) or takes them (inc); every
+// warp of the warpgroup executes it.
+template <int kRegs>
+DKV_DEV void setmaxnreg_dec() {
+#if DKV_HAS_WGMMA
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+#endif
+}
+template <int kRegs>
+DKV_DEV void setmaxnreg_inc() {
+#if DKV_HAS_WGMMA
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+#endif
+}
+
 // Make this CTA's shared-memory stores (st.shared, cp.async) visible to the async proxy wgmma reads
 // through; follow it with a barrier so every thread's stores are covered.
 DKV_DEV void fence_smem_to_async_proxy() {

@@ -8,7 +8,7 @@ per CUDA thread): keep the shapes tiny.
     python csrc/emulation/emulate.py            # the default case list
     python csrc/emulation/emulate.py --quick    # two cases
     python csrc/emulation/emulate.py --wgmma    # the wgmma building blocks (csrc/dkv_wgmma.cuh) only
-    python csrc/emulation/emulate.py --sm90     # the wgmma forward (DUALKV_CUDA_WGMMA=1)
+    python csrc/emulation/emulate.py --sm90     # the wgmma forward (DUALKV_CUDA_WGMMA=1, 2)
     python csrc/emulation/emulate.py --sm90-bwd # the wgmma dQ and dK/dV kernels (DUALKV_CUDA_WGMMA_BWD=1, 2)
 """
 
@@ -188,7 +188,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", type=int, default=None)
     ap.add_argument("--wgmma", action="store_true", help="only the wgmma building blocks")
-    ap.add_argument("--sm90", action="store_true", help="the wgmma forward kernel's cases (DUALKV_CUDA_WGMMA=1)")
+    ap.add_argument("--sm90", action="store_true", help="the wgmma forward kernels' cases (DUALKV_CUDA_WGMMA=1, 2)")
     ap.add_argument("--sm90-bwd", action="store_true",
                     help="the wgmma backward's cases (DUALKV_CUDA_WGMMA_BWD=1, with the wgmma forward)")
     ap.add_argument("--forward-only", action="store_true", help="with --sm90: skip the backward")
@@ -202,8 +202,11 @@ def main():
         sys.exit(0 if ok else 1)
     torch.manual_seed(0)
     if args.sm90:
-        os.environ["DUALKV_CUDA_WGMMA"] = "1"
-        ok = all([run_case(**c, backward=not args.forward_only) for c in SM90_CASES])
+        ok = True
+        for mode in ("1", "2"):  # the wgmma forward, then its warp-specialised form
+            os.environ["DUALKV_CUDA_WGMMA"] = mode
+            print(f"DUALKV_CUDA_WGMMA={mode}", flush=True)
+            ok = all([run_case(**c, backward=not args.forward_only) for c in SM90_CASES]) and ok
         print("ALL OK" if ok else "FAILURES")
         sys.exit(0 if ok else 1)
     if args.sm90_bwd:

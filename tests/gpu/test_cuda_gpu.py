@@ -151,15 +151,19 @@ def _forward_kernels(case, dtype):
     return r, {e.name for e in prof.events()}
 
 
+@pytest.mark.parametrize("mode", [None, "2"], ids=["default", "warp-specialised"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", [c for c in GRID if c[4] in (64, 128, 192, 256)], ids=lambda c: _ids(c))
-def test_wgmma_forward_matches_reference(cuda_backend, case, dtype, monkeypatch):
-    """The Hopper wgmma forward (csrc/dkv_fwd_sm90.cuh; d = 64 / 128 / 192 / 256, the default on sm_90)
-    on the grid: out / lse / gradients (the backward is the mma.sync one) against the fp32 reference,
-    and the profiler shows that the wgmma kernel ran."""
+def test_wgmma_forward_matches_reference(cuda_backend, case, dtype, mode, monkeypatch):
+    """The Hopper wgmma forward (csrc/dkv_fwd_sm90.cuh; d = 64 / 128 / 192 / 256, the default on sm_90,
+    and its warp-specialised form, DUALKV_CUDA_WGMMA=2) on the grid: out / lse / gradients (the backward
+    is the mma.sync one) against the fp32 reference, and the profiler shows that the wgmma kernel ran."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the wgmma forward needs an sm_90 GPU")
-    monkeypatch.delenv("DUALKV_CUDA_WGMMA", raising=False)
+    if mode is None:
+        monkeypatch.delenv("DUALKV_CUDA_WGMMA", raising=False)
+    else:
+        monkeypatch.setenv("DUALKV_CUDA_WGMMA", mode)
     r, kernels = _forward_kernels(case, dtype)
     _check_against_reference(case, dtype, r)
     assert any("dkv_fwd_sm90_kernel" in name for name in kernels), f"the wgmma forward did not run: {sorted(kernels)}"
