@@ -307,14 +307,27 @@ def _sanitizer():
     return None
 
 
+# Kernel paths under the sanitizer: the defaults, and the opt-in Hopper kernels (the warp-specialised
+# forward with the overlapped wgmma backward, then the wgmma backward in turn), which only differ from
+# the defaults on an sm_90 GPU.
+SANITIZER_PATHS = {"default": {}, "hopper-opt-in": {"DUALKV_CUDA_WGMMA": "2", "DUALKV_CUDA_WGMMA_BWD": "2"},
+                   "wgmma-bwd-steps": {"DUALKV_CUDA_WGMMA_BWD": "1"}}
+
+
+@pytest.mark.parametrize("paths", list(SANITIZER_PATHS))
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
-def test_compute_sanitizer_small_case(cuda_backend, tool, tmp_path):
+def test_compute_sanitizer_small_case(cuda_backend, tool, paths, tmp_path):
     sanitizer = _sanitizer()
     if sanitizer is None:
         pytest.skip("compute-sanitizer is not installed")
+    if paths != "default" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the opt-in Hopper kernels need an sm_90 GPU")
     script = tmp_path / "case.py"
     script.write_text(SANITIZER_SCRIPT)
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("DUALKV_CUDA_WGMMA", None)
+    env.pop("DUALKV_CUDA_WGMMA_BWD", None)
+    env.update(SANITIZER_PATHS[paths])
     base = [sanitizer, "--tool", tool, "--error-exitcode", "3"]
     cmd = [*base, "--kernel-name", "kns=dkv_", sys.executable, str(script)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
