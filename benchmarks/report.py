@@ -243,6 +243,11 @@ def detail_table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def measured_modes(rows: list[dict]) -> list[str]:
+    """The modes ("fwdbwd", "fwd", "bwd", in that order) some row has a time for (a ``--modes`` run)."""
+    return [m for m in ("fwdbwd", "fwd", "bwd") if any(r.get(f"{m}_ms") is not None for r in rows)]
+
+
 def write_markdown(path: Path, results: list[dict], rows: list[dict] | None = None) -> Path:
     rows = merged_rows(results) if rows is None else rows
     lines = [f"# {path.stem}", ""]
@@ -254,8 +259,9 @@ def write_markdown(path: Path, results: list[dict], rows: list[dict] | None = No
                      f"dualkv {v.get('dualkv')} (commit {m.get('git_commit')})")
     lines += ["", "Useful TFLOP/s = 3.5 * 4*d*H*(attended pairs of the packed layout) / time for forward+backward "
               "(1x forward, 2.5x backward); the same FLOP count for every provider.", ""]
+    measured = measured_modes(rows)  # a table per measured mode (all three when nothing was measured)
     for mode in ("fwdbwd", "fwd", "bwd"):
-        if any(r.get(f"{mode}_ms") is not None for r in rows) or not any(r["status"] == "ok" for r in rows):
+        if mode in measured or not measured:
             lines += [markdown_table(rows, mode), ""]
     lines += ["All rows:", "", detail_table(rows), ""]
     for res in results:
@@ -303,7 +309,7 @@ def plot_results(rows: list[dict], stem: Path, title: str = "") -> list[Path]:
 
     groups = _groups(rows)
     paths = []
-    mode = next((m for m in ("fwdbwd", "fwd", "bwd") if any(r.get(f"{m}_ms") is not None for r in rows)), "fwdbwd")
+    mode = (measured_modes(rows) or ["fwdbwd"])[0]
     name = _MODE_NAMES[mode]
     for metric, ylabel, log in ((f"{mode}_tflops", f"useful TFLOP/s, {name}", False),
                                 (f"{mode}_ms", f"{name} ms (log scale)", True)):

@@ -302,6 +302,35 @@ struct QTileDesc {
   int kpos0, klo, khi;
 };
 
+// The query tile a reader cursor points at: its description, first packed row and query head.
+struct ReaderTile {
+  QTileDesc desc;
+  int row, hq;
+};
+
+template <int kBlockM>
+DKV_DEV ReaderTile reader_tile(const ReaderCursor<kBlockM>& cur, const KvItem& it, int rep) {
+  const int i0 = cur.v.i_lo + cur.t * kBlockM;
+  ReaderTile rt;
+  rt.desc.m_valid = imin(kBlockM, cur.v.i_hi - i0);
+  rt.desc.qpos0 = cur.v.ctx_len + i0;
+  rt.desc.kpos0 = cur.v.kpos0;
+  rt.desc.klo = cur.v.klo;
+  rt.desc.khi = cur.v.khi;
+  rt.row = cur.v.row0 + i0;
+  rt.hq = it.hk * rep + cur.hl;
+  return rt;
+}
+
+// The next work item of a persistent dK/dV block, the same for every thread (s_item: a shared slot).
+DKV_DEV int next_item(const BwdParams& p, int* s_item) {
+  if (thread_idx() == 0) *s_item = atomic_add_i32(p.work_counter, 1);
+  block_sync();
+  const int item = *s_item;
+  block_sync();
+  return item;
+}
+
 DKV_DEV int segment_of_row(const BwdParams& p, int row) {
   // Largest s with cu_seqlens[s] <= row (empty segments share a start; take the last, non-empty one).
   return find_bucket(p.layout.cu_seqlens, p.layout.num_segments, row);
@@ -386,6 +415,35 @@ DKV_DEV KvItem decode_item(const BwdParams& p, int item) {
   return it;
 }
 
+// Writes the dK / dV of one key row of an item: `pairs(store)` calls store(col, dk0, dk1, dv0, dv1) for
+// column pairs (col, col + 1), and store adds them to the fp32 context workspace (a context row read by
+// several sequences, default mode) or writes them in the input dtype to dk / dv (dk_ctx / dv_ctx). dK
+// is scaled by the softmax scale on the way. The choice is made once per row, outside the pairs loop.
+template <class E, class Pairs>
+DKV_DEV void store_dkdv_row(const BwdParams& p, const KvItem& it, int row, Pairs&& pairs) {
+  const float scale = p.scale;
+  if (it.out_mode == kOutAtomic || (it.out_mode == kOutPerRow && region_of_row(p, row) >= 0)) {
+    const int64_t base = (static_cast<int64_t>(row) * p.nheads_kv + it.hk) * p.head_dim;
+    float* dka = p.dk_accum + base;
+    float* dva = p.dv_accum + base;
+    pairs([&](int col, float dk0, float dk1, float dv0, float dv1) {
+      atomic_add_f32(dka + col, dk0 * scale);
+      atomic_add_f32(dka + col + 1, dk1 * scale);
+      atomic_add_f32(dva + col, dv0);
+      atomic_add_f32(dva + col + 1, dv1);
+    });
+  } else {
+    const TensorRef dkr = it.ctx_tensor ? p.dk_ctx : p.dk;
+    const TensorRef dvr = it.ctx_tensor ? p.dv_ctx : p.dv;
+    uint16_t* dkp = static_cast<uint16_t*>(dkr.ptr) + dkr.offset(row, it.hk);
+    uint16_t* dvp = static_cast<uint16_t*>(dvr.ptr) + dvr.offset(row, it.hk);
+    pairs([&](int col, float dk0, float dk1, float dv0, float dv1) {
+      store_u32(dkp + col, pack2<E>(dk0 * scale, dk1 * scale));
+      store_u32(dvp + col, pack2<E>(dv0, dv1));
+    });
+  }
+}
+
 template <class E, class K>
 DKV_GLOBAL void DKV_LAUNCH_BOUNDS(K::kThreads) dkv_dkdv_kernel(const DKV_GRID_CONSTANT BwdParams p) {
   constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kStride = K::kStride, kDSlice = K::kDSlice;
@@ -407,32 +465,22 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(K::kThreads) dkv_dkdv_kernel(const DKV_GRID_CO
   const ScoreFn score = make_score_fn(p.scale, p.softcap);
 
   for (;;) {
-    if (tid == 0) *s_item = atomic_add_i32(p.work_counter, 1);
-    block_sync();
-    const int item = *s_item;
-    block_sync();
+    const int item = next_item(p, s_item);
     if (item >= total_items) break;
     const KvItem it = decode_item<kBlockN>(p, item);
     load_head_rows_async<kBlockN, K::kHeadDim, K::kThreads>(sK, it.ctx_tensor ? p.k_ctx : p.k, it.key_row0, it.hk, it.nk, tid);
     load_head_rows_async<kBlockN, K::kHeadDim, K::kThreads>(sV, it.ctx_tensor ? p.v_ctx : p.v, it.key_row0, it.hk, it.nk, tid);
 
     auto issue_q = [&](const ReaderCursor<kBlockM>& cur, int b) -> QTileDesc {
-      const int i0 = cur.v.i_lo + cur.t * kBlockM;
-      QTileDesc d;
-      d.m_valid = imin(kBlockM, cur.v.i_hi - i0);
-      d.qpos0 = cur.v.ctx_len + i0;
-      d.kpos0 = cur.v.kpos0;
-      d.klo = cur.v.klo;
-      d.khi = cur.v.khi;
-      const int hq = it.hk * rep + cur.hl;
-      const int row = cur.v.row0 + i0;
-      load_head_rows_async<kBlockM, K::kHeadDim, K::kThreads>(sQ0 + b * kBlockM * kStride, p.q, row, hq, d.m_valid, tid);
-      load_head_rows_async<kBlockM, K::kHeadDim, K::kThreads>(sdO0 + b * kBlockM * kStride, p.dout, row, hq, d.m_valid,
+      const ReaderTile rt = reader_tile(cur, it, rep);
+      const int m = rt.desc.m_valid;
+      load_head_rows_async<kBlockM, K::kHeadDim, K::kThreads>(sQ0 + b * kBlockM * kStride, p.q, rt.row, rt.hq, m, tid);
+      load_head_rows_async<kBlockM, K::kHeadDim, K::kThreads>(sdO0 + b * kBlockM * kStride, p.dout, rt.row, rt.hq, m,
                                                               tid);
-      const int64_t si = static_cast<int64_t>(hq) * p.total_q + row;
-      load_vec_async<kBlockM, K::kThreads>(sL0 + b * kBlockM, p.lse_log2 + si, d.m_valid, p.lse_log2, tid);
-      load_vec_async<kBlockM, K::kThreads>(sD0 + b * kBlockM, p.dsum + si, d.m_valid, p.dsum, tid);
-      return d;
+      const int64_t si = static_cast<int64_t>(rt.hq) * p.total_q + rt.row;
+      load_vec_async<kBlockM, K::kThreads>(sL0 + b * kBlockM, p.lse_log2 + si, m, p.lse_log2, tid);
+      load_vec_async<kBlockM, K::kThreads>(sD0 + b * kBlockM, p.dsum + si, m, p.dsum, tid);
+      return rt.desc;
     };
 
     float dk[kDSlice / 8][4], dv[kDSlice / 8][4];
@@ -516,31 +564,12 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(K::kThreads) dkv_dkdv_kernel(const DKV_GRID_CO
     for (int r = 0; r < 2; ++r) {
       const int key = kw * 16 + g + r * 8;
       if (key < it.nk) {
-        const int row = it.key_row0 + key;
-        bool atomic = it.out_mode == kOutAtomic;
-        if (it.out_mode == kOutPerRow) atomic = region_of_row(p, row) >= 0;
         const int col0 = dsl * kDSlice + 2 * tq;
-        if (atomic) {
-          float* dka = p.dk_accum + (static_cast<int64_t>(row) * p.nheads_kv + it.hk) * p.head_dim + col0;
-          float* dva = p.dv_accum + (static_cast<int64_t>(row) * p.nheads_kv + it.hk) * p.head_dim + col0;
+        store_dkdv_row<E>(p, it, it.key_row0 + key, [&](auto&& store) {
 #pragma unroll
-          for (int nt = 0; nt < kDSlice / 8; ++nt) {
-            atomic_add_f32(dka + nt * 8, dk[nt][2 * r] * p.scale);
-            atomic_add_f32(dka + nt * 8 + 1, dk[nt][2 * r + 1] * p.scale);
-            atomic_add_f32(dva + nt * 8, dv[nt][2 * r]);
-            atomic_add_f32(dva + nt * 8 + 1, dv[nt][2 * r + 1]);
-          }
-        } else {
-          const TensorRef dkr = it.ctx_tensor ? p.dk_ctx : p.dk;
-          const TensorRef dvr = it.ctx_tensor ? p.dv_ctx : p.dv;
-          uint16_t* dkp = static_cast<uint16_t*>(dkr.ptr) + dkr.offset(row, it.hk) + col0;
-          uint16_t* dvp = static_cast<uint16_t*>(dvr.ptr) + dvr.offset(row, it.hk) + col0;
-#pragma unroll
-          for (int nt = 0; nt < kDSlice / 8; ++nt) {
-            store_u32(dkp + nt * 8, pack2<E>(dk[nt][2 * r] * p.scale, dk[nt][2 * r + 1] * p.scale));
-            store_u32(dvp + nt * 8, pack2<E>(dv[nt][2 * r], dv[nt][2 * r + 1]));
-          }
-        }
+          for (int nt = 0; nt < kDSlice / 8; ++nt)
+            store(col0 + nt * 8, dk[nt][2 * r], dk[nt][2 * r + 1], dv[nt][2 * r], dv[nt][2 * r + 1]);
+        });
       }
     }
     block_sync();  // shared K/V are reloaded by the next item

@@ -156,7 +156,8 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dq_sm90_kernel(const DKV_GRID_CONSTAN
       }
     });
   };
-  auto wait_dq = [&] {
+  // After the wait that ends dQ += dS K: its operands pinned (sm90::fence_operand).
+  auto pin_dq = [&] {
     sm90::fence_operand(dsa);
     for (int part = 0; part < kParts; ++part) sm90::fence_operand<32>(dq[part]);
   };
@@ -185,7 +186,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dq_sm90_kernel(const DKV_GRID_CONSTAN
     elementwise(t);
     if constexpr (kOverlap) {
       sm90::wgmma_wait<0>();
-      wait_dq();
+      pin_dq();
       c_to_a<E, kBlockN>(dsa, reinterpret_cast<const float(&)[kBlockN / 8][4]>(dp));
     } else {
       c_to_a<E, kBlockN>(dsa, reinterpret_cast<const float(&)[kBlockN / 8][4]>(dp));
@@ -193,7 +194,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dq_sm90_kernel(const DKV_GRID_CONSTAN
       issue_rs(t);
       sm90::wgmma_commit();
       sm90::wgmma_wait<0>();
-      wait_dq();
+      pin_dq();
     }
   }
   if constexpr (kOverlap) {  // the last tile's dQ product; its K is still in its buffer
@@ -201,7 +202,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dq_sm90_kernel(const DKV_GRID_CONSTAN
     issue_rs(n_tiles - 1);
     sm90::wgmma_commit();
     sm90::wgmma_wait<0>();
-    wait_dq();
+    pin_dq();
   }
   cp_async_wait<0>();
 
@@ -327,11 +328,12 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
     c_to_a<E, kBlockM>(pa, reinterpret_cast<const float(&)[kBlockM / 8][4]>(st));
     c_to_a<E, kBlockM>(dsa, reinterpret_cast<const float(&)[kBlockM / 8][4]>(dpt));
   };
-  auto wait_ss = [&] {
+  // After the waits that end the shared-memory / register-operand products: their operands pinned.
+  auto pin_ss = [&] {
     sm90::fence_operand<32>(st);
     sm90::fence_operand<32>(dpt);
   };
-  auto wait_rs = [&] {
+  auto pin_rs = [&] {
     sm90::fence_operand(pa);
     sm90::fence_operand(dsa);
     for (int part = 0; part < kParts; ++part) {
@@ -341,31 +343,21 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
   };
 
   for (;;) {
-    if (tid == 0) *s_item = atomic_add_i32(p.work_counter, 1);
-    block_sync();
-    const int item = *s_item;
-    block_sync();
+    const int item = next_item(p, s_item);
     if (item >= total_items) break;
     const KvItem it = decode_item<kBlockN>(p, item);
     sm90::load_tile_sw128_async<D, K::kThreads, kBlockN>(sK, it.ctx_tensor ? p.k_ctx : p.k, it.key_row0, it.hk, it.nk, tid);
     sm90::load_tile_sw128_async<D, K::kThreads, kBlockN>(sV, it.ctx_tensor ? p.v_ctx : p.v, it.key_row0, it.hk, it.nk, tid);
 
     auto issue_q = [&](const ReaderCursor<kBlockM>& cur, int b) -> QTileDesc {
-      const int i0 = cur.v.i_lo + cur.t * kBlockM;
-      QTileDesc d;
-      d.m_valid = imin(kBlockM, cur.v.i_hi - i0);
-      d.qpos0 = cur.v.ctx_len + i0;
-      d.kpos0 = cur.v.kpos0;
-      d.klo = cur.v.klo;
-      d.khi = cur.v.khi;
-      const int hq = it.hk * rep + cur.hl;
-      const int row = cur.v.row0 + i0;
-      sm90::load_tile_sw128_async<D, K::kThreads, kBlockM>(sQ0 + b * K::kQTile, p.q, row, hq, d.m_valid, tid);
-      sm90::load_tile_sw128_async<D, K::kThreads, kBlockM>(sdO0 + b * K::kQTile, p.dout, row, hq, d.m_valid, tid);
-      const int64_t si = static_cast<int64_t>(hq) * p.total_q + row;
-      load_vec_async<kBlockM, K::kThreads>(sL0 + b * kBlockM, p.lse_log2 + si, d.m_valid, p.lse_log2, tid);
-      load_vec_async<kBlockM, K::kThreads>(sD0 + b * kBlockM, p.dsum + si, d.m_valid, p.dsum, tid);
-      return d;
+      const ReaderTile rt = reader_tile(cur, it, rep);
+      const int m = rt.desc.m_valid;
+      sm90::load_tile_sw128_async<D, K::kThreads, kBlockM>(sQ0 + b * K::kQTile, p.q, rt.row, rt.hq, m, tid);
+      sm90::load_tile_sw128_async<D, K::kThreads, kBlockM>(sdO0 + b * K::kQTile, p.dout, rt.row, rt.hq, m, tid);
+      const int64_t si = static_cast<int64_t>(rt.hq) * p.total_q + rt.row;
+      load_vec_async<kBlockM, K::kThreads>(sL0 + b * kBlockM, p.lse_log2 + si, m, p.lse_log2, tid);
+      load_vec_async<kBlockM, K::kThreads>(sD0 + b * kBlockM, p.dsum + si, m, p.dsum, tid);
+      return rt.desc;
     };
 
     for (int part = 0; part < kParts; ++part)
@@ -392,14 +384,14 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
         issue_ss(b);
         sm90::wgmma_commit();
         sm90::wgmma_wait<0>();
-        wait_ss();
+        pin_ss();
         elementwise(desc, b);
         pack();
         sm90::wgmma_fence();
         issue_rs(b);
         sm90::wgmma_commit();
         sm90::wgmma_wait<0>();
-        wait_rs();
+        pin_rs();
         block_sync();  // every warpgroup is done with buffer b before the next step refills it
 
         cur = nxt;
@@ -424,7 +416,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
         issue_ss(0);
         sm90::wgmma_commit();
         sm90::wgmma_wait<0>();
-        wait_ss();
+        pin_ss();
         elementwise(desc, 0);
         pack();
       }
@@ -449,11 +441,11 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
         sm90::wgmma_commit();
         if (have_next) {
           sm90::wgmma_wait<1>();  // S^T and dP^T of tile i + 1; dK / dV of tile i may still run
-          wait_ss();
+          pin_ss();
           elementwise(next_desc, b1);
         }
         sm90::wgmma_wait<0>();
-        wait_rs();
+        pin_rs();
         if (have_next) pack();
 
         nxt = after;
@@ -468,34 +460,13 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
     for (int r = 0; r < 2; ++r) {
       const int key = key_in_tile[r];
       if (key >= it.nk) continue;
-      const int row = it.key_row0 + key;
-      bool atomic = it.out_mode == kOutAtomic;
-      if (it.out_mode == kOutPerRow) atomic = region_of_row(p, row) >= 0;
-      if (atomic) {
-        float* dka = p.dk_accum + (static_cast<int64_t>(row) * p.nheads_kv + it.hk) * p.head_dim + 2 * tq;
-        float* dva = p.dv_accum + (static_cast<int64_t>(row) * p.nheads_kv + it.hk) * p.head_dim + 2 * tq;
+      store_dkdv_row<E>(p, it, it.key_row0 + key, [&](auto&& store) {
         for (int part = 0; part < kParts; ++part)
 #pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            const int col = 64 * part + 8 * j;
-            atomic_add_f32(dka + col, dk[part][4 * j + 2 * r] * p.scale);
-            atomic_add_f32(dka + col + 1, dk[part][4 * j + 2 * r + 1] * p.scale);
-            atomic_add_f32(dva + col, dv[part][4 * j + 2 * r]);
-            atomic_add_f32(dva + col + 1, dv[part][4 * j + 2 * r + 1]);
-          }
-      } else {
-        const TensorRef dkr = it.ctx_tensor ? p.dk_ctx : p.dk;
-        const TensorRef dvr = it.ctx_tensor ? p.dv_ctx : p.dv;
-        uint16_t* dkp = static_cast<uint16_t*>(dkr.ptr) + dkr.offset(row, it.hk) + 2 * tq;
-        uint16_t* dvp = static_cast<uint16_t*>(dvr.ptr) + dvr.offset(row, it.hk) + 2 * tq;
-        for (int part = 0; part < kParts; ++part)
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            const int col = 64 * part + 8 * j;
-            store_u32(dkp + col, pack2<E>(dk[part][4 * j + 2 * r] * p.scale, dk[part][4 * j + 2 * r + 1] * p.scale));
-            store_u32(dvp + col, pack2<E>(dv[part][4 * j + 2 * r], dv[part][4 * j + 2 * r + 1]));
-          }
-      }
+          for (int j = 0; j < 8; ++j)
+            store(64 * part + 8 * j + 2 * tq, dk[part][4 * j + 2 * r], dk[part][4 * j + 2 * r + 1],
+                  dv[part][4 * j + 2 * r], dv[part][4 * j + 2 * r + 1]);
+      });
     }
     block_sync();  // shared K/V are reloaded by the next item
   }

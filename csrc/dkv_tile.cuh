@@ -171,7 +171,6 @@ struct ScoreFn {
   float cap_inv_scale;  // scale / softcap         (softcap)
   float cap_log2;    // softcap * log2(e)          (softcap)
   bool softcap;
-  DKV_DEV float operator()(float raw) const { return softcap ? capped(raw) : plain(raw); }
   DKV_DEV float capped(float raw) const { return cap_log2 * tanh_f(raw * cap_inv_scale); }
   DKV_DEV float plain(float raw) const { return raw * scale_log2; }
 };
