@@ -164,25 +164,40 @@ void check_launch(cudaError_t err, const char* what) {
 #endif
 }
 
+// A kernel-choice environment variable: unset / empty -> 0, else "0", "1" or "2"; any other value is
+// an error naming the variable (a typo must not silently select the default).
+int kernel_choice(const char* name) {
+  const char* flag = std::getenv(name);
+  const std::string choice = flag == nullptr ? "" : flag;
+  TORCH_CHECK(choice.empty() || choice == "0" || choice == "1" || choice == "2", kOps, ": ", name,
+              ": expected 0, 1 or 2 (or unset), got '", choice, "'");
+  return choice.empty() ? -1 : choice[0] - '0';  // -1: unset
+}
+
+// The wgmma kernels can run: an sm_90 device whose extension code has wgmma (built for sm_90a), or the
+// CPU emulation.
+bool hopper_kernels_usable(const Tensor& q) {
+#ifdef DKV_EMULATE
+  (void)q;
+  return true;
+#else
+  return at::cuda::getDeviceProperties(q.device().index())->major == 9 && sm90_kernels_built(current_stream());
+#endif
+}
+
 // The wgmma forward (dkv_fwd_sm90.cuh) runs on sm_90 devices for head dims 64 / 128 / 192 / 256, fp16
 // and bf16, when the extension was built for sm_90a (else the mma.sync forward runs);
 // DUALKV_CUDA_WGMMA=0 selects the mma.sync forward, =2 the warp-specialised wgmma forward (opt-in
 // until it has run on a GPU). The CPU emulation runs the mma.sync forward unless DUALKV_CUDA_WGMMA=1
 // or 2. Returns 0 (mma.sync), 1 or 2.
 int use_sm90_forward(const Tensor& q, int head_dim) {
-  const char* flag = std::getenv("DUALKV_CUDA_WGMMA");
-  const std::string choice = flag == nullptr ? "" : flag;
-  if (!sm90_forward_supports(head_dim)) return 0;
-  const int mode = choice == "2" ? 2 : 1;
+  int choice = kernel_choice("DUALKV_CUDA_WGMMA");
 #ifdef DKV_EMULATE
-  (void)q;
-  return choice == "1" || choice == "2" ? mode : 0;
+  if (choice < 0) choice = 0;
 #else
-  return choice != "0" && at::cuda::getDeviceProperties(q.device().index())->major == 9 &&
-                 sm90_kernels_built(current_stream())
-             ? mode
-             : 0;
+  if (choice < 0) choice = 1;
 #endif
+  return choice > 0 && sm90_forward_supports(head_dim) && hopper_kernels_usable(q) ? choice : 0;
 }
 
 // The wgmma backward kernels (dkv_bwd_sm90.cuh: dQ and dK/dV) are opt-in until they have run on a GPU:
@@ -190,16 +205,8 @@ int use_sm90_forward(const Tensor& q, int head_dim) {
 // overlapping), head dims 64 / 128, on an sm_90 device with wgmma code, or the CPU emulation.
 // Returns 0 (mma.sync), 1 or 2.
 int use_sm90_backward(const Tensor& q, int head_dim) {
-  const char* flag = std::getenv("DUALKV_CUDA_WGMMA_BWD");
-  const std::string choice = flag == nullptr ? "" : flag;
-  const int mode = choice == "1" ? 1 : choice == "2" ? 2 : 0;
-  if (mode == 0 || !sm90_bwd_supports(head_dim)) return 0;
-#ifdef DKV_EMULATE
-  (void)q;
-  return mode;
-#else
-  return at::cuda::getDeviceProperties(q.device().index())->major == 9 && sm90_kernels_built(current_stream()) ? mode : 0;
-#endif
+  const int choice = kernel_choice("DUALKV_CUDA_WGMMA_BWD");
+  return choice > 0 && sm90_bwd_supports(head_dim) && hopper_kernels_usable(q) ? choice : 0;
 }
 
 template <class E>

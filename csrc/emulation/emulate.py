@@ -165,6 +165,28 @@ SM90_BWD_CASES = [
 ]
 
 
+def check_bad_kernel_choices() -> bool:
+    """An unknown value of a kernel-choice variable is an error naming it, not a silent default."""
+    ok = True
+    for name in ("DUALKV_CUDA_WGMMA", "DUALKV_CUDA_WGMMA_BWD"):
+        saved = os.environ.get(name)
+        os.environ[name] = "3"
+        try:
+            run_case(d=64, dtype=torch.bfloat16, prompts=[20], responses=[[9]], H=1, Hkv=1)
+            print(f"FAIL {name}=3 was accepted")
+            ok = False
+        except RuntimeError as err:
+            good = f"{name}: expected 0, 1 or 2 (or unset), got '3'" in str(err)
+            print(("ok" if good else "FAIL") + f" {name}=3 raises: {str(err).splitlines()[0][:120]}")
+            ok = ok and good
+        finally:
+            if saved is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = saved
+    return ok
+
+
 def run_wgmma_checks(seed: int = 0) -> bool:
     """The wgmma check kernels (csrc/dkv_wgmma_check.cuh) against torch on 64 x 64 bf16 tiles."""
     g = torch.Generator().manual_seed(seed)
@@ -202,7 +224,7 @@ def main():
         sys.exit(0 if ok else 1)
     torch.manual_seed(0)
     if args.sm90:
-        ok = True
+        ok = check_bad_kernel_choices()
         for mode in ("1", "2"):  # the wgmma forward, then its warp-specialised form
             os.environ["DUALKV_CUDA_WGMMA"] = mode
             print(f"DUALKV_CUDA_WGMMA={mode}", flush=True)
