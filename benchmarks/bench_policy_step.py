@@ -114,6 +114,17 @@ def _free() -> None:
         torch.cuda.empty_cache()
 
 
+def _report_step(packing: str, mb: int, step: int, args, rec: dict) -> None:
+    """One line per step on rank 0 (a large model's step takes minutes; the warm-up autotunes)."""
+    if _rank() != 0:
+        return
+    from tqdm.auto import tqdm
+
+    kind = "warm-up" if step < args.warmup else "measured"
+    phases = ", ".join(f"{k} {rec[f'time_{k}']:.2f} s" for k in PHASES if rec.get(f"time_{k}") is not None)
+    tqdm.write(f"{packing} mb={mb} step {step + 1}/{args.warmup + args.steps} ({kind}): {phases}", file=sys.stderr)
+
+
 def run_config(args, packing: str, mb: int, meta: dict | None = None) -> dict:
     from dualkv.train.metrics import peak_flops
     from dualkv.train.trainer import Trainer
@@ -123,12 +134,13 @@ def run_config(args, packing: str, mb: int, meta: dict | None = None) -> dict:
     try:
         trainer = Trainer(train_config(args, packing, mb))
         for step in range(args.warmup):
-            trainer.train_step(step)
+            _report_step(packing, mb, step, args, trainer.train_step(step))
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         recs, useful = [], []
         for step in range(args.warmup, args.warmup + args.steps):
             rec = trainer.train_step(step)
+            _report_step(packing, mb, step, args, rec)
             compute = sum(rec.get(f"time_{k}", 0.0) for k in PHASES)
             rec["time_compute"] = compute
             peak = peak_flops(args.peak_tflops)

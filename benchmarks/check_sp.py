@@ -9,7 +9,8 @@ Run under torchrun, one rank per GPU (NCCL; gloo on CPUs)::
     torchrun --nproc-per-node 2 -m benchmarks.check_sp --presets tiny-qwen3 --prompt 300 \\
         --responses 4 --response-range 8:64 --device cpu                    # smoke test
 
-For every preset (random weights, bf16, the first ``--layers`` decoder layers) every rank builds the
+For every preset (random weights, bf16, activation checkpointing, the first ``--layers`` decoder layers,
+a hybrid at least up to its first layer of every attention type) every rank builds the
 same model and the same packed micro-batch (one prompt of P tokens, N responses of seeded lengths),
 then:
 
@@ -52,7 +53,8 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--presets", default="qwen3-8b,qwen3-30b-a3b,gemma4-31b", help="comma-separated model presets")
     ap.add_argument("--layers", type=int, default=4,
-                    help="keep the first LAYERS decoder layers of each preset (at most all)")
+                    help="keep the first LAYERS decoder layers of each preset (at most all; a hybrid keeps at "
+                         "least up to its first layer of each attention type)")
     ap.add_argument("--sp", default=None, help="comma-separated SP sizes (default: 2, 4, ... up to the world size)")
     ap.add_argument("--prompt", type=parse_size, default=parse_size("64K"), help="prompt length P")
     ap.add_argument("--responses", type=int, default=16, help="responses N after the prompt")
@@ -75,15 +77,29 @@ def sp_sizes(text: str | None, world: int) -> list[int]:
     return sizes
 
 
+def layers_to_cover_every_type(hf: dict) -> int:
+    """How many leading layers hold every attention type of a hybrid model (Gemma-4: the first global
+    layer is the 6th), so that a cut model still checks the global layers; 1 for uniform models."""
+    types = hf.get("layer_types")
+    if not isinstance(types, list) or not types:
+        return 1
+    return max(types.index(t) for t in set(types)) + 1
+
+
 def build_model(preset: str, layers: int, device, seed: int):
-    """The preset's first ``layers`` decoder layers, random weights, bf16 (a cut Gemma-4 keeps no KV sharing)."""
+    """The preset's first ``layers`` decoder layers, random weights, bf16 (a cut Gemma-4 keeps no KV sharing),
+    with activation checkpointing as in training (without it the single-device reference of a long
+    Gemma-4 micro-batch does not fit one card)."""
     from dualkv.models import build_model as build, preset_hf_config
 
     hf = preset_hf_config(preset)
     if layers < 1:
         raise SystemExit(f"--layers: expected >= 1, got {layers}")
-    hf = first_layers(hf, min(layers, hf["num_hidden_layers"]))
-    return build(hf, seed=seed).to(device=device, dtype=torch.bfloat16)
+    layers = min(max(layers, layers_to_cover_every_type(hf)), hf["num_hidden_layers"])
+    hf = first_layers(hf, layers)
+    model = build(hf, seed=seed).to(device=device, dtype=torch.bfloat16)
+    model.set_activation_checkpointing(True)
+    return model
 
 
 def make_batch(vocab: int, P: int, N: int, r_range: tuple[int, int], seed: int, device):

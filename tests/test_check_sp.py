@@ -45,3 +45,16 @@ def test_layers_must_be_positive():
 
     with pytest.raises(SystemExit, match="--layers: expected >= 1, got 0"):
         build_model("tiny-qwen3", 0, "cpu", 0)
+
+
+def test_a_cut_hybrid_keeps_every_attention_type():
+    from benchmarks.check_sp import build_model, layers_to_cover_every_type
+    from dualkv.models import preset_hf_config
+
+    assert layers_to_cover_every_type(preset_hf_config("gemma4-31b")) == 6  # five sliding layers, then a global one
+    assert layers_to_cover_every_type(preset_hf_config("qwen3-8b")) == 1
+    tiny = preset_hf_config("tiny-gemma4")
+    need = layers_to_cover_every_type(tiny)
+    model = build_model("tiny-gemma4", 1, "cpu", 0)
+    assert model.config.num_layers == need > 1
+    assert {"sliding_attention", "full_attention"} <= set(tiny["layer_types"][:need])

@@ -11,6 +11,8 @@ gradient; with several GPUs the hybrid model's global layers have fewer KV heads
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -50,38 +52,63 @@ MODELS = {
 }
 
 
+def _run(model, layout, mesh, use_sp):
+    """Log-probs of the micro-batch (through SP when ``use_sp``) and the LM-head gradient of their sum
+    (each SP rank holds the gradient of its slice of the tokens, so the group's shares are added)."""
+    from dualkv.parallel import parallelize_sequence, sp_response_logprobs, unparallelize_sequence
+
+    model.zero_grad(set_to_none=True)
+    if use_sp:
+        parallelize_sequence(model, mesh.sp_mesh)
+        lp = sp_response_logprobs(model, layout, mesh.sp_mesh, temperature=0.9)
+        unparallelize_sequence(model)
+    else:
+        lp = model.response_logprobs(layout, temperature=0.9)
+    lp.sum().backward()
+    w = model.lm_head.weight
+    grad = torch.zeros_like(w, dtype=torch.float32) if w.grad is None else w.grad.float().clone()
+    if use_sp and mesh.sp_size > 1:
+        dist.all_reduce(grad, group=mesh.sp_group)
+    return lp.detach().float(), grad
+
+
 def _model_matches(device, name, sp=1):
-    from dualkv.core import PackedLayout
+    """SP in bf16 through our kernels against the fp32 model, within DESIGN.md's rule: at most 2x (log-probs)
+    and 3x (gradient) the error of the plain PyTorch path in bf16 (reference attention, no SP), plus a
+    floor; and the SP plumbing itself exact in fp32 (reference attention under SP = the fp32 model).
+
+    A random tiny model in bf16 is far from its fp32 self (the hybrid's log-probs move by ~0.5), so two
+    bf16 runs that round differently cannot be compared with a fixed bound; the fp32 model is the truth.
+    """
+    from dualkv.core import PackedLayout, dualkv_attention
     from dualkv.models import build_model, preset_hf_config
-    from dualkv.parallel import init_sp_mesh, parallelize_sequence, sp_response_logprobs, unparallelize_sequence
+    from dualkv.parallel import init_sp_mesh
 
     preset, over = MODELS[name]
     mesh = init_sp_mesh(sp, device_type=device)
-    model = build_model({**preset_hf_config(preset), **over}, dtype=torch.bfloat16, device=device, seed=0)
     g = torch.Generator().manual_seed(1)
     groups = [(torch.randint(0, 1024, (p,), generator=g), [torch.randint(0, 1024, (r,), generator=g) for r in rs])
               for p, rs in ((300, (40, 7, 129)), (61, (1, 90)))]
     layout = PackedLayout.from_groups(groups, device=device)
-    results = []
-    for sp_run in (False, True):
-        model.zero_grad(set_to_none=True)
-        if sp_run:
-            parallelize_sequence(model, mesh.sp_mesh)
-            lp = sp_response_logprobs(model, layout, mesh.sp_mesh, temperature=0.9)
-            unparallelize_sequence(model)
-        else:
-            lp = model.response_logprobs(layout, temperature=0.9)
-        lp.sum().backward()
-        w = model.lm_head.weight
-        # each SP rank holds the gradient of its slice of the tokens (none if the slice has no response token)
-        grad = torch.zeros_like(w, dtype=torch.float32) if w.grad is None else w.grad.float().clone()
-        if sp_run and sp > 1:
-            dist.all_reduce(grad)
-        results.append((lp.detach(), grad))
-    (lp_ref, g_ref), (lp_sp, g_sp) = results
-    torch.testing.assert_close(lp_sp, lp_ref, rtol=2e-2, atol=2e-2)
-    err = (g_sp - g_ref).norm() / g_ref.norm()
-    assert err < 2e-2, f"{name}: lm_head gradient relative error {err:.3e}"
+
+    def model_in(dtype, backend):
+        model = build_model({**preset_hf_config(preset), **over}, dtype=torch.float32, device=device, seed=0)
+        return model.to(dtype).set_attn_fn(functools.partial(dualkv_attention, backend=backend))
+
+    def errors(res, truth):
+        (lp, grad), (lp_t, g_t) = res, truth
+        return (lp - lp_t).abs().max().item(), ((grad - g_t).norm() / g_t.norm()).item()
+
+    truth = _run(model_in(torch.float32, "reference"), layout, mesh, use_sp=False)
+    lp_err, g_err = errors(_run(model_in(torch.float32, "reference"), layout, mesh, use_sp=True), truth)
+    # fp32 bound: a misrouted head or token moves log-probs by ~0.1 or more; the GPU's fp32 GEMMs pick other
+    # kernels for the per-rank shapes, and this random hybrid amplifies that rounding (measured on two
+    # H200s: 1.9e-4 log-prob, 8.2e-4 gradient; 0 and ~1e-6 on CPUs)
+    assert lp_err < 2e-3 and g_err < 1e-2, f"{name}: fp32 SP vs the fp32 model: log-prob {lp_err:.2e}, lm_head grad {g_err:.2e}"
+    lp_torch, g_torch = errors(_run(model_in(torch.bfloat16, "reference"), layout, mesh, use_sp=False), truth)
+    lp_ours, g_ours = errors(_run(model_in(torch.bfloat16, "auto"), layout, mesh, use_sp=True), truth)
+    assert lp_ours <= 2 * lp_torch + 1e-2, f"{name}: bf16 SP log-prob error {lp_ours:.3e} vs PyTorch bf16's {lp_torch:.3e}"
+    assert g_ours <= 3 * g_torch + 1e-2, f"{name}: bf16 SP lm_head grad error {g_ours:.3e} vs PyTorch bf16's {g_torch:.3e}"
 
 
 def _smoke(device, backend):
