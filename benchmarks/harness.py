@@ -288,7 +288,7 @@ class DualKVTriton(_DualKV):
 
 @register("dualkv-cuda")
 class DualKVCuda(_DualKV):
-    """The CUDA backend's defaults: wgmma forward on sm_90, mma.sync backward."""
+    """The CUDA backend's defaults: on sm_90 the wgmma forward and (d 64 / 128) the wgmma backward."""
 
     backend = "cuda"
     env = {"DUALKV_CUDA_WGMMA": None, "DUALKV_CUDA_WGMMA_BWD": None}
@@ -298,7 +298,14 @@ class DualKVCuda(_DualKV):
 class DualKVCudaMma(DualKVCuda):
     """mma.sync kernels only (the sm_80 path), on any card."""
 
-    env = {"DUALKV_CUDA_WGMMA": "0", "DUALKV_CUDA_WGMMA_BWD": None}
+    env = {"DUALKV_CUDA_WGMMA": "0", "DUALKV_CUDA_WGMMA_BWD": "0"}
+
+
+@register("dualkv-cuda-mma-bwd")
+class DualKVCudaMmaBwd(DualKVCuda):
+    """The default forward with the mma.sync backward (the default before the wgmma backward)."""
+
+    env = {"DUALKV_CUDA_WGMMA": None, "DUALKV_CUDA_WGMMA_BWD": "0"}
 
 
 @register("dualkv-cuda-ws")
@@ -310,7 +317,7 @@ class DualKVCudaWs(DualKVCuda):
 
 @register("dualkv-cuda-wgmma-bwd")
 class DualKVCudaWgmmaBwd(DualKVCuda):
-    """The opt-in wgmma backward (d 64 / 128; the products of a tile in turn)."""
+    """The wgmma backward asked for by name (d 64 / 128; the products of a tile in turn; the default on sm_90)."""
 
     env = {"DUALKV_CUDA_WGMMA": None, "DUALKV_CUDA_WGMMA_BWD": "1"}
 

@@ -200,12 +200,18 @@ int use_sm90_forward(const Tensor& q, int head_dim) {
   return choice > 0 && sm90_forward_supports(head_dim) && hopper_kernels_usable(q) ? choice : 0;
 }
 
-// The wgmma backward kernels (dkv_bwd_sm90.cuh: dQ and dK/dV) are opt-in until they have run on a GPU:
-// DUALKV_CUDA_WGMMA_BWD=1 (the products of a tile one after the other) or 2 (the next tile's products
-// overlapping), head dims 64 / 128, on an sm_90 device with wgmma code, or the CPU emulation.
-// Returns 0 (mma.sync), 1 or 2.
+// The wgmma backward kernels (dkv_bwd_sm90.cuh: dQ and dK/dV), head dims 64 / 128, on an sm_90 device
+// with wgmma code, or the CPU emulation. The default on sm_90 is 1 (the products of a tile one after
+// the other: 1.5x the mma.sync backward on an H200, benchmarks/results/cuda_hopper_bwd_h200.md);
+// DUALKV_CUDA_WGMMA_BWD=2 overlaps the next tile's products (slower there), =0 asks for mma.sync. As
+// for the forward, the emulation runs mma.sync unless asked. Returns 0 (mma.sync), 1 or 2.
 int use_sm90_backward(const Tensor& q, int head_dim) {
-  const int choice = kernel_choice("DUALKV_CUDA_WGMMA_BWD");
+  int choice = kernel_choice("DUALKV_CUDA_WGMMA_BWD");
+#ifdef DKV_EMULATE
+  if (choice < 0) choice = 0;
+#else
+  if (choice < 0) choice = 1;
+#endif
   return choice > 0 && sm90_bwd_supports(head_dim) && hopper_kernels_usable(q) ? choice : 0;
 }
 

@@ -1,7 +1,7 @@
 // dQ and dK/dV on Hopper warpgroup MMA (dkv_bwd_sm90.cuh): fp16 and bf16, head dims 64 and 128, each in
 // two schedules (overlap = false / true). The kernels trap unless the unit is built for sm_90a; the
-// binding only calls them on an sm_90 device whose code has wgmma (sm90_kernels_built), and only
-// with DUALKV_CUDA_WGMMA_BWD=1 or 2 for now.
+// binding only calls them on an sm_90 device whose code has wgmma (sm90_kernels_built): by default
+// (schedule 1), unless DUALKV_CUDA_WGMMA_BWD=0 asks for mma.sync.
 #include "dkv_bwd_sm90.cuh"
 #include "dkv_launch_impl.cuh"
 

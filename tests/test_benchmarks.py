@@ -268,7 +268,8 @@ def test_cuda_kernel_variants_set_their_environment(monkeypatch):
 
     cfg = bench_attention.AttnConfig.parse("N=2,P=40,R=9,H=4,H_kv=2,d=32,dtype=float32")
     layout = cfg.layout(CPU)
-    expect = {"dualkv-cuda": (None, None), "dualkv-cuda-mma": ("0", None), "dualkv-cuda-ws": ("2", None),
+    expect = {"dualkv-cuda": (None, None), "dualkv-cuda-mma": ("0", "0"), "dualkv-cuda-mma-bwd": (None, "0"),
+              "dualkv-cuda-ws": ("2", None),
               "dualkv-cuda-wgmma-bwd": (None, "1"),
               "dualkv-cuda-wgmma-bwd-overlap": (None, "2")}
     q, k, v = harness._random_qkv(cfg, CPU, 0)

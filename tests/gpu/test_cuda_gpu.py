@@ -144,10 +144,11 @@ def test_grid_matches_reference(cuda_backend, case, dtype):
     _check_against_reference(case, dtype, r)
 
 
-def _forward_kernels(case, dtype):
-    """Run the case under the CUDA profiler: its result and the names of the kernels that ran."""
+def _kernels_of(case, dtype, deterministic=False):
+    """Run the case (forward and backward) under the CUDA profiler: its result and the names of the
+    kernels that ran."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        r = _run_packed(case, dtype, deterministic=False)
+        r = _run_packed(case, dtype, deterministic=deterministic)
     return r, {e.name for e in prof.events()}
 
 
@@ -156,46 +157,51 @@ def _forward_kernels(case, dtype):
 @pytest.mark.parametrize("case", [c for c in GRID if c[4] in (64, 128, 192, 256)], ids=lambda c: _ids(c))
 def test_wgmma_forward_matches_reference(cuda_backend, case, dtype, mode, monkeypatch):
     """The Hopper wgmma forward (csrc/dkv_fwd_sm90.cuh; d = 64 / 128 / 192 / 256, the default on sm_90,
-    and its warp-specialised form, DUALKV_CUDA_WGMMA=2) on the grid: out / lse / gradients (the backward
-    is the mma.sync one) against the fp32 reference, and the profiler shows that the wgmma kernel ran."""
+    and its warp-specialised form, DUALKV_CUDA_WGMMA=2) on the grid: out / lse / gradients (through the
+    default backward) against the fp32 reference, and the profiler shows that the wgmma kernel ran."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the wgmma forward needs an sm_90 GPU")
     if mode is None:
         monkeypatch.delenv("DUALKV_CUDA_WGMMA", raising=False)
     else:
         monkeypatch.setenv("DUALKV_CUDA_WGMMA", mode)
-    r, kernels = _forward_kernels(case, dtype)
+    r, kernels = _kernels_of(case, dtype)
     _check_against_reference(case, dtype, r)
     assert any("dkv_fwd_sm90_kernel" in name for name in kernels), f"the wgmma forward did not run: {sorted(kernels)}"
 
 
-@pytest.mark.parametrize("mode", ["1", "2"], ids=["steps", "overlap"])
+@pytest.mark.parametrize("mode", [None, "2"], ids=["default", "overlap"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", [c for c in GRID if c[4] in (64, 128)], ids=lambda c: _ids(c))
 def test_wgmma_backward_matches_reference(cuda_backend, case, dtype, deterministic, mode, monkeypatch):
-    """DUALKV_CUDA_WGMMA_BWD=1 / 2: the Hopper wgmma dQ and dK/dV kernels (csrc/dkv_bwd_sm90.cuh;
-    d = 64 / 128; dK/dV with its steps in turn, or overlapped) on the grid against the fp32
-    reference, in both accumulation modes, and the profiler shows that they ran."""
+    """The Hopper wgmma dQ and dK/dV kernels (csrc/dkv_bwd_sm90.cuh; d = 64 / 128): the default on sm_90
+    (the products of a tile in turn) and DUALKV_CUDA_WGMMA_BWD=2 (overlapped), on the grid against the
+    fp32 reference, in both accumulation modes, and the profiler shows that they ran."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the wgmma backward needs an sm_90 GPU")
-    monkeypatch.setenv("DUALKV_CUDA_WGMMA_BWD", mode)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        r = _run_packed(case, dtype, deterministic=deterministic)
+    if mode is None:
+        monkeypatch.delenv("DUALKV_CUDA_WGMMA_BWD", raising=False)
+    else:
+        monkeypatch.setenv("DUALKV_CUDA_WGMMA_BWD", mode)
+    r, kernels = _kernels_of(case, dtype, deterministic)
     _check_against_reference(case, dtype, r)
-    kernels = {e.name for e in prof.events()}
     for kernel in ("dkv_dq_sm90_kernel", "dkv_dkdv_sm90_kernel"):
         assert any(kernel in name for name in kernels), f"{kernel} did not run: {sorted(kernels)}"
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("case", [GRID[0], GRID[4]], ids=lambda c: _ids(c))
-def test_mma_sync_forward_on_request(cuda_backend, case, monkeypatch):
-    """DUALKV_CUDA_WGMMA=0 selects the mma.sync forward on any card, and it matches the reference."""
+def test_mma_sync_on_request(cuda_backend, case, deterministic, monkeypatch):
+    """DUALKV_CUDA_WGMMA=0 and DUALKV_CUDA_WGMMA_BWD=0 select the mma.sync kernels (the sm_80 path) on
+    any card, and they match the reference."""
     monkeypatch.setenv("DUALKV_CUDA_WGMMA", "0")
-    r, kernels = _forward_kernels(case, torch.bfloat16)
+    monkeypatch.setenv("DUALKV_CUDA_WGMMA_BWD", "0")
+    r, kernels = _kernels_of(case, torch.bfloat16, deterministic)
     _check_against_reference(case, torch.bfloat16, r)
-    assert not any("dkv_fwd_sm90_kernel" in name for name in kernels)
-    assert any("dkv_fwd_kernel" in name for name in kernels), f"the mma.sync forward did not run: {sorted(kernels)}"
+    assert not any("_sm90_kernel" in name for name in kernels), sorted(kernels)
+    for kernel in ("dkv_fwd_kernel", "dkv_dq_kernel", "dkv_dkdv_kernel"):
+        assert any(kernel in name for name in kernels), f"{kernel} did not run: {sorted(kernels)}"
 
 
 @pytest.mark.parametrize("case", [GRID[0], GRID[3], GRID[4], GRID[8]], ids=lambda c: _ids(c))
@@ -307,11 +313,11 @@ def _sanitizer():
     return None
 
 
-# Kernel paths under the sanitizer: the defaults, and the opt-in Hopper kernels (the warp-specialised
-# forward with the overlapped wgmma backward, then the wgmma backward in turn), which only differ from
-# the defaults on an sm_90 GPU.
+# Kernel paths under the sanitizer: the defaults (on sm_90 the wgmma forward and backward), the opt-in
+# Hopper forms (the warp-specialised forward with the overlapped wgmma backward) and the mma.sync
+# kernels; the last two only differ from the defaults on an sm_90 GPU.
 SANITIZER_PATHS = {"default": {}, "hopper-opt-in": {"DUALKV_CUDA_WGMMA": "2", "DUALKV_CUDA_WGMMA_BWD": "2"},
-                   "wgmma-bwd-steps": {"DUALKV_CUDA_WGMMA_BWD": "1"}}
+                   "mma-sync": {"DUALKV_CUDA_WGMMA": "0", "DUALKV_CUDA_WGMMA_BWD": "0"}}
 
 
 @pytest.mark.parametrize("paths", list(SANITIZER_PATHS))
@@ -321,7 +327,7 @@ def test_compute_sanitizer_small_case(cuda_backend, tool, paths, tmp_path):
     if sanitizer is None:
         pytest.skip("compute-sanitizer is not installed")
     if paths != "default" and torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the opt-in Hopper kernels need an sm_90 GPU")
+        pytest.skip("these paths differ from the defaults only on an sm_90 GPU")
     script = tmp_path / "case.py"
     script.write_text(SANITIZER_SCRIPT)
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
