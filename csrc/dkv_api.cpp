@@ -164,14 +164,21 @@ void check_launch(cudaError_t err, const char* what) {
 #endif
 }
 
-// A kernel-choice environment variable: unset / empty -> 0, else "0", "1" or "2"; any other value is
-// an error naming the variable (a typo must not silently select the default).
+// A kernel-choice environment variable: "0" (mma.sync), "1" or "2" (a Hopper form); unset or empty
+// gives the default, 1 on a device and 0 on the CPU emulation (which runs mma.sync unless asked, so
+// that its default cases keep checking the sm_80 path). Any other value is an error naming the
+// variable (a typo must not silently select the default).
 int kernel_choice(const char* name) {
   const char* flag = std::getenv(name);
   const std::string choice = flag == nullptr ? "" : flag;
   TORCH_CHECK(choice.empty() || choice == "0" || choice == "1" || choice == "2", kOps, ": ", name,
               ": expected 0, 1 or 2 (or unset), got '", choice, "'");
-  return choice.empty() ? -1 : choice[0] - '0';  // -1: unset
+#ifdef DKV_EMULATE
+  constexpr int kDefault = 0;
+#else
+  constexpr int kDefault = 1;
+#endif
+  return choice.empty() ? kDefault : choice[0] - '0';
 }
 
 // The wgmma kernels can run: an sm_90 device whose extension code has wgmma (built for sm_90a), or the
@@ -187,31 +194,19 @@ bool hopper_kernels_usable(const Tensor& q) {
 
 // The wgmma forward (dkv_fwd_sm90.cuh) runs on sm_90 devices for head dims 64 / 128 / 192 / 256, fp16
 // and bf16, when the extension was built for sm_90a (else the mma.sync forward runs);
-// DUALKV_CUDA_WGMMA=0 selects the mma.sync forward, =2 the warp-specialised wgmma forward (opt-in
-// until it has run on a GPU). The CPU emulation runs the mma.sync forward unless DUALKV_CUDA_WGMMA=1
-// or 2. Returns 0 (mma.sync), 1 or 2.
+// DUALKV_CUDA_WGMMA=0 selects the mma.sync forward, =2 the warp-specialised wgmma forward (opt-in:
+// slower on an H200). Returns 0 (mma.sync), 1 or 2.
 int use_sm90_forward(const Tensor& q, int head_dim) {
-  int choice = kernel_choice("DUALKV_CUDA_WGMMA");
-#ifdef DKV_EMULATE
-  if (choice < 0) choice = 0;
-#else
-  if (choice < 0) choice = 1;
-#endif
+  const int choice = kernel_choice("DUALKV_CUDA_WGMMA");
   return choice > 0 && sm90_forward_supports(head_dim) && hopper_kernels_usable(q) ? choice : 0;
 }
 
-// The wgmma backward kernels (dkv_bwd_sm90.cuh: dQ and dK/dV), head dims 64 / 128, on an sm_90 device
-// with wgmma code, or the CPU emulation. The default on sm_90 is 1 (the products of a tile one after
-// the other: 1.5x the mma.sync backward on an H200, benchmarks/results/cuda_hopper_bwd_h200.md);
-// DUALKV_CUDA_WGMMA_BWD=2 overlaps the next tile's products (slower there), =0 asks for mma.sync. As
-// for the forward, the emulation runs mma.sync unless asked. Returns 0 (mma.sync), 1 or 2.
+// The wgmma backward kernels (dkv_bwd_sm90.cuh: dQ and dK/dV), head dims 64 / 128, on the same
+// devices. The default is 1 (the products of a tile one after the other: 1.5x the mma.sync backward
+// on an H200, benchmarks/results/cuda_hopper_bwd_h200.md); DUALKV_CUDA_WGMMA_BWD=2 overlaps the next
+// tile's products (slower there), =0 asks for mma.sync. Returns 0 (mma.sync), 1 or 2.
 int use_sm90_backward(const Tensor& q, int head_dim) {
-  int choice = kernel_choice("DUALKV_CUDA_WGMMA_BWD");
-#ifdef DKV_EMULATE
-  if (choice < 0) choice = 0;
-#else
-  if (choice < 0) choice = 1;
-#endif
+  const int choice = kernel_choice("DUALKV_CUDA_WGMMA_BWD");
   return choice > 0 && sm90_bwd_supports(head_dim) && hopper_kernels_usable(q) ? choice : 0;
 }
 

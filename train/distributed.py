@@ -149,10 +149,15 @@ def _blocks(model) -> list[torch.nn.Module]:
     return list(model.model.layers)
 
 
-def parallelize_policy(model: torch.nn.Module, ctx: DistContext, cfg: ParallelConfig, *, trainable: bool = True):
+def parallelize_policy(model: torch.nn.Module, ctx: DistContext, cfg: ParallelConfig, *, trainable: bool = True,
+                       seed: int | None = None):
     """Apply activation checkpointing, SP, compile and FSDP2 to ``model`` in place; returns it.
 
-    ``trainable=False`` (the reference model) freezes the parameters first.
+    ``trainable=False`` (the reference model) freezes the parameters first. A model on the meta
+    device (``build_model(..., device="meta")``) is allocated and randomly initialised with ``seed``
+    one decoder layer at a time, each layer sharded as soon as it exists
+    (``dualkv.models.materialize``), so no rank ever holds the whole model; its values equal
+    ``build_model(..., seed=seed, device=ctx.device)``'s.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
@@ -176,9 +181,17 @@ def parallelize_policy(model: torch.nn.Module, ctx: DistContext, cfg: ParallelCo
             block.compile(dynamic=True)
     mp = MixedPrecisionPolicy(param_dtype=cfg.dtype, reduce_dtype=torch.float32)
     mesh = ctx.mesh.dp_sp_mesh if ctx.world_size > 1 else ctx.mesh.mesh["dp"]
-    model.to(ctx.device)
-    for block in _blocks(model):
-        fully_shard(block, mesh=mesh, mp_policy=mp)
+    if any(p.is_meta for p in model.parameters()):
+        from dualkv.models import materialize
+
+        if seed is None:
+            raise ValueError("seed: a model on the meta device needs the seed of its random initialisation")
+        materialize(model, ctx.device, seed=seed, units=_blocks(model),
+                    on_unit=lambda block: fully_shard(block, mesh=mesh, mp_policy=mp))
+    else:
+        model.to(ctx.device)
+        for block in _blocks(model):
+            fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     # SP calls the model through these two methods, not forward: give them FSDP's hooks too.
     register_fsdp_forward_method(model, "hidden_states")

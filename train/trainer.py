@@ -116,12 +116,14 @@ def _model_config(cfg: TrainConfig, task: ArithmeticTask | None):
     return hf, None
 
 
-def _build_model(hf: dict | None, path: Path | None, seed: int):
+def _build_model(hf: dict | None, path: Path | None):
+    """A checkpoint's model (loaded whole), or a preset's on the meta device: ``parallelize_policy``
+    then allocates and initialises it layer by layer, each layer sharded at once."""
     from dualkv.models import build_model, from_pretrained
 
     if path is not None:
         return from_pretrained(path, dtype=torch.float32)
-    return build_model(hf, seed=seed)
+    return build_model(hf, device="meta")
 
 
 class Trainer:
@@ -142,13 +144,12 @@ class Trainer:
         self.timer = PhaseTimer()
         self.task = ArithmeticTask(cfg.arithmetic) if cfg.rollouts == "arithmetic" else None
         hf, path = _model_config(cfg, self.task)
-        self.policy = _build_model(hf, path, cfg.seed)
+        self.policy = parallelize_policy(_build_model(hf, path), self.ctx, cfg.parallel, seed=cfg.seed)
         reference = None
         if cfg.loss.needs_reference:
             ref_hf, ref_path = (hf, path) if cfg.reference is None else (None, Path(cfg.reference))
-            reference = _build_model(ref_hf, ref_path, cfg.seed)
-            parallelize_policy(reference, self.ctx, cfg.parallel, trainable=False)
-        parallelize_policy(self.policy, self.ctx, cfg.parallel)
+            reference = parallelize_policy(_build_model(ref_hf, ref_path), self.ctx, cfg.parallel, trainable=False,
+                                           seed=cfg.seed)
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
                                            weight_decay=o.weight_decay)
