@@ -329,6 +329,13 @@ class DualKVCudaWgmmaBwdOverlap(DualKVCuda):
     env = {"DUALKV_CUDA_WGMMA": None, "DUALKV_CUDA_WGMMA_BWD": "2"}
 
 
+@register("dualkv-cuda-fused-dq")
+class DualKVCudaFusedDq(DualKVCuda):
+    """The opt-in wgmma dK/dV kernel that also accumulates dQ (fp32 atomics; no dQ kernel; d 64 / 128)."""
+
+    env = {"DUALKV_CUDA_WGMMA": None, "DUALKV_CUDA_WGMMA_BWD": "3"}
+
+
 @register("reference")
 class DualKVReference(_DualKV):
     """The pure-PyTorch oracle through the same op (correctness anchor, CPU tests; slow)."""

@@ -164,15 +164,15 @@ void check_launch(cudaError_t err, const char* what) {
 #endif
 }
 
-// A kernel-choice environment variable: "0" (mma.sync), "1" or "2" (a Hopper form); unset or empty
+// A kernel-choice environment variable: "0" (mma.sync), "1" .. max_choice (a Hopper form); unset or empty
 // gives the default, 1 on a device and 0 on the CPU emulation (which runs mma.sync unless asked, so
 // that its default cases keep checking the sm_80 path). Any other value is an error naming the
 // variable (a typo must not silently select the default).
-int kernel_choice(const char* name) {
+int kernel_choice(const char* name, char max_choice = '2') {
   const char* flag = std::getenv(name);
   const std::string choice = flag == nullptr ? "" : flag;
-  TORCH_CHECK(choice.empty() || choice == "0" || choice == "1" || choice == "2", kOps, ": ", name,
-              ": expected 0, 1 or 2 (or unset), got '", choice, "'");
+  TORCH_CHECK(choice.empty() || (choice.size() == 1 && choice[0] >= '0' && choice[0] <= max_choice), kOps, ": ", name,
+              ": expected 0 .. ", max_choice, " (or unset), got '", choice, "'");
 #ifdef DKV_EMULATE
   constexpr int kDefault = 0;
 #else
@@ -204,9 +204,11 @@ int use_sm90_forward(const Tensor& q, int head_dim) {
 // The wgmma backward kernels (dkv_bwd_sm90.cuh: dQ and dK/dV), head dims 64 / 128, on the same
 // devices. The default is 1 (the products of a tile one after the other: 1.5x the mma.sync backward
 // on an H200, benchmarks/results/cuda_hopper_bwd_h200.md); DUALKV_CUDA_WGMMA_BWD=2 overlaps the next
-// tile's products (slower there), =0 asks for mma.sync. Returns 0 (mma.sync), 1 or 2.
+// tile's products (slower there), =3 accumulates dQ inside the dK/dV kernel (fp32 atomics into a
+// workspace; no dQ kernel recomputing S and dP; not with deterministic=True, which keeps 1), =0 asks
+// for mma.sync. Returns 0 (mma.sync), 1, 2 or 3.
 int use_sm90_backward(const Tensor& q, int head_dim) {
-  const int choice = kernel_choice("DUALKV_CUDA_WGMMA_BWD");
+  const int choice = kernel_choice("DUALKV_CUDA_WGMMA_BWD", '3');
   return choice > 0 && sm90_bwd_supports(head_dim) && hopper_kernels_usable(q) ? choice : 0;
 }
 
@@ -322,7 +324,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
     dv_accum = at::zeros({accum_rows, args.nheads_kv, args.head_dim}, f32);
   }
 
-  const int sm90 = use_sm90_backward(q, args.head_dim);
+  int sm90 = use_sm90_backward(q, args.head_dim);
+  if (sm90 == 3 && deterministic) sm90 = 1;  // atomics on dQ are not bit-stable run to run
+  Tensor dq_accum;
+  if (sm90 == 3) dq_accum = at::zeros({T, args.nheads, args.head_dim}, f32);
   const int dq_block = sm90 ? kSm90DqBlockM : dq_config(args.head_dim).block_m;
   const int kv_block = sm90 ? kSm90DkdvBlockN : dkdv_config(args.head_dim).block_n;
   const Tensor seg_len = segment_lengths(cu_seqlens);
@@ -364,15 +369,18 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
   p.num_item_groups = static_cast<int>(groups.size(0));
   p.work_counter = work_counter.data_ptr<int>();
   p.deterministic = deterministic;
+  p.dq_accum = sm90 == 3 ? dq_accum.data_ptr<float>() : nullptr;
 
   const cudaStream_t st = current_stream();
   const bool bf16 = q.scalar_type() == at::kBFloat16;
   check_launch(bf16 ? run_bwd_prep<Bf16>(p, st) : run_bwd_prep<Fp16>(p, st), "backward preprocessing kernel");
   if (sm90) {
     const bool overlap = sm90 == 2;
-    check_launch(bf16 ? run_dq_sm90<Bf16>(p, st, overlap) : run_dq_sm90<Fp16>(p, st, overlap), "dq kernel (sm90 wgmma)");
-    check_launch(bf16 ? run_dkdv_sm90<Bf16>(p, st, overlap) : run_dkdv_sm90<Fp16>(p, st, overlap),
-                 "dk/dv kernel (sm90 wgmma)");
+    if (sm90 != 3) {
+      check_launch(bf16 ? run_dq_sm90<Bf16>(p, st, overlap) : run_dq_sm90<Fp16>(p, st, overlap), "dq kernel (sm90 wgmma)");
+    }
+    check_launch(bf16 ? run_dkdv_sm90<Bf16>(p, st, sm90) : run_dkdv_sm90<Fp16>(p, st, sm90), "dk/dv kernel (sm90 wgmma)");
+    if (sm90 == 3) dq.copy_(dq_accum.mul_(args.scale));  // dQ = scale * sum of dS K, cast once
   } else {
     check_launch(bf16 ? dispatch_dq<Bf16>(p, st) : dispatch_dq<Fp16>(p, st), "dq kernel");
     check_launch(bf16 ? dispatch_dkdv<Bf16>(p, st) : dispatch_dkdv<Fp16>(p, st), "dk/dv kernel");

@@ -1,7 +1,8 @@
 // dQ and dK/dV on Hopper warpgroup MMA (dkv_bwd_sm90.cuh): fp16 and bf16, head dims 64 and 128, each in
 // two schedules (overlap = false / true). The kernels trap unless the unit is built for sm_90a; the
 // binding only calls them on an sm_90 device whose code has wgmma (sm90_kernels_built): by default
-// (schedule 1), unless DUALKV_CUDA_WGMMA_BWD=0 asks for mma.sync.
+// (schedule 1), unless DUALKV_CUDA_WGMMA_BWD=0 asks for mma.sync; =2 and =3 select the overlapped
+// schedule and the dK/dV kernel that also accumulates dQ.
 #include "dkv_bwd_sm90.cuh"
 #include "dkv_launch_impl.cuh"
 
@@ -20,10 +21,10 @@ cudaError_t launch_dq_sm90(const BwdParams& p, cudaStream_t stream) {
   return last_error();
 }
 
-template <class E, int D, bool kOverlap>
+template <class E, int D, bool kOverlap, bool kDq = false>
 cudaError_t launch_dkdv_sm90(const BwdParams& p, cudaStream_t stream) {
-  using K = DkdvSm90<D, kOverlap>;
-  auto kernel = &dkv_dkdv_sm90_kernel<E, D, kOverlap>;
+  using K = DkdvSm90<D, kOverlap, kDq>;
+  auto kernel = &dkv_dkdv_sm90_kernel<E, D, kOverlap, kDq>;
   static const cudaError_t attr = allow_smem(kernel, K::kSmemBytes);
   if (attr != cudaSuccess) return attr;
   static const int blocks = persistent_blocks(kernel, K::kThreads, K::kSmemBytes);
@@ -40,18 +41,28 @@ cudaError_t run_dq_sm90(const BwdParams& p, cudaStream_t stream, bool overlap) {
   }
 }
 
+// schedule: 1 (in turn), 2 (overlapped), 3 (in turn, dQ accumulated here into p.dq_accum).
+template <class E, int D>
+cudaError_t launch_dkdv_sm90_schedule(const BwdParams& p, cudaStream_t stream, int schedule) {
+  switch (schedule) {
+    case 2: return launch_dkdv_sm90<E, D, true>(p, stream);
+    case 3: return launch_dkdv_sm90<E, D, false, true>(p, stream);
+    default: return launch_dkdv_sm90<E, D, false>(p, stream);
+  }
+}
+
 template <class E>
-cudaError_t run_dkdv_sm90(const BwdParams& p, cudaStream_t stream, bool overlap) {
+cudaError_t run_dkdv_sm90(const BwdParams& p, cudaStream_t stream, int schedule) {
   switch (p.head_dim) {
-    case 64: return overlap ? launch_dkdv_sm90<E, 64, true>(p, stream) : launch_dkdv_sm90<E, 64, false>(p, stream);
-    case 128: return overlap ? launch_dkdv_sm90<E, 128, true>(p, stream) : launch_dkdv_sm90<E, 128, false>(p, stream);
+    case 64: return launch_dkdv_sm90_schedule<E, 64>(p, stream, schedule);
+    case 128: return launch_dkdv_sm90_schedule<E, 128>(p, stream, schedule);
     default: return static_cast<cudaError_t>(1);  // cudaErrorInvalidValue: the binding never asks for it
   }
 }
 
 template cudaError_t run_dq_sm90<Fp16>(const BwdParams&, cudaStream_t, bool);
 template cudaError_t run_dq_sm90<Bf16>(const BwdParams&, cudaStream_t, bool);
-template cudaError_t run_dkdv_sm90<Fp16>(const BwdParams&, cudaStream_t, bool);
-template cudaError_t run_dkdv_sm90<Bf16>(const BwdParams&, cudaStream_t, bool);
+template cudaError_t run_dkdv_sm90<Fp16>(const BwdParams&, cudaStream_t, int);
+template cudaError_t run_dkdv_sm90<Bf16>(const BwdParams&, cudaStream_t, int);
 
 }  // namespace dkv

@@ -23,6 +23,9 @@
 // warpgroup computes S = Q K^T and dP = dO V^T (wgmma SS), dS = P (dP - D) in registers, and
 // dQ (64 x d) += dS K (wgmma RS, K as an MN-major operand).
 //
+// DUALKV_CUDA_WGMMA_BWD=3 runs the dK/dV kernel with dQ accumulated in it (DkdvSm90::kDq) and no dQ
+// kernel.
+//
 // Both kernels have two schedules (DUALKV_CUDA_WGMMA_BWD=1: the products of a tile in turn; =2: the
 // next tile's shared-memory products issued before this tile's register-operand ones, and the
 // element-wise step under them). On an H200 the first is 2-4% faster and is the default.
@@ -223,22 +226,30 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dq_sm90_kernel(const DKV_GRID_CONSTAN
 // tile i + 1 are issued before the register-operand products of tile i, and the element-wise step
 // of tile i + 1 runs while those still run (the forward's pattern); Q / dO / lse / D then need three
 // buffers instead of two.
-template <int kHeadDim_, bool kOverlap_>
+//
+// kDq = true (DUALKV_CUDA_WGMMA_BWD=3, with kOverlap = false): dQ is accumulated here too, so no dQ
+// kernel recomputes S and dP. Each warpgroup writes its dS (64 queries x its 64 keys) to shared
+// memory; after a block barrier, dQ_part (64 queries x 64 head-dim columns) = dS K by wgmma SS (dS
+// K-major, K MN-major; at d = 128 warpgroup w takes columns 64 w .. 64 w + 63 over all 128 keys, at
+// d = 64 it takes its own 64 keys), added to the fp32 dQ workspace with atomics.
+template <int kHeadDim_, bool kOverlap_, bool kDq_ = false>
 struct DkdvSm90 {
   static constexpr int kHeadDim = kHeadDim_, kBlockN = 128, kBlockM = 64, kThreads = 256;
-  static constexpr bool kOverlap = kOverlap_;
+  static constexpr bool kOverlap = kOverlap_, kDq = kDq_;
   static constexpr int kQBuffers = kOverlap ? 3 : 2;
   static constexpr int kParts = kHeadDim / 64;
   static constexpr int kKvTile = kBlockN * kHeadDim, kQTile = kBlockM * kHeadDim;  // elements
-  // K, V; Q and dO buffers; lse_log2 and dsum buffers; the item slot; alignment.
+  static constexpr int kDsTile = kDq ? kBlockM * kBlockN : 0;                      // elements
+  // K, V; Q and dO buffers; (kDq) dS; lse_log2 and dsum buffers; the item slot; alignment.
   static constexpr int kSmemBytes =
-      (2 * kKvTile + 2 * kQBuffers * kQTile) * 2 + 2 * kQBuffers * kBlockM * 4 + 16 + 1024;
+      (2 * kKvTile + 2 * kQBuffers * kQTile + kDsTile) * 2 + 2 * kQBuffers * kBlockM * 4 + 16 + 1024;
   static_assert(kHeadDim == 64 || kHeadDim == 128, "the wgmma dK/dV kernel: head dim 64 or 128");
+  static_assert(!(kDq && kOverlap), "dQ in the dK/dV kernel: the in-turn schedule only");
 };
 
-template <class E, int D, bool kOverlap>
+template <class E, int D, bool kOverlap, bool kDq>
 DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONSTANT BwdParams p) {
-  using K = DkdvSm90<D, kOverlap>;
+  using K = DkdvSm90<D, kOverlap, kDq>;
   constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kParts = K::kParts, kQBuffers = K::kQBuffers;
   const int tid = thread_idx(), lane = tid & 31, warp = (tid >> 5) & 3, wg = tid >> 7;
   const int g = lane >> 2, tq = lane & 3;
@@ -250,7 +261,8 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
   uint16_t* sV = sK + K::kKvTile;
   uint16_t* sQ0 = sV + K::kKvTile;               // buffer b at sQ0 + b * kQTile
   uint16_t* sdO0 = sQ0 + kQBuffers * K::kQTile;  // buffer b at sdO0 + b * kQTile
-  float* sL0 = reinterpret_cast<float*>(sdO0 + kQBuffers * K::kQTile);
+  uint16_t* sDs = sdO0 + kQBuffers * K::kQTile;  // (kDq) part c (keys 64 c ..) at sDs + c * kBlockM * 64
+  float* sL0 = reinterpret_cast<float*>(sDs + K::kDsTile);
   float* sD0 = sL0 + kQBuffers * kBlockM;
   int* s_item = reinterpret_cast<int*>(sD0 + kQBuffers * kBlockM);
 
@@ -342,6 +354,48 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
     }
   };
 
+  // (kDq) dS^T (dpt: key key_in_tile[i / 2], query 8 j + 2 tq + i % 2) as dS: query rows, this
+  // warpgroup's keys in part wg (K-major for the A operand of dQ = dS K).
+  auto store_ds = [&] {
+    uint16_t* part = sDs + wg * kBlockM * 64;
+#pragma unroll
+    for (int e = 0; e < 32; ++e) {
+      const int query = 8 * (e / 4) + 2 * tq + (e % 2), key = 16 * warp + g + 8 * ((e / 2) % 2);
+      part[sm90::sw128_offset(query, key) / 2] = from_float<E>(dpt[e]);
+    }
+  };
+  // (kDq) dQ_part = dS K for this warpgroup's columns (or keys, at d = 64), added to the workspace.
+  auto add_dq = [&](const ReaderTile& t) {
+    constexpr int kSteps = kParts == 2 ? kBlockN / 16 : 4;  // k16 steps over keys
+    const int col_part = kParts == 2 ? wg : 0, step0 = kParts == 2 ? 0 : 4 * wg;
+    sm90::fence_smem_to_async_proxy();  // this thread's dS stores, for the async proxy
+    block_sync();                       // both warpgroups' dS
+    const uint64_t da = sm90::smem_desc_sw128(sDs), db = sm90::smem_desc_sw128_mn64(sK);
+    float dq[32];
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int s = 0; s < kSteps; ++s) {
+      const int k = step0 + s;  // keys 16 k .. 16 k + 15: part k / 4 of dS, rows 16 k of K
+      sm90::wgmma_m64n64k16_ss<E, 1>(dq, sm90::desc_advance(da, (k / 4) * kBlockM * 128 + (k % 4) * 32),
+                                     sm90::desc_advance(db, col_part * kBlockN * 128 + k * 2048), s > 0);
+    }
+    sm90::wgmma_commit();
+    sm90::wgmma_wait<0>();
+    sm90::fence_operand<32>(dq);
+    // dq[4 j + i]: query 16 warp + g + 8 (i / 2), column 64 col_part + 8 j + 2 tq + i % 2.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int query = 16 * warp + g + 8 * r;
+      if (query >= t.desc.m_valid) continue;
+      float* dst = p.dq_accum + (static_cast<int64_t>(t.row + query) * p.nheads + t.hq) * D + 64 * col_part + 2 * tq;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        atomic_add_f32(dst + 8 * j, dq[4 * j + 2 * r]);
+        atomic_add_f32(dst + 8 * j + 1, dq[4 * j + 2 * r + 1]);
+      }
+    }
+  };
+
   for (;;) {
     const int item = next_item(p, s_item);
     if (item >= total_items) break;
@@ -349,7 +403,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
     sm90::load_tile_sw128_async<D, K::kThreads, kBlockN>(sK, it.ctx_tensor ? p.k_ctx : p.k, it.key_row0, it.hk, it.nk, tid);
     sm90::load_tile_sw128_async<D, K::kThreads, kBlockN>(sV, it.ctx_tensor ? p.v_ctx : p.v, it.key_row0, it.hk, it.nk, tid);
 
-    auto issue_q = [&](const ReaderCursor<kBlockM>& cur, int b) -> QTileDesc {
+    auto issue_tile = [&](const ReaderCursor<kBlockM>& cur, int b) -> ReaderTile {
       const ReaderTile rt = reader_tile(cur, it, rep);
       const int m = rt.desc.m_valid;
       sm90::load_tile_sw128_async<D, K::kThreads, kBlockM>(sQ0 + b * K::kQTile, p.q, rt.row, rt.hq, m, tid);
@@ -357,24 +411,26 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
       const int64_t si = static_cast<int64_t>(rt.hq) * p.total_q + rt.row;
       load_vec_async<kBlockM, K::kThreads>(sL0 + b * kBlockM, p.lse_log2 + si, m, p.lse_log2, tid);
       load_vec_async<kBlockM, K::kThreads>(sD0 + b * kBlockM, p.dsum + si, m, p.dsum, tid);
-      return rt.desc;
+      return rt;
     };
+    auto issue_q = [&](const ReaderCursor<kBlockM>& cur, int b) -> QTileDesc { return issue_tile(cur, b).desc; };
 
     for (int part = 0; part < kParts; ++part)
       for (int i = 0; i < 32; ++i) dk[part][i] = dv[part][i] = 0.f;
 
     ReaderCursor<kBlockM> cur;
     bool have = cur.begin(p, it);
-    QTileDesc desc{};
-    if (have) desc = issue_q(cur, 0);
+    ReaderTile tile{};
+    if (have) tile = issue_tile(cur, 0);
+    QTileDesc desc = tile.desc;
     cp_async_commit();  // group: K, V and the first query tile
     if constexpr (!kOverlap) {
       int b = 0;
       while (have) {
         ReaderCursor<kBlockM> nxt = cur;
         const bool have_next = nxt.advance(p, it, rep);
-        QTileDesc next_desc{};
-        if (have_next) next_desc = issue_q(nxt, b ^ 1);
+        ReaderTile next_tile{};
+        if (have_next) next_tile = issue_tile(nxt, b ^ 1);
         cp_async_commit();
         cp_async_wait<1>();
         sm90::fence_smem_to_async_proxy();
@@ -385,18 +441,20 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
         sm90::wgmma_commit();
         sm90::wgmma_wait<0>();
         pin_ss();
-        elementwise(desc, b);
+        elementwise(tile.desc, b);
+        if constexpr (kDq) store_ds();
         pack();
         sm90::wgmma_fence();
         issue_rs(b);
         sm90::wgmma_commit();
         sm90::wgmma_wait<0>();
         pin_rs();
-        block_sync();  // every warpgroup is done with buffer b before the next step refills it
+        if constexpr (kDq) add_dq(tile);
+        block_sync();  // every warpgroup is done with buffer b (and dS) before the next step refills it
 
         cur = nxt;
         have = have_next;
-        desc = next_desc;
+        tile = next_tile;
         b ^= 1;
       }
     } else {

@@ -162,6 +162,14 @@ DKV_DEV float to_float(uint16_t h) {
   }
 }
 template <class E>
+DKV_DEV uint16_t from_float(float f) {
+  if constexpr (E::kIsBf16) {
+    return __bfloat16_as_ushort(__float2bfloat16_rn(f));
+  } else {
+    return __half_as_ushort(__float2half_rn(f));
+  }
+}
+template <class E>
 DKV_DEV uint32_t pack2(float lo, float hi) {
   if constexpr (E::kIsBf16) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);

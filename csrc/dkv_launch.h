@@ -29,7 +29,7 @@ constexpr int kSm90BlockM = 128;
 template <class E>
 cudaError_t run_dq_sm90(const BwdParams& p, cudaStream_t stream, bool overlap);
 template <class E>
-cudaError_t run_dkdv_sm90(const BwdParams& p, cudaStream_t stream, bool overlap);
+cudaError_t run_dkdv_sm90(const BwdParams& p, cudaStream_t stream, int schedule);  // 1, 2 or 3 (fused dQ)
 bool sm90_bwd_supports(int head_dim);
 constexpr int kSm90DqBlockM = 128;
 constexpr int kSm90DkdvBlockN = 128;

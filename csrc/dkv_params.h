@@ -62,6 +62,7 @@ struct BwdParams : AttnArgs {
   TensorRef dq, dk, dv, dk_ctx, dv_ctx;
   float* dk_accum = nullptr;   // (ctx rows, Hkv, d) fp32 context-gradient accumulators
   float* dv_accum = nullptr;
+  float* dq_accum = nullptr;   // (total_q, H, d) fp32 dQ workspace of the fused wgmma dK/dV kernel (zeroed)
   const int* q_tile_prefix = nullptr;   // dq kernel: (S+1,) prefix of ceil(len_s / kBlockM)
   int grid_tiles = 0;
   const int* kv_item_prefix = nullptr;  // dkdv kernel: prefix over the item groups

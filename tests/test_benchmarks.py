@@ -271,7 +271,7 @@ def test_cuda_kernel_variants_set_their_environment(monkeypatch):
     expect = {"dualkv-cuda": (None, None), "dualkv-cuda-mma": ("0", "0"), "dualkv-cuda-mma-bwd": (None, "0"),
               "dualkv-cuda-ws": ("2", None),
               "dualkv-cuda-wgmma-bwd": (None, "1"),
-              "dualkv-cuda-wgmma-bwd-overlap": (None, "2")}
+              "dualkv-cuda-wgmma-bwd-overlap": (None, "2"), "dualkv-cuda-fused-dq": (None, "3")}
     q, k, v = harness._random_qkv(cfg, CPU, 0)
     for name, (fwd, bwd) in expect.items():
         cls = harness.get_provider(name)

@@ -151,7 +151,7 @@ SM90_CASES = [
 ]
 
 
-# The wgmma backward's cases (DUALKV_CUDA_WGMMA_BWD=1 and 2; d = 64, 128; dQ on 128-row query tiles with
+# The wgmma backward's cases (DUALKV_CUDA_WGMMA_BWD=1, 2 and 3 (dQ in the dK/dV kernel); d = 64, 128; dQ on 128-row query tiles with
 # 64-key tiles, dK/dV on 128-key tiles with 64-row query tiles): prompt tiles summed over several
 # readers (atomic and deterministic), ragged ends, GQA, several groups, window, softcap, separate context.
 SM90_BWD_CASES = [
@@ -168,16 +168,16 @@ SM90_BWD_CASES = [
 def check_bad_kernel_choices() -> bool:
     """An unknown value of a kernel-choice variable is an error naming it, not a silent default."""
     ok = True
-    for name in ("DUALKV_CUDA_WGMMA", "DUALKV_CUDA_WGMMA_BWD"):
+    for name, bad, top in (("DUALKV_CUDA_WGMMA", "3", "2"), ("DUALKV_CUDA_WGMMA_BWD", "4", "3")):
         saved = os.environ.get(name)
-        os.environ[name] = "3"
+        os.environ[name] = bad
         try:
             run_case(d=64, dtype=torch.bfloat16, prompts=[20], responses=[[9]], H=1, Hkv=1)
-            print(f"FAIL {name}=3 was accepted")
+            print(f"FAIL {name}={bad} was accepted")
             ok = False
         except RuntimeError as err:
-            good = f"{name}: expected 0, 1 or 2 (or unset), got '3'" in str(err)
-            print(("ok" if good else "FAIL") + f" {name}=3 raises: {str(err).splitlines()[0][:120]}")
+            good = f"{name}: expected 0 .. {top} (or unset), got '{bad}'" in str(err)
+            print(("ok" if good else "FAIL") + f" {name}={bad} raises: {str(err).splitlines()[0][:120]}")
             ok = ok and good
         finally:
             if saved is None:
@@ -212,7 +212,7 @@ def main():
     ap.add_argument("--wgmma", action="store_true", help="only the wgmma building blocks")
     ap.add_argument("--sm90", action="store_true", help="the wgmma forward kernels' cases (DUALKV_CUDA_WGMMA=1, 2)")
     ap.add_argument("--sm90-bwd", action="store_true",
-                    help="the wgmma backward's cases (DUALKV_CUDA_WGMMA_BWD=1, with the wgmma forward)")
+                    help="the wgmma backward's cases (DUALKV_CUDA_WGMMA_BWD=1, 2, 3, with the wgmma forward)")
     ap.add_argument("--forward-only", action="store_true", help="with --sm90: skip the backward")
     args = ap.parse_args()
     t = time.time()
@@ -233,11 +233,13 @@ def main():
         sys.exit(0 if ok else 1)
     if args.sm90_bwd:
         os.environ["DUALKV_CUDA_WGMMA"] = "1"
-        cases = [SM90_BWD_CASES[i] for i in (3, 4, 6)] if args.quick else SM90_BWD_CASES
+        # --quick: for the fused dQ (3), prompt tiles read by several responses at d = 128 and d = 64
+        quick = {"1": (3, 4, 6), "2": (3, 4, 6), "3": (0, 4, 5)}
         ok = True
-        for mode in ("1", "2"):  # dK/dV steps in turn, then overlapped
+        for mode in ("1", "2", "3"):  # dK/dV steps in turn, overlapped, in turn with dQ accumulated there
             os.environ["DUALKV_CUDA_WGMMA_BWD"] = mode
             print(f"DUALKV_CUDA_WGMMA_BWD={mode}", flush=True)
+            cases = [SM90_BWD_CASES[i] for i in quick[mode]] if args.quick else SM90_BWD_CASES
             ok = all([run_case(**c) for c in cases]) and ok
         print("ALL OK" if ok else "FAILURES")
         sys.exit(0 if ok else 1)
