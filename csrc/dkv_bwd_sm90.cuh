@@ -389,10 +389,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
       if (query >= t.desc.m_valid) continue;
       float* dst = p.dq_accum + (static_cast<int64_t>(t.row + query) * p.nheads + t.hq) * D + 64 * col_part + 2 * tq;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        atomic_add_f32(dst + 8 * j, dq[4 * j + 2 * r]);
-        atomic_add_f32(dst + 8 * j + 1, dq[4 * j + 2 * r + 1]);
-      }
+      for (int j = 0; j < 8; ++j) atomic_add_f32x2(dst + 8 * j, dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]);
     }
   };
 

@@ -66,6 +66,10 @@ DKV_DEV float fast_exp2(float x) { return std::exp2(x); }
 DKV_DEV float fast_log2(float x) { return std::log2(x); }
 DKV_DEV float tanh_f(float x) { return std::tanh(x); }
 DKV_DEV void atomic_add_f32(float* p, float v) { std::atomic_ref<float>(*p).fetch_add(v); }
+DKV_DEV void atomic_add_f32x2(float* p, float a, float b) {
+  atomic_add_f32(p, a);
+  atomic_add_f32(p + 1, b);
+}
 DKV_DEV int atomic_add_i32(int* p, int v) { return std::atomic_ref<int>(*p).fetch_add(v); }
 
 template <class E>
@@ -151,6 +155,15 @@ DKV_DEV float fast_exp2(float x) {
 DKV_DEV float fast_log2(float x) { return __log2f(x); }
 DKV_DEV float tanh_f(float x) { return tanhf(x); }
 DKV_DEV void atomic_add_f32(float* p, float v) { atomicAdd(p, v); }
+// p[0] += a, p[1] += b; p 8-byte aligned. One vector atomic on sm_90, two elsewhere.
+DKV_DEV void atomic_add_f32x2(float* p, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float2*>(p), make_float2(a, b));
+#else
+  atomicAdd(p, a);
+  atomicAdd(p + 1, b);
+#endif
+}
 DKV_DEV int atomic_add_i32(int* p, int v) { return atomicAdd(p, v); }
 
 template <class E>
