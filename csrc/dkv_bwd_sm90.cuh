@@ -419,7 +419,6 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
     bool have = cur.begin(p, it);
     ReaderTile tile{};
     if (have) tile = issue_tile(cur, 0);
-    QTileDesc desc = tile.desc;
     cp_async_commit();  // group: K, V and the first query tile
     if constexpr (!kOverlap) {
       int b = 0;
@@ -472,7 +471,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
         sm90::wgmma_commit();
         sm90::wgmma_wait<0>();
         pin_ss();
-        elementwise(desc, 0);
+        elementwise(tile.desc, 0);
         pack();
       }
       int b = 0;  // buffer of tile i

@@ -160,9 +160,6 @@ def materialize(model: CausalLM, device, *, seed: int | None = None, std: float 
                 m.to_empty(device=device, recurse=False)
                 model.tie_weights()  # a tied LM head follows the embedding it shares
             _init_module(m, normal)
-    left = [name for name, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
-    if left:
-        raise ValueError(f"model: still on the meta device after materialize: {left[:5]}")
     return model
 
 

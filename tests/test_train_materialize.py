@@ -65,3 +65,10 @@ def _meta_model_without_seed():
 
 def test_a_meta_model_needs_a_seed():
     assert run_local_world(_meta_model_without_seed, 1) == [True]
+
+
+def test_materialize_names_a_wrong_model():
+    from dualkv.models import materialize
+
+    with pytest.raises(ValueError, match="model: expected a dualkv.models.CausalLM, got Linear"):
+        materialize(torch.nn.Linear(2, 2, device="meta"), "cpu", seed=0)

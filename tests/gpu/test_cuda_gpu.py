@@ -152,6 +152,16 @@ def _kernels_of(case, dtype, deterministic=False):
     return r, {e.name for e in prof.events()}
 
 
+def _choose_hopper_kernels(monkeypatch, variable: str, mode: str | None, what: str) -> None:
+    """Skip unless the GPU is sm_90; set the kernel-choice variable (None: unset, the default)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip(f"{what} needs an sm_90 GPU")
+    if mode is None:
+        monkeypatch.delenv(variable, raising=False)
+    else:
+        monkeypatch.setenv(variable, mode)
+
+
 @pytest.mark.parametrize("mode", [None, "2"], ids=["default", "warp-specialised"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", [c for c in GRID if c[4] in (64, 128, 192, 256)], ids=lambda c: _ids(c))
@@ -159,12 +169,7 @@ def test_wgmma_forward_matches_reference(cuda_backend, case, dtype, mode, monkey
     """The Hopper wgmma forward (csrc/dkv_fwd_sm90.cuh; d = 64 / 128 / 192 / 256, the default on sm_90,
     and its warp-specialised form, DUALKV_CUDA_WGMMA=2) on the grid: out / lse / gradients (through the
     default backward) against the fp32 reference, and the profiler shows that the wgmma kernel ran."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the wgmma forward needs an sm_90 GPU")
-    if mode is None:
-        monkeypatch.delenv("DUALKV_CUDA_WGMMA", raising=False)
-    else:
-        monkeypatch.setenv("DUALKV_CUDA_WGMMA", mode)
+    _choose_hopper_kernels(monkeypatch, "DUALKV_CUDA_WGMMA", mode, "the wgmma forward")
     r, kernels = _kernels_of(case, dtype)
     _check_against_reference(case, dtype, r)
     assert any("dkv_fwd_sm90_kernel" in name for name in kernels), f"the wgmma forward did not run: {sorted(kernels)}"
@@ -179,12 +184,7 @@ def test_wgmma_backward_matches_reference(cuda_backend, case, dtype, determinist
     (the products of a tile in turn), DUALKV_CUDA_WGMMA_BWD=2 (overlapped) and =3 (dQ accumulated in
     the dK/dV kernel, no dQ kernel; deterministic=True keeps the default), on the grid against the
     fp32 reference, in both accumulation modes, and the profiler shows which kernels ran."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the wgmma backward needs an sm_90 GPU")
-    if mode is None:
-        monkeypatch.delenv("DUALKV_CUDA_WGMMA_BWD", raising=False)
-    else:
-        monkeypatch.setenv("DUALKV_CUDA_WGMMA_BWD", mode)
+    _choose_hopper_kernels(monkeypatch, "DUALKV_CUDA_WGMMA_BWD", mode, "the wgmma backward")
     r, kernels = _kernels_of(case, dtype, deterministic)
     _check_against_reference(case, dtype, r)
     fused = mode == "3" and not deterministic
