@@ -231,13 +231,14 @@ def main(argv=None) -> tuple[Path | None, bool]:
     md = writer.dir / f"{writer.stem}.md"
     lines = [f"# {writer.stem}", "", f"- {meta['card']['name']} x {world}, {meta['date']}: `{meta['command']}`",
              f"- torch {meta['versions'].get('torch')}, Triton {meta['versions'].get('triton')}, commit "
-             f"{meta.get('git_commit')}; bf16, random weights, first {args.layers} layers; one prompt of "
+             f"{meta.get('git_commit')}; bf16, random weights, the first --layers {args.layers} decoder layers (a hybrid "
+             f"keeps up to its first layer of each attention type: the layers column); one prompt of "
              f"P tokens and N responses of U{tuple(args.response_range)} tokens; tolerances "
              f"|dlogprob| <= {args.lp_tol}, grad rel err <= {args.grad_tol}", "",
-             "| preset | sp | tokens | max abs log-prob diff | grad rel err | status | ref s | sp s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| preset | layers | sp | tokens | max abs log-prob diff | grad rel err | status | ref s | sp s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in writer.rows:
-        lines.append(f"| {r['preset']} | {r['sp']} | {fmt_size(r['tokens'])} | {r['max_logprob_diff']:.2e} | "
+        lines.append(f"| {r['preset']} | {r['layers']} | {r['sp']} | {fmt_size(r['tokens'])} | {r['max_logprob_diff']:.2e} | "
                      f"{r['grad_rel_err']:.2e} | {r['status']} | {r['ref_s']:.2f} | {r['sp_s']:.2f} |")
     md.write_text("\n".join(lines) + "\n")
     return writer.json_path, passed
