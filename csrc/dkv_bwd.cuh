@@ -444,6 +444,25 @@ DKV_DEV void store_dkdv_row(const BwdParams& p, const KvItem& it, int row, Pairs
   }
 }
 
+// One gradient of one key row alone (dK if is_dk, else dV), the same destinations as store_dkdv_row:
+// `pairs(store)` calls store(col, g0, g1). (store_dkdv_row keeps its own single pass over both: the
+// d = 128 wgmma kernel spills more registers when its epilogue is written through this one.)
+template <class E, class Pairs>
+DKV_DEV void store_grad_row(const BwdParams& p, const KvItem& it, int row, bool is_dk, Pairs&& pairs) {
+  const float scale = is_dk ? p.scale : 1.f;
+  if (it.out_mode == kOutAtomic || (it.out_mode == kOutPerRow && region_of_row(p, row) >= 0)) {
+    float* acc = (is_dk ? p.dk_accum : p.dv_accum) + (static_cast<int64_t>(row) * p.nheads_kv + it.hk) * p.head_dim;
+    pairs([&](int col, float g0, float g1) {
+      atomic_add_f32(acc + col, g0 * scale);
+      atomic_add_f32(acc + col + 1, g1 * scale);
+    });
+  } else {
+    const TensorRef r = is_dk ? (it.ctx_tensor ? p.dk_ctx : p.dk) : (it.ctx_tensor ? p.dv_ctx : p.dv);
+    uint16_t* out = static_cast<uint16_t*>(r.ptr) + r.offset(row, it.hk);
+    pairs([&](int col, float g0, float g1) { store_u32(out + col, pack2<E>(g0 * scale, g1 * scale)); });
+  }
+}
+
 template <class E, class K>
 DKV_GLOBAL void DKV_LAUNCH_BOUNDS(K::kThreads) dkv_dkdv_kernel(const DKV_GRID_CONSTANT BwdParams p) {
   constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kStride = K::kStride, kDSlice = K::kDSlice;

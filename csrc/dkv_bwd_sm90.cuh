@@ -1,5 +1,6 @@
-// Backward kernels on Hopper warpgroup MMA (sm_90a), fp16 / bf16, head dims 64 and 128 (docs/cuda.md):
-// dQ (query-parallel, the forward's walk) and dK/dV (key-parallel). The default backward on sm_90 at
+// Backward kernels on Hopper warpgroup MMA (sm_90a), fp16 / bf16 (docs/cuda.md): dQ (query-parallel,
+// the forward's walk; head dims 64 and 128) and dK/dV (key-parallel; 64 and 128, and 192 and 256 with
+// the warpgroups' roles split, at the end of this file). The default backward on sm_90 at
 // these head dims (DUALKV_CUDA_WGMMA_BWD=0 opts out); checked on an H200 (tests/gpu/test_cuda_gpu.py)
 // and on the CPU emulation (csrc/emulation/emulate.py --sm90-bwd).
 //
@@ -520,6 +521,198 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
           for (int j = 0; j < 8; ++j)
             store(64 * part + 8 * j + 2 * tq, dk[part][4 * j + 2 * r], dk[part][4 * j + 2 * r + 1],
                   dv[part][4 * j + 2 * r], dv[part][4 * j + 2 * r + 1]);
+      });
+    }
+    block_sync();  // shared K/V are reloaded by the next item
+  }
+}
+
+// dK/dV at head dims 192 and 256, where one warpgroup cannot hold both accumulators of its keys
+// (2 x 64 keys x d fp32 = 256 registers a thread at d = 256): a block is two warpgroups on ONE tile of
+// 64 keys with the roles split instead of the keys. Per query tile of 64 rows:
+//
+//   warpgroup 0:  S^T  = K Q^T  (SS), P^T = exp2(score(S^T) - lse),     dV (64 x d) += P^T dO  (RS)
+//   warpgroup 1:  dP^T = V dO^T (SS), dS^T = P^T (dP^T - D),            dK (64 x d) += dS^T Q  (RS)
+//
+// The two run products of the same size, and each accumulator takes d / 2 registers a thread. P^T
+// (times 1 - tanh^2 under a softcap) passes from warpgroup 0 to warpgroup 1 through 16 KB of shared
+// memory in the accumulator's register order (element e of thread t at [e][t]: no bank conflicts), so
+// the score is computed once. Same work items, reader walk and output modes as the other dK/dV
+// kernels; the in-turn schedule; dQ comes from the mma.sync dQ kernel.
+template <int kHeadDim_>
+struct DkdvSm90Split {
+  static constexpr int kHeadDim = kHeadDim_, kBlockN = 64, kBlockM = 64, kThreads = 256;
+  static constexpr int kParts = kHeadDim / 64;
+  static constexpr int kKvTile = kBlockN * kHeadDim, kQTile = kBlockM * kHeadDim;  // elements
+  // K, V; Q and dO, two buffers each; the P^T factors; lse_log2 and dsum, two buffers; the item slot;
+  // alignment.
+  static constexpr int kSmemBytes =
+      (2 * kKvTile + 4 * kQTile) * 2 + kBlockN * kBlockM * 4 + 4 * kBlockM * 4 + 16 + 1024;
+  static_assert(kHeadDim == 192 || kHeadDim == 256, "the split wgmma dK/dV kernel: head dim 192 or 256");
+};
+
+template <class E, int D>
+DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_split_kernel(const DKV_GRID_CONSTANT BwdParams p) {
+  using K = DkdvSm90Split<D>;
+  constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kParts = K::kParts;
+  const int tid = thread_idx(), lane = tid & 31, warp = (tid >> 5) & 3, wg = tid >> 7;
+  const int g = lane >> 2, tq = lane & 3;
+  const int rep = p.nheads / p.nheads_kv;
+  const int W = p.window;
+  const int total_items = p.kv_item_prefix[p.num_item_groups] * p.nheads_kv;
+  const bool dv_role = wg == 0;  // warpgroup 0: P^T and dV; warpgroup 1: dS^T and dK
+
+  uint16_t* sK = reinterpret_cast<uint16_t*>(sm90::dynamic_smem_1024());
+  uint16_t* sV = sK + K::kKvTile;
+  uint16_t* sQ0 = sV + K::kKvTile;        // buffer b at sQ0 + b * kQTile
+  uint16_t* sdO0 = sQ0 + 2 * K::kQTile;   // buffer b at sdO0 + b * kQTile
+  float* sF = reinterpret_cast<float*>(sdO0 + 2 * K::kQTile);  // P^T factors, [32][128]
+  float* sL0 = sF + kBlockN * kBlockM;
+  float* sD0 = sL0 + 2 * kBlockM;
+  int* s_item = reinterpret_cast<int*>(sD0 + 2 * kBlockM);
+  float* my_f = sF + (tid & 127);
+
+  // Warpgroup 0 multiplies K by Q and accumulates with dO; warpgroup 1 V by dO, and accumulates with Q.
+  const uint64_t desc_a = sm90::smem_desc_sw128(dv_role ? sK : sV);
+  const uint64_t desc_b = sm90::smem_desc_sw128(dv_role ? sQ0 : sdO0);
+  const uint64_t desc_rs = sm90::smem_desc_sw128_mn64(dv_role ? sdO0 : sQ0);
+  constexpr uint32_t kQTileBytes = K::kQTile * 2;
+
+  const ScoreFn score = make_score_fn(p.scale, p.softcap);
+  const int key_in_tile[2] = {16 * warp + g, 16 * warp + g + 8};
+
+  float acc[kParts][32];  // dV (warpgroup 0) or dK (warpgroup 1)
+  float s[32];            // S^T, then P^T (warpgroup 0); dP^T, then dS^T (warpgroup 1)
+  uint32_t a[kBlockM / 16][4] = {};
+
+  // S^T = K Q^T or dP^T = V dO^T of the query tile in buffer b.
+  auto issue_ss = [&](int b) {
+    const uint64_t da = sm90::desc_here(desc_a), db = sm90::desc_advance(sm90::desc_here(desc_b), b * kQTileBytes);
+#pragma unroll
+    for (int k = 0; k < D / 16; ++k) {  // part k / 4, 32 bytes per k16 step inside it
+      const uint32_t kv_off = (k / 4) * kBlockN * 128 + (k % 4) * 32, q_off = (k / 4) * kBlockM * 128 + (k % 4) * 32;
+      sm90::wgmma_m64n64k16_ss<E, 0>(s, sm90::desc_advance(da, kv_off), sm90::desc_advance(db, q_off), k > 0);
+    }
+  };
+  // dV += P^T dO or dK += dS^T Q with the tile in buffer b (queries 16 kq .. 16 kq + 15 per step).
+  auto issue_rs = [&](int b) {
+    const uint64_t d0 = sm90::desc_here(desc_rs);
+#pragma unroll
+    for (int part = 0; part < kParts; ++part)
+#pragma unroll
+      for (int kq = 0; kq < kBlockM / 16; ++kq)
+        sm90::wgmma_m64n64k16_rs<E, 1>(acc[part], a[kq],
+                                       sm90::desc_advance(d0, b * kQTileBytes + part * kBlockM * 128 + kq * 2048), true);
+  };
+  // Warpgroup 0: P^T in place of S^T, and its factor for dS^T into sF (s[4 j + i]: key
+  // key_in_tile[i / 2], query 8 j + 2 tq + i % 2).
+  auto probabilities = [&](const QTileDesc& desc, int b) {
+    const float* sL = sL0 + b * kBlockM;
+    const int kpos_first = desc.kpos0 + desc.klo, kpos_last = desc.kpos0 + desc.khi - 1;
+    const bool need_mask = desc.m_valid < kBlockM || desc.klo > 0 || desc.khi < kBlockN ||
+                           kpos_last > desc.qpos0 || desc.qpos0 + desc.m_valid - 1 - kpos_first >= W;
+    with_score_mode(score.softcap, need_mask, [&](auto cap, auto mask) {
+#pragma unroll
+      for (int e = 0; e < 32; ++e) {
+        const int col = 8 * (e / 4) + 2 * tq + (e % 2), key = key_in_tile[(e / 2) % 2];
+        bool masked = false;
+        if constexpr (decltype(mask)::value) {
+          const int qpos = desc.qpos0 + col, kpos = desc.kpos0 + key;
+          masked = col >= desc.m_valid || key < desc.klo || key >= desc.khi || kpos > qpos || qpos - kpos >= W;
+        }
+        const float raw = s[e];
+        float pr, factor;
+        if constexpr (decltype(cap)::value) {
+          const float th = tanh_f(raw * score.cap_inv_scale);
+          pr = fast_exp2(score.cap_log2 * th - sL[col]);
+          factor = pr * (1.f - th * th);
+        } else {
+          pr = fast_exp2(score.plain(raw) - sL[col]);
+          factor = pr;
+        }
+        s[e] = masked ? 0.f : pr;
+        my_f[e * 128] = masked ? 0.f : factor;
+      }
+    });
+  };
+
+  for (;;) {
+    const int item = next_item(p, s_item);
+    if (item >= total_items) break;
+    const KvItem it = decode_item<kBlockN>(p, item);
+    sm90::load_tile_sw128_async<D, K::kThreads, kBlockN>(sK, it.ctx_tensor ? p.k_ctx : p.k, it.key_row0, it.hk, it.nk, tid);
+    sm90::load_tile_sw128_async<D, K::kThreads, kBlockN>(sV, it.ctx_tensor ? p.v_ctx : p.v, it.key_row0, it.hk, it.nk, tid);
+
+    auto issue_tile = [&](const ReaderCursor<kBlockM>& cur, int b) -> QTileDesc {
+      const ReaderTile rt = reader_tile(cur, it, rep);
+      const int m = rt.desc.m_valid;
+      sm90::load_tile_sw128_async<D, K::kThreads, kBlockM>(sQ0 + b * K::kQTile, p.q, rt.row, rt.hq, m, tid);
+      sm90::load_tile_sw128_async<D, K::kThreads, kBlockM>(sdO0 + b * K::kQTile, p.dout, rt.row, rt.hq, m, tid);
+      const int64_t si = static_cast<int64_t>(rt.hq) * p.total_q + rt.row;
+      load_vec_async<kBlockM, K::kThreads>(sL0 + b * kBlockM, p.lse_log2 + si, m, p.lse_log2, tid);
+      load_vec_async<kBlockM, K::kThreads>(sD0 + b * kBlockM, p.dsum + si, m, p.dsum, tid);
+      return rt.desc;
+    };
+
+    for (int part = 0; part < kParts; ++part)
+      for (int i = 0; i < 32; ++i) acc[part][i] = 0.f;
+
+    ReaderCursor<kBlockM> cur;
+    bool have = cur.begin(p, it);
+    QTileDesc desc{};
+    if (have) desc = issue_tile(cur, 0);
+    cp_async_commit();  // group: K, V and the first query tile
+    int b = 0;
+    while (have) {
+      ReaderCursor<kBlockM> nxt = cur;
+      const bool have_next = nxt.advance(p, it, rep);
+      QTileDesc next_desc{};
+      if (have_next) next_desc = issue_tile(nxt, b ^ 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+      sm90::fence_smem_to_async_proxy();
+      block_sync();
+
+      sm90::wgmma_fence();
+      issue_ss(b);
+      sm90::wgmma_commit();
+      sm90::wgmma_wait<0>();
+      sm90::fence_operand<32>(s);
+      if (dv_role) {
+        probabilities(desc, b);
+      } else {
+        const float* sD = sD0 + b * kBlockM;
+#pragma unroll
+        for (int e = 0; e < 32; ++e) s[e] -= sD[8 * (e / 4) + 2 * tq + (e % 2)];  // dP^T - D
+      }
+      block_sync();  // the P^T factors are in sF
+      if (!dv_role) {
+#pragma unroll
+        for (int e = 0; e < 32; ++e) s[e] *= my_f[e * 128];  // dS^T (0 where masked)
+      }
+      c_to_a<E, kBlockM>(a, reinterpret_cast<const float(&)[kBlockM / 8][4]>(s));
+      sm90::wgmma_fence();
+      issue_rs(b);
+      sm90::wgmma_commit();
+      sm90::wgmma_wait<0>();
+      sm90::fence_operand(a);
+      for (int part = 0; part < kParts; ++part) sm90::fence_operand<32>(acc[part]);
+      block_sync();  // both warpgroups are done with buffer b and sF before they are refilled
+
+      cur = nxt;
+      have = have_next;
+      desc = next_desc;
+      b ^= 1;
+    }
+    cp_async_wait<0>();  // an item with no reader still has its K/V load in flight
+    // acc[part][4 j + i]: key key_in_tile[i / 2], column 64 part + 8 j + 2 tq + i % 2.
+    for (int r = 0; r < 2; ++r) {
+      const int key = key_in_tile[r];
+      if (key >= it.nk) continue;
+      store_grad_row<E>(p, it, it.key_row0 + key, !dv_role, [&](auto&& store) {
+        for (int part = 0; part < kParts; ++part)
+#pragma unroll
+          for (int j = 0; j < 8; ++j) store(64 * part + 8 * j + 2 * tq, acc[part][4 * j + 2 * r], acc[part][4 * j + 2 * r + 1]);
       });
     }
     block_sync();  // shared K/V are reloaded by the next item

@@ -152,7 +152,7 @@ SM90_CASES = [
 
 
 # The wgmma backward's cases (DUALKV_CUDA_WGMMA_BWD=1, 2 and 3 (dQ in the dK/dV kernel); d = 64, 128; dQ on 128-row query tiles with
-# 64-key tiles, dK/dV on 128-key tiles with 64-row query tiles): prompt tiles summed over several
+# 64-key tiles, dK/dV on 128-key tiles with 64-row query tiles; d = 192, 256: the split dK/dV kernel, run by every mode): prompt tiles summed over several
 # readers (atomic and deterministic), ragged ends, GQA, several groups, window, softcap, separate context.
 SM90_BWD_CASES = [
     dict(d=128, dtype=torch.bfloat16, prompts=[200], responses=[[150, 7]], H=2, Hkv=1),
@@ -162,6 +162,11 @@ SM90_BWD_CASES = [
     dict(d=128, dtype=torch.float16, prompts=[64], responses=[[65, 64]], H=1, Hkv=1, softcap=5.0),
     dict(d=64, dtype=torch.bfloat16, prompts=[130], responses=[[30, 12]], H=2, Hkv=1, separate=True),
     dict(d=64, dtype=torch.bfloat16, prompts=[130], responses=[[30, 12]], H=2, Hkv=1, separate=True, deterministic=True),
+    # d = 192 / 256: the dK/dV kernel with the warpgroups' roles split (64-key tiles), dQ on mma.sync
+    dict(d=256, dtype=torch.bfloat16, prompts=[100], responses=[[70, 3]], H=2, Hkv=1),
+    dict(d=192, dtype=torch.float16, prompts=[80, 5], responses=[[40, 1], [9]], H=2, Hkv=1, window=50, softcap=5.0),
+    dict(d=256, dtype=torch.bfloat16, prompts=[100], responses=[[70, 3]], H=2, Hkv=1, deterministic=True),
+    dict(d=256, dtype=torch.float16, prompts=[70], responses=[[30, 12]], H=1, Hkv=1, separate=True),
 ]
 
 
@@ -208,7 +213,7 @@ def run_wgmma_checks(seed: int = 0) -> bool:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", type=int, default=None)
+    ap.add_argument("--only", type=int, default=None, help="one case of the list (with --sm90-bwd: of its list)")
     ap.add_argument("--wgmma", action="store_true", help="only the wgmma building blocks")
     ap.add_argument("--sm90", action="store_true", help="the wgmma forward kernels' cases (DUALKV_CUDA_WGMMA=1, 2)")
     ap.add_argument("--sm90-bwd", action="store_true",
@@ -234,12 +239,15 @@ def main():
     if args.sm90_bwd:
         os.environ["DUALKV_CUDA_WGMMA"] = "1"
         # --quick: for the fused dQ (3), prompt tiles read by several responses at d = 128 and d = 64
-        quick = {"1": (3, 4, 6), "2": (3, 4, 6), "3": (0, 4, 5)}
+        # and for the split dK/dV kernel (d = 192 / 256) one prompt read by several responses
+        quick = {"1": (3, 4, 6, 7), "2": (3, 4, 6), "3": (0, 4, 5)}
         ok = True
         for mode in ("1", "2", "3"):  # dK/dV steps in turn, overlapped, in turn with dQ accumulated there
             os.environ["DUALKV_CUDA_WGMMA_BWD"] = mode
             print(f"DUALKV_CUDA_WGMMA_BWD={mode}", flush=True)
             cases = [SM90_BWD_CASES[i] for i in quick[mode]] if args.quick else SM90_BWD_CASES
+            if args.only is not None:
+                cases = [SM90_BWD_CASES[args.only]]
             ok = all([run_case(**c) for c in cases]) and ok
         print("ALL OK" if ok else "FAILURES")
         sys.exit(0 if ok else 1)

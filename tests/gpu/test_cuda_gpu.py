@@ -193,6 +193,21 @@ def test_wgmma_backward_matches_reference(cuda_backend, case, dtype, determinist
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", [c for c in GRID if c[4] in (192, 256)], ids=lambda c: _ids(c))
+def test_wgmma_split_dkdv_matches_reference(cuda_backend, case, dtype, deterministic, monkeypatch):
+    """d = 192 / 256 on sm_90 by default: the wgmma dK/dV kernel with the warpgroups' roles split
+    (csrc/dkv_bwd_sm90.cuh) beside the mma.sync dQ kernel, on the grid against the fp32 reference, in
+    both accumulation modes; the profiler shows which kernels ran."""
+    _choose_hopper_kernels(monkeypatch, "DUALKV_CUDA_WGMMA_BWD", None, "the wgmma backward")
+    r, kernels = _kernels_of(case, dtype, deterministic)
+    _check_against_reference(case, dtype, r)
+    for kernel in ("dkv_dkdv_sm90_split_kernel", "dkv_dq_kernel"):
+        assert any(kernel in name for name in kernels), f"{kernel} did not run: {sorted(kernels)}"
+    assert not any("dkv_dkdv_kernel" in name for name in kernels), sorted(kernels)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("case", [GRID[0], GRID[4]], ids=lambda c: _ids(c))
 def test_mma_sync_on_request(cuda_backend, case, deterministic, monkeypatch):
     """DUALKV_CUDA_WGMMA=0 and DUALKV_CUDA_WGMMA_BWD=0 select the mma.sync kernels (the sm_80 path) on
@@ -287,7 +302,7 @@ SANITIZER_SCRIPT = textwrap.dedent(
     import torch
     from dualkv.core import PackedLayout, dualkv_attention, flash_attn_dualkv_varlen_func
     torch.manual_seed(0)
-    for d, det, window in ((64, False, None), (128, True, 40), (128, False, None)):
+    for d, det, window in ((64, False, None), (128, True, 40), (128, False, None), (256, False, None)):
         layout = PackedLayout.from_lengths([70, 5], [[33, 9], [17]], device="cuda")
         T = layout.total_tokens
         q = torch.randn(T, 4, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
