@@ -201,9 +201,8 @@ int use_sm90_forward(const Tensor& q, int head_dim) {
   return choice > 0 && sm90_forward_supports(head_dim) && hopper_kernels_usable(q) ? choice : 0;
 }
 
-// The wgmma backward kernels (dkv_bwd_sm90.cuh: dQ and dK/dV), head dims 64 / 128 (at 192 / 256 the
-// dK/dV kernel with the warpgroups' roles split, in one schedule, beside the mma.sync dQ kernel), on the same
-// devices. The default is 1 (the products of a tile one after the other: 1.5x the mma.sync backward
+// The wgmma backward kernels (dkv_bwd_sm90.cuh: dQ and dK/dV), head dims 64 / 128 / 192 / 256 (at 192 /
+// 256 with the warpgroups' roles split, in one schedule), on the same devices. The default is 1 (the products of a tile one after the other: 1.5x the mma.sync backward
 // on an H200, benchmarks/results/cuda_hopper_bwd_h200.md); DUALKV_CUDA_WGMMA_BWD=2 overlaps the next
 // tile's products (slower there), =3 accumulates dQ inside the dK/dV kernel (fp32 atomics into a
 // workspace; no dQ kernel recomputing S and dP; not with deterministic=True, which keeps 1), =0 asks
@@ -326,12 +325,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
   }
 
   int sm90 = use_sm90_backward(q, args.head_dim);
-  const bool dq_sm90 = sm90 && sm90_dq_supports(args.head_dim);
-  if (sm90 && !dq_sm90) sm90 = 1;            // 192 / 256: one dK/dV schedule, dQ on mma.sync
+  if (sm90 > 1 && !sm90_bwd_schedules(args.head_dim)) sm90 = 1;  // 192 / 256: one schedule
   if (sm90 == 3 && deterministic) sm90 = 1;  // atomics on dQ are not bit-stable run to run
   Tensor dq_accum;
   if (sm90 == 3) dq_accum = at::zeros({T, args.nheads, args.head_dim}, f32);
-  const int dq_block = dq_sm90 ? kSm90DqBlockM : dq_config(args.head_dim).block_m;
+  const int dq_block = sm90 ? sm90_dq_block_m(args.head_dim) : dq_config(args.head_dim).block_m;
   const int kv_block = sm90 ? sm90_dkdv_block_n(args.head_dim) : dkdv_config(args.head_dim).block_n;
   const Tensor seg_len = segment_lengths(cu_seqlens);
   Tensor q_tile_prefix = prefix_of(seg_len, dq_block);
@@ -379,9 +377,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
   check_launch(bf16 ? run_bwd_prep<Bf16>(p, st) : run_bwd_prep<Fp16>(p, st), "backward preprocessing kernel");
   if (sm90) {
     const bool overlap = sm90 == 2;
-    if (!dq_sm90) {
-      check_launch(bf16 ? dispatch_dq<Bf16>(p, st) : dispatch_dq<Fp16>(p, st), "dq kernel");
-    } else if (sm90 != 3) {
+    if (sm90 != 3) {
       check_launch(bf16 ? run_dq_sm90<Bf16>(p, st, overlap) : run_dq_sm90<Fp16>(p, st, overlap), "dq kernel (sm90 wgmma)");
     }
     check_launch(bf16 ? run_dkdv_sm90<Bf16>(p, st, sm90) : run_dkdv_sm90<Fp16>(p, st, sm90), "dk/dv kernel (sm90 wgmma)");

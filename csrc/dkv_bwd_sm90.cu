@@ -1,6 +1,6 @@
 // dQ and dK/dV on Hopper warpgroup MMA (dkv_bwd_sm90.cuh): fp16 and bf16, head dims 64 and 128, each in
-// two schedules (overlap = false / true); dK/dV at 192 and 256 with the warpgroups' roles split (one
-// schedule; dQ then comes from the mma.sync kernel). The kernels trap unless the unit is built for sm_90a; the
+// two schedules (overlap = false / true); at 192 and 256 both kernels with the warpgroups' roles split
+// (one schedule, no dQ inside the dK/dV kernel). The kernels trap unless the unit is built for sm_90a; the
 // binding only calls them on an sm_90 device whose code has wgmma (sm90_kernels_built): by default
 // (schedule 1), unless DUALKV_CUDA_WGMMA_BWD=0 asks for mma.sync; =2 and =3 select the overlapped
 // schedule and the dK/dV kernel that also accumulates dQ.
@@ -9,9 +9,10 @@
 
 namespace dkv {
 
-bool sm90_bwd_supports(int head_dim) { return sm90_dq_supports(head_dim) || head_dim == 192 || head_dim == 256; }
-bool sm90_dq_supports(int head_dim) { return head_dim == 64 || head_dim == 128; }
-int sm90_dkdv_block_n(int head_dim) { return sm90_dq_supports(head_dim) ? 128 : 64; }
+bool sm90_bwd_supports(int head_dim) { return head_dim == 64 || head_dim == 128 || head_dim == 192 || head_dim == 256; }
+bool sm90_bwd_schedules(int head_dim) { return head_dim <= 128; }
+int sm90_dq_block_m(int head_dim) { return sm90_bwd_schedules(head_dim) ? 128 : 64; }
+int sm90_dkdv_block_n(int head_dim) { return sm90_bwd_schedules(head_dim) ? 128 : 64; }
 
 template <class E, int D, bool kOverlap>
 cudaError_t launch_dq_sm90(const BwdParams& p, cudaStream_t stream) {
@@ -36,6 +37,17 @@ cudaError_t launch_dkdv_sm90(const BwdParams& p, cudaStream_t stream) {
 }
 
 template <class E, int D>
+cudaError_t launch_dq_sm90_split(const BwdParams& p, cudaStream_t stream) {
+  using K = DqSm90Split<D>;
+  auto kernel = &dkv_dq_sm90_split_kernel<E, D>;
+  static const cudaError_t attr = allow_smem(kernel, K::kSmemBytes);
+  if (attr != cudaSuccess) return attr;
+  if (p.grid_tiles == 0 || p.nheads == 0) return cudaSuccess;
+  DKV_LAUNCH(kernel, dim3(p.grid_tiles, p.nheads), dim3(K::kThreads), K::kSmemBytes, stream, p);
+  return last_error();
+}
+
+template <class E, int D>
 cudaError_t launch_dkdv_sm90_split(const BwdParams& p, cudaStream_t stream) {
   using K = DkdvSm90Split<D>;
   auto kernel = &dkv_dkdv_sm90_split_kernel<E, D>;
@@ -51,6 +63,8 @@ cudaError_t run_dq_sm90(const BwdParams& p, cudaStream_t stream, bool overlap) {
   switch (p.head_dim) {
     case 64: return overlap ? launch_dq_sm90<E, 64, true>(p, stream) : launch_dq_sm90<E, 64, false>(p, stream);
     case 128: return overlap ? launch_dq_sm90<E, 128, true>(p, stream) : launch_dq_sm90<E, 128, false>(p, stream);
+    case 192: return launch_dq_sm90_split<E, 192>(p, stream);  // one schedule
+    case 256: return launch_dq_sm90_split<E, 256>(p, stream);
     default: return static_cast<cudaError_t>(1);  // cudaErrorInvalidValue: the binding never asks for it
   }
 }

@@ -1,6 +1,6 @@
 // Backward kernels on Hopper warpgroup MMA (sm_90a), fp16 / bf16 (docs/cuda.md): dQ (query-parallel,
-// the forward's walk; head dims 64 and 128) and dK/dV (key-parallel; 64 and 128, and 192 and 256 with
-// the warpgroups' roles split, at the end of this file). The default backward on sm_90 at
+// the forward's walk) and dK/dV (key-parallel), at head dims 64 and 128; at 192 and 256 both with the
+// warpgroups' roles split (at the end of this file). The default backward on sm_90 at
 // these head dims (DUALKV_CUDA_WGMMA_BWD=0 opts out); checked on an H200 (tests/gpu/test_cuda_gpu.py)
 // and on the CPU emulation (csrc/emulation/emulate.py --sm90-bwd).
 //
@@ -524,6 +524,184 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
       });
     }
     block_sync();  // shared K/V are reloaded by the next item
+  }
+}
+
+// dQ at head dims 192 and 256 (a warpgroup's 64 x d accumulator next to S and dP would not fit its
+// registers beside the K / V ring in shared memory): a block is two warpgroups on ONE tile of 64 query
+// rows, the forward's walk over 64-key tiles (two buffers), with the roles split as in the dK/dV kernel
+// below. Per key tile:
+//
+//   warpgroup 0:  S  = Q K^T  (SS), its factor P (times 1 - tanh^2 under a softcap) into shared memory
+//   warpgroup 1:  dP = dO V^T (SS), dS = P (dP - D), written to shared memory (swizzled, K-major)
+//   both:         dQ[:, their half of the 64-column parts] += dS K   (SS, K as an MN-major operand)
+//
+// Warpgroup w takes column parts w, w + 2, ... (d = 256: two each; d = 192: parts 0 and 2, and 1).
+template <int kHeadDim_>
+struct DqSm90Split {
+  static constexpr int kHeadDim = kHeadDim_, kBlockM = 64, kBlockN = 64, kThreads = 256, kStages = 2;
+  static constexpr int kParts = kHeadDim / 64, kMyParts = (kParts + 1) / 2;  // column parts, a warpgroup's
+  static constexpr int kQTile = kBlockM * kHeadDim, kKvTile = kBlockN * kHeadDim;  // elements
+  // Q, dO; the K / V ring; dS (bf16 / fp16); the P factors (fp32); alignment.
+  static constexpr int kSmemBytes =
+      (2 * kQTile + 2 * kStages * kKvTile + kBlockM * kBlockN) * 2 + kBlockM * kBlockN * 4 + 1024;
+  static_assert(kHeadDim == 192 || kHeadDim == 256, "the split wgmma dQ kernel: head dim 192 or 256");
+};
+
+template <class E, int D>
+DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dq_sm90_split_kernel(const DKV_GRID_CONSTANT BwdParams p) {
+  using K = DqSm90Split<D>;
+  constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kStages = K::kStages, kMyParts = K::kMyParts;
+  const QueryTile qt = query_tile<kBlockM>(p, p.q_tile_prefix);
+  if (qt.s < 0) return;
+  const int row0 = qt.row0, q0 = qt.q0, m_valid = qt.m_valid, h = qt.h, hk = qt.hk;
+  const int W = p.window;
+  const int tid = thread_idx(), lane = tid & 31, warp = (tid >> 5) & 3, wg = tid >> 7;
+  const int g = lane >> 2, tq = lane & 3;
+  const bool p_role = wg == 0;  // warpgroup 0: S and the P factors; warpgroup 1: dP and dS
+
+  uint16_t* sQ = reinterpret_cast<uint16_t*>(sm90::dynamic_smem_1024());
+  uint16_t* sdO = sQ + K::kQTile;
+  uint16_t* sK0 = sdO + K::kQTile;  // K buffers, then V buffers; tile t in buffer t % kStages
+  uint16_t* sDs = sK0 + 2 * kStages * K::kKvTile;
+  float* my_f = reinterpret_cast<float*>(sDs + kBlockM * kBlockN) + (tid & 127);  // [32][128]
+  auto sK = [&](int t) { return sK0 + (t % kStages) * K::kKvTile; };
+  auto sV = [&](int t) { return sK0 + (kStages + t % kStages) * K::kKvTile; };
+
+  const TwoRegionWalk walk = make_walk<kBlockN>(q0, m_valid, qt.ctx_len, qt.ctx_row0, row0, W);
+  const int n_tiles = walk.n_ctx_tiles + walk.n_own_tiles;
+  const int qpos_lo = qt.ctx_len + q0, qpos_hi = qpos_lo + m_valid - 1;
+
+  auto load_kv = [&](int t) {
+    const KvTile kt = walk.tile<kBlockN>(t);
+    sm90::load_tile_sw128_async<D, K::kThreads, kBlockN>(sK(t), kt.ctx ? p.k_ctx : p.k, kt.row, hk, kt.valid, tid);
+    sm90::load_tile_sw128_async<D, K::kThreads, kBlockN>(sV(t), kt.ctx ? p.v_ctx : p.v, kt.row, hk, kt.valid, tid);
+  };
+  sm90::load_tile_sw128_async<D, K::kThreads, kBlockM>(sQ, p.q, row0 + q0, h, m_valid, tid);
+  sm90::load_tile_sw128_async<D, K::kThreads, kBlockM>(sdO, p.dout, row0 + q0, h, m_valid, tid);
+  load_kv(0);  // n_tiles >= 1: a query always sees its own key
+  cp_async_commit();
+
+  const int row_in_tile[2] = {16 * warp + g, 16 * warp + g + 8};
+  float lse2[2], dsum[2];
+  for (int r = 0; r < 2; ++r) {
+    const int row = row_in_tile[r];
+    const int64_t i = static_cast<int64_t>(h) * p.total_q + row0 + q0 + row;
+    lse2[r] = row < m_valid ? p.lse_log2[i] : 0.f;
+    dsum[r] = row < m_valid ? p.dsum[i] : 0.f;
+  }
+
+  // S = Q K^T (warpgroup 0) or dP = dO V^T (warpgroup 1); dQ += dS K (both).
+  const uint64_t desc_a = sm90::smem_desc_sw128(p_role ? sQ : sdO);
+  const uint64_t desc_kv = sm90::smem_desc_sw128(p_role ? sK(0) : sV(0));
+  const uint64_t desc_ds = sm90::smem_desc_sw128(sDs), desc_k_mn = sm90::smem_desc_sw128_mn64(sK(0));
+  constexpr uint32_t kKvTileBytes = K::kKvTile * 2;
+
+  const ScoreFn score = make_score_fn(p.scale, p.softcap);
+  float dq[kMyParts][32];
+  for (int i = 0; i < kMyParts; ++i)
+    for (int e = 0; e < 32; ++e) dq[i][e] = 0.f;
+  float s[32];
+
+  auto issue_ss = [&](int t) {
+    const uint64_t da = sm90::desc_here(desc_a);
+    const uint64_t db = sm90::desc_advance(sm90::desc_here(desc_kv), (t % kStages) * kKvTileBytes);
+#pragma unroll
+    for (int k = 0; k < D / 16; ++k) {  // part k / 4, 32 bytes per k16 step inside it
+      const uint32_t off = (k / 4) * 64 * 128 + (k % 4) * 32;  // 64 rows a part in both tiles
+      sm90::wgmma_m64n64k16_ss<E, 0>(s, sm90::desc_advance(da, off), sm90::desc_advance(db, off), k > 0);
+    }
+  };
+  // Keys 16 kk .. 16 kk + 15: 32 bytes into every dS row, 2048 bytes down the K tile.
+  auto issue_dq = [&](int t) {
+    const uint64_t da = sm90::desc_here(desc_ds);
+    const uint64_t db = sm90::desc_advance(sm90::desc_here(desc_k_mn), (t % kStages) * kKvTileBytes);
+#pragma unroll
+    for (int i = 0; i < kMyParts; ++i) {
+      const int part = 2 * i + wg;
+      if (part >= K::kParts) break;
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk)
+        sm90::wgmma_m64n64k16_ss<E, 1>(dq[i], sm90::desc_advance(da, kk * 32),
+                                       sm90::desc_advance(db, part * kBlockN * 128 + kk * 2048), true);
+    }
+  };
+  // Warpgroup 0: the factor of dS for each score (s[4 j + i]: row row_in_tile[i / 2], key 8 j + 2 tq + i % 2).
+  auto factors = [&](int t) {
+    const KvTile kt = walk.tile<kBlockN>(t);
+    const bool need_mask = kt.valid < kBlockN || kt.kpos0 + kt.valid - 1 > qpos_lo || qpos_hi - kt.kpos0 >= W;
+    with_score_mode(score.softcap, need_mask, [&](auto cap, auto mask) {
+#pragma unroll
+      for (int e = 0; e < 32; ++e) {
+        const int r = (e / 2) % 2;
+        bool masked = false;
+        if constexpr (decltype(mask)::value) {
+          const int col = 8 * (e / 4) + 2 * tq + (e % 2), kpos = kt.kpos0 + col;
+          const int qpos = qpos_lo + row_in_tile[r];
+          masked = col >= kt.valid || kpos > qpos || qpos - kpos >= W;
+        }
+        const float raw = s[e];
+        float f;
+        if constexpr (decltype(cap)::value) {
+          const float th = tanh_f(raw * score.cap_inv_scale);
+          f = fast_exp2(score.cap_log2 * th - lse2[r]) * (1.f - th * th);
+        } else {
+          f = fast_exp2(score.plain(raw) - lse2[r]);
+        }
+        my_f[e * 128] = masked ? 0.f : f;
+      }
+    });
+  };
+
+  for (int t = 0; t < n_tiles; ++t) {
+    // Tile t has landed, and both warpgroups are done with tile t - 1, whose buffers the load refills.
+    cp_async_wait<0>();
+    sm90::fence_smem_to_async_proxy();
+    block_sync();
+    if (t + 1 < n_tiles) load_kv(t + 1);
+    cp_async_commit();
+
+    sm90::wgmma_fence();
+    issue_ss(t);
+    sm90::wgmma_commit();
+    sm90::wgmma_wait<0>();
+    sm90::fence_operand<32>(s);
+    if (p_role) {
+      factors(t);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 32; ++e) s[e] -= dsum[(e / 2) % 2];  // dP - D
+    }
+    block_sync();  // the factors are in shared memory
+    if (!p_role) {
+#pragma unroll
+      for (int e = 0; e < 32; ++e) {
+        const int row = row_in_tile[(e / 2) % 2], key = 8 * (e / 4) + 2 * tq + (e % 2);
+        sDs[sm90::sw128_offset(row, key) / 2] = from_float<E>(s[e] * my_f[e * 128]);  // dS (0 where masked)
+      }
+      sm90::fence_smem_to_async_proxy();
+    }
+    block_sync();  // dS is in shared memory
+    sm90::wgmma_fence();
+    issue_dq(t);
+    sm90::wgmma_commit();
+    sm90::wgmma_wait<0>();
+    for (int i = 0; i < kMyParts; ++i) sm90::fence_operand<32>(dq[i]);
+  }
+  cp_async_wait<0>();
+
+  uint16_t* dq_ptr = static_cast<uint16_t*>(p.dq.ptr);
+  for (int r = 0; r < 2; ++r) {
+    const int row = row_in_tile[r];
+    if (row >= m_valid) continue;
+    uint16_t* dst = dq_ptr + p.dq.offset(row0 + q0 + row, h) + 2 * tq;
+    for (int i = 0; i < kMyParts; ++i) {
+      const int part = 2 * i + wg;
+      if (part >= K::kParts) break;
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        store_u32(dst + 64 * part + 8 * j, pack2<E>(dq[i][4 * j + 2 * r] * p.scale, dq[i][4 * j + 2 * r + 1] * p.scale));
+    }
   }
 }
 

@@ -24,16 +24,17 @@ cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream, bool warp_spec
 bool sm90_forward_supports(int head_dim);
 bool sm90_kernels_built(cudaStream_t stream);  // the wgmma kernels were compiled for sm_90a (checked once)
 constexpr int kSm90BlockM = 128;
-// Backward on Hopper warpgroup MMA (fp16 / bf16): dQ on query tiles of 128 rows (head dims 64 / 128),
-// dK/dV on key tiles of sm90_dkdv_block_n (128 at head dims 64 / 128, 64 at 192 / 256).
+// Backward on Hopper warpgroup MMA (fp16 / bf16, head dims 64 / 128 / 192 / 256): dQ on query tiles of
+// sm90_dq_block_m rows, dK/dV on key tiles of sm90_dkdv_block_n (128 at head dims 64 / 128, 64 at
+// 192 / 256, where there is one schedule and no dQ inside the dK/dV kernel).
 template <class E>
 cudaError_t run_dq_sm90(const BwdParams& p, cudaStream_t stream, bool overlap);
 template <class E>
 cudaError_t run_dkdv_sm90(const BwdParams& p, cudaStream_t stream, int schedule);  // 1, 2 or 3 (fused dQ)
-bool sm90_bwd_supports(int head_dim);  // the dK/dV kernel
-bool sm90_dq_supports(int head_dim);   // the dQ kernel (else the mma.sync dQ kernel runs with it)
+bool sm90_bwd_supports(int head_dim);
+bool sm90_bwd_schedules(int head_dim);  // schedules 2 and 3 exist (head dims 64 / 128)
+int sm90_dq_block_m(int head_dim);
 int sm90_dkdv_block_n(int head_dim);
-constexpr int kSm90DqBlockM = 128;
 // Backward: dq kernel and dkdv kernel for one head dim.
 template <class E, int D>
 cudaError_t run_dq(const BwdParams& p, cudaStream_t stream);

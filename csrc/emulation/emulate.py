@@ -162,7 +162,7 @@ SM90_BWD_CASES = [
     dict(d=128, dtype=torch.float16, prompts=[64], responses=[[65, 64]], H=1, Hkv=1, softcap=5.0),
     dict(d=64, dtype=torch.bfloat16, prompts=[130], responses=[[30, 12]], H=2, Hkv=1, separate=True),
     dict(d=64, dtype=torch.bfloat16, prompts=[130], responses=[[30, 12]], H=2, Hkv=1, separate=True, deterministic=True),
-    # d = 192 / 256: the dK/dV kernel with the warpgroups' roles split (64-key tiles), dQ on mma.sync
+    # d = 192 / 256: the dQ and dK/dV kernels with the warpgroups' roles split (64-row / 64-key tiles)
     dict(d=256, dtype=torch.bfloat16, prompts=[100], responses=[[70, 3]], H=2, Hkv=1),
     dict(d=192, dtype=torch.float16, prompts=[80, 5], responses=[[40, 1], [9]], H=2, Hkv=1, window=50, softcap=5.0),
     dict(d=256, dtype=torch.bfloat16, prompts=[100], responses=[[70, 3]], H=2, Hkv=1, deterministic=True),
