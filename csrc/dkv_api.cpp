@@ -212,6 +212,20 @@ int use_sm90_backward(const Tensor& q, int head_dim) {
   return choice > 0 && sm90_bwd_supports(head_dim) && hopper_kernels_usable(q) ? choice : 0;
 }
 
+// Whether fwd and bwd run the wgmma kernels, forward and backward, for this head dim on CUDA device
+// `device` (no tensor needed): the Python backends' "auto" asks it before it prefers this extension.
+bool wgmma_path(int64_t device, int64_t head_dim) {
+#ifdef DKV_EMULATE
+  (void)device;
+  const Tensor probe = at::empty({0});
+#else
+  const Tensor probe = at::empty({0}, at::TensorOptions().device(at::kCUDA, static_cast<c10::DeviceIndex>(device)));
+  const c10::cuda::CUDAGuard guard(probe.device());
+#endif
+  const int d = static_cast<int>(head_dim);
+  return use_sm90_forward(probe, d) > 0 && use_sm90_backward(probe, d) > 0;
+}
+
 template <class E>
 cudaError_t dispatch_fwd(const FwdParams& p, cudaStream_t st) {
   switch (p.head_dim) {
@@ -405,6 +419,7 @@ TORCH_LIBRARY(DKV_OPS_NAMESPACE, m) {
       "Tensor cu_seqlens, Tensor seg_ctx_start, Tensor seg_ctx_len, Tensor ctx_key_start, Tensor ctx_key_len, "
       "Tensor ctx_reader_start, Tensor ctx_reader_end, float softmax_scale, int window, float softcap, "
       "bool deterministic) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("wgmma_path(int device, int head_dim) -> bool", &dkv::wgmma_path);  // no tensor: one kernel for every key
 }
 
 TORCH_LIBRARY_IMPL(DKV_OPS_NAMESPACE, DKV_DISPATCH_KEY, m) {

@@ -18,13 +18,14 @@ __all__ = ["dualkv_attention", "flash_attn_dualkv_varlen_func"]
 
 
 @torch.compiler.assume_constant_result
-def _backend_name(backend: str, is_cuda: bool) -> str:
-    """Resolved once per (backend, device kind); constant under torch.compile."""
-    return resolve_backend(backend, "cuda" if is_cuda else "cpu")
+def _backend_name(backend: str, is_cuda: bool, head_dim: int, low_precision: bool) -> str:
+    """Resolved per (backend, device kind, head dim, fp16 / bf16 or not); constant under torch.compile."""
+    dtype = torch.bfloat16 if low_precision else torch.float32
+    return resolve_backend(backend, "cuda" if is_cuda else "cpu", head_dim=head_dim, dtype=dtype)
 
 
 def _run(q, k, v, k_ctx, v_ctx, meta, scale, window, softcap, deterministic, backend):
-    name = _backend_name(backend, q.is_cuda)
+    name = _backend_name(backend, q.is_cuda, int(q.shape[-1]), q.dtype in (torch.float16, torch.bfloat16))
     if not torch.compiler.is_compiling():
         get_backend(name).check_supported(q, k, v, window, softcap)
     return attention_fwd(
@@ -58,8 +59,9 @@ def dualkv_attention(
         deterministic: bit-identical gradients run to run (kernel backends may then be slower;
             see the backend's docstring for what the default costs).
         return_lse: also return lse (nheads, T) float32 (not differentiable).
-        backend: "auto" (Triton on CUDA tensors when available, else the reference), "reference",
-            "triton" or "cuda".
+        backend: "auto" (on CUDA tensors Triton when available; at head dim 256 in fp16 / bf16
+            the CUDA backend instead when its built extension runs the Hopper wgmma kernels, where
+            it measured faster; else the reference), "reference", "triton" or "cuda".
 
     Returns out (T, nheads, headdim), or (out, lse).
 

@@ -131,6 +131,30 @@ def test_backend_cuda_on_cpu_says_not_built():
     assert out.shape == q.shape
 
 
+def test_auto_follows_the_measured_table_per_head_dim(monkeypatch):
+    """On CUDA tensors "auto" takes the CUDA backend at head dim 256 in fp16 / bf16 when its extension
+    runs the wgmma kernels there, and the usual order everywhere else; it never starts a build."""
+    from dualkv.core import backends
+    from dualkv.core.backends import resolve_backend
+
+    cuda = backends.get_backend("cuda")
+    assert cuda.runs_wgmma(256) is False  # CPU machine: no extension, no build started, no error
+    usual = resolve_backend("auto", "cuda")
+    assert resolve_backend("auto", "cuda", head_dim=256, dtype=torch.bfloat16) == usual
+    asked = []
+    monkeypatch.setattr(cuda, "runs_wgmma", lambda head_dim, device=None: asked.append(head_dim) or True)
+    assert resolve_backend("auto", "cuda", head_dim=256, dtype=torch.bfloat16) == "cuda"
+    assert resolve_backend("auto", "cuda", head_dim=256, dtype=torch.float16) == "cuda"
+    assert resolve_backend("auto", "cuda", head_dim=256, dtype=torch.float32) == usual
+    assert resolve_backend("auto", "cuda", head_dim=128, dtype=torch.bfloat16) == usual
+    assert resolve_backend("auto", "cpu", head_dim=256, dtype=torch.bfloat16) == "reference"
+    assert resolve_backend("triton" if usual == "triton" else "reference", "cuda", head_dim=256,
+                           dtype=torch.bfloat16) != "cuda"  # an explicit choice is kept
+    assert asked == [256, 256]
+    monkeypatch.setattr(cuda, "runs_wgmma", lambda head_dim, device=None: False)
+    assert resolve_backend("auto", "cuda", head_dim=256, dtype=torch.bfloat16) == usual
+
+
 def test_check_supported_names_the_argument():
     from dualkv.core.backends import cuda
 

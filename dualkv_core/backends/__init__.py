@@ -30,6 +30,11 @@ BACKENDS = {
 }
 # Preference of "auto" on CUDA tensors, fastest first.
 AUTO_ORDER_CUDA = ("triton",)
+# Head dims where "auto" takes the CUDA backend instead, for fp16 / bf16 when its extension is already
+# built and runs the Hopper wgmma kernels there: measured ahead of Triton forward and backward
+# (benchmarks/results/cuda_split_backward_d256_h200.md, d = 256: 1.16x forward+backward). At d = 128
+# neither is ahead in every config (within 4%), other head dims are not measured: Triton.
+AUTO_CUDA_HEAD_DIMS = (256,)
 
 
 def get_backend(name: str):
@@ -48,22 +53,36 @@ def _available(name: str) -> bool:
         return False
 
 
+def _runs_wgmma(head_dim: int) -> bool:
+    try:
+        return get_backend("cuda").runs_wgmma(head_dim)
+    except RuntimeError:
+        return False
+
+
 def available_backends() -> list[str]:
     return [name for name in BACKENDS if _available(name)]
 
 
-def resolve_backend(name: str, where: torch.Tensor | torch.device | str) -> str:
+def resolve_backend(name: str, where: torch.Tensor | torch.device | str, head_dim: int | None = None,
+                    dtype: torch.dtype | None = None) -> str:
     """``auto``: the fastest available kernel backend for CUDA tensors, else the reference.
 
-    ``where`` is a tensor (its device counts) or a device.
+    ``where`` is a tensor (its device, head dim and dtype count) or a device; ``head_dim`` / ``dtype``
+    (taken from a tensor when not given) let ``auto`` follow the measured table per shape class.
     """
     is_cuda = where.is_cuda if isinstance(where, torch.Tensor) else torch.device(where).type == "cuda"
+    if isinstance(where, torch.Tensor):
+        head_dim = where.shape[-1] if head_dim is None else head_dim
+        dtype = where.dtype if dtype is None else dtype
     if name != "auto":
         backend = get_backend(name)
         if not backend.is_available():
             raise RuntimeError(f"backend {name!r} is not available here: {backend.unavailable_reason()}")
         return name
     if is_cuda:
+        if head_dim in AUTO_CUDA_HEAD_DIMS and dtype in (torch.float16, torch.bfloat16) and _runs_wgmma(head_dim):
+            return "cuda"
         for candidate in AUTO_ORDER_CUDA:
             if _available(candidate):
                 return candidate

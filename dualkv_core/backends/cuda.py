@@ -193,6 +193,19 @@ def load_extension() -> str:
     return _state["how"]
 
 
+def runs_wgmma(head_dim: int, device: int | None = None) -> bool:
+    """The extension is loaded or importable (this starts no just-in-time build) and runs its Hopper
+    wgmma kernels, forward and backward, for this head dim on CUDA device ``device`` (default: the
+    current one): an sm_90 GPU, code built for sm_90a, the kernel-choice variables unset or on."""
+    if _static_reason() or (_state["ops"] is None and not _prebuilt_available()):
+        return False
+    try:
+        ops = _ops()
+    except RuntimeError:
+        return False
+    return bool(ops.wgmma_path(torch.cuda.current_device() if device is None else device, head_dim))
+
+
 def check_supported(q, k, v, window, softcap) -> None:
     if q.device.type != "cuda":
         raise ValueError(f"q: the cuda backend needs CUDA tensors, got device {q.device}")

@@ -207,6 +207,25 @@ def test_wgmma_split_backward_matches_reference(cuda_backend, case, dtype, deter
     assert not any(k in name for name in kernels for k in ("dkv_dq_kernel", "dkv_dkdv_kernel")), sorted(kernels)
 
 
+def test_auto_takes_cuda_where_it_measured_faster(cuda_backend, monkeypatch):
+    """backend="auto": the CUDA backend at head dim 256 (bf16) on sm_90 with its wgmma kernels (the
+    profiler shows them), Triton at 128; with DUALKV_CUDA_WGMMA_BWD=0 (no wgmma backward) Triton."""
+    from dualkv.core.backends import resolve_backend
+
+    hopper = torch.cuda.get_device_capability()[0] == 9
+    q256, q128 = (torch.empty(4, 2, d, device="cuda", dtype=torch.bfloat16) for d in (256, 128))
+    assert (resolve_backend("auto", q256) == "cuda") == hopper
+    assert resolve_backend("auto", q128) != "cuda"
+    if hopper:
+        case = next(c for c in GRID if c[4] == 256)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            _run_packed(case, torch.bfloat16, deterministic=False, backend="auto")
+        kernels = {e.name for e in prof.events()}
+        assert any("dkv_fwd_sm90_kernel" in n for n in kernels) and any("dkv_dq_sm90_split" in n for n in kernels)
+        monkeypatch.setenv("DUALKV_CUDA_WGMMA_BWD", "0")
+        assert resolve_backend("auto", q256) != "cuda"
+
+
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("case", [GRID[0], GRID[4]], ids=lambda c: _ids(c))
 def test_mma_sync_on_request(cuda_backend, case, deterministic, monkeypatch):
