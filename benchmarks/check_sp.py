@@ -89,15 +89,19 @@ def layers_to_cover_every_type(hf: dict) -> int:
 def build_model(preset: str, layers: int, device, seed: int):
     """The preset's first ``layers`` decoder layers, random weights, bf16 (a cut Gemma-4 keeps no KV sharing),
     with activation checkpointing as in training (without it the single-device reference of a long
-    Gemma-4 micro-batch does not fit one card)."""
-    from dualkv.models import build_model as build, preset_hf_config
+    Gemma-4 micro-batch does not fit one card). Built on the meta device and allocated on ``device``
+    one decoder layer at a time (each cast to bf16 before the next exists): no whole fp32 copy on the
+    host or the device."""
+    from dualkv.models import build_model as build, materialize, preset_hf_config
 
     hf = preset_hf_config(preset)
     if layers < 1:
         raise SystemExit(f"--layers: expected >= 1, got {layers}")
     layers = min(max(layers, layers_to_cover_every_type(hf)), hf["num_hidden_layers"])
     hf = first_layers(hf, layers)
-    model = build(hf, seed=seed).to(device=device, dtype=torch.bfloat16)
+    model = build(hf, device="meta")
+    materialize(model, device, seed=seed, units=list(model.model.layers), on_unit=lambda layer: layer.to(torch.bfloat16))
+    model.to(dtype=torch.bfloat16)
     model.set_activation_checkpointing(True)
     return model
 

@@ -222,6 +222,35 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dq_sm90_kernel(const DKV_GRID_CONSTAN
   }
 }
 
+// The element-wise step of the dK/dV kernels over a transposed score tile S^T of 64 keys x kBlockM
+// queries (s[4 j + i]: key key_in_tile[i / 2], query 8 j + 2 tq + i % 2): for every element
+// fn(e, query, masked, pr, dtanh) with pr = exp2(score - lse) and dtanh = 1 - tanh^2 under a softcap
+// (1 without one: dS^T = pr (dP^T - D) dtanh). sL holds the tile's lse_log2 per query.
+template <int kBlockM, int kBlockN, class Fn>
+DKV_DEV void transposed_probabilities(const float (&s)[32], const QTileDesc& desc, const float* sL,
+                                      const int (&key_in_tile)[2], int tq, int W, const ScoreFn& score, Fn&& fn) {
+  const int kpos_first = desc.kpos0 + desc.klo, kpos_last = desc.kpos0 + desc.khi - 1;
+  const bool need_mask = desc.m_valid < kBlockM || desc.klo > 0 || desc.khi < kBlockN ||
+                         kpos_last > desc.qpos0 || desc.qpos0 + desc.m_valid - 1 - kpos_first >= W;
+  with_score_mode(score.softcap, need_mask, [&](auto cap, auto mask) {
+#pragma unroll
+    for (int e = 0; e < 32; ++e) {
+      const int col = 8 * (e / 4) + 2 * tq + (e % 2), key = key_in_tile[(e / 2) % 2];
+      bool masked = false;
+      if constexpr (decltype(mask)::value) {
+        const int qpos = desc.qpos0 + col, kpos = desc.kpos0 + key;
+        masked = col >= desc.m_valid || key < desc.klo || key >= desc.khi || kpos > qpos || qpos - kpos >= W;
+      }
+      if constexpr (decltype(cap)::value) {
+        const float th = tanh_f(s[e] * score.cap_inv_scale);
+        fn(e, col, masked, fast_exp2(score.cap_log2 * th - sL[col]), 1.f - th * th);
+      } else {
+        fn(e, col, masked, fast_exp2(score.plain(s[e]) - sL[col]), 1.f);
+      }
+    }
+  });
+}
+
 // kOverlap = false: per query tile, the two shared-memory products, the element-wise step, then the
 // two register-operand products, each waited for. kOverlap = true: the shared-memory products of
 // tile i + 1 are issued before the register-operand products of tile i, and the element-wise step
@@ -308,34 +337,13 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
   };
   // P^T and dS^T in place of S^T and dP^T (st[4 j + i]: key key_in_tile[i / 2], query 8 j + 2 tq + i % 2).
   auto elementwise = [&](const QTileDesc& desc, int b) {
-    const float* sL = sL0 + b * kBlockM;
     const float* sD = sD0 + b * kBlockM;
-    const int kpos_first = desc.kpos0 + desc.klo, kpos_last = desc.kpos0 + desc.khi - 1;
-    const bool need_mask = desc.m_valid < kBlockM || desc.klo > 0 || desc.khi < kBlockN ||
-                           kpos_last > desc.qpos0 || desc.qpos0 + desc.m_valid - 1 - kpos_first >= W;
-    with_score_mode(score.softcap, need_mask, [&](auto cap, auto mask) {
-#pragma unroll
-      for (int e = 0; e < 32; ++e) {
-        const int col = 8 * (e / 4) + 2 * tq + (e % 2), key = key_in_tile[(e / 2) % 2];
-        bool masked = false;
-        if constexpr (decltype(mask)::value) {
-          const int qpos = desc.qpos0 + col, kpos = desc.kpos0 + key;
-          masked = col >= desc.m_valid || key < desc.klo || key >= desc.khi || kpos > qpos || qpos - kpos >= W;
-        }
-        const float raw = st[e];
-        float pr, ds;
-        if constexpr (decltype(cap)::value) {
-          const float th = tanh_f(raw * score.cap_inv_scale);
-          pr = fast_exp2(score.cap_log2 * th - sL[col]);
-          ds = pr * (dpt[e] - sD[col]) * (1.f - th * th);
-        } else {
-          pr = fast_exp2(score.plain(raw) - sL[col]);
-          ds = pr * (dpt[e] - sD[col]);
-        }
-        st[e] = masked ? 0.f : pr;
-        dpt[e] = masked ? 0.f : ds;
-      }
-    });
+    transposed_probabilities<kBlockM, kBlockN>(st, desc, sL0 + b * kBlockM, key_in_tile, tq, W, score,
+                                               [&](int e, int col, bool masked, float pr, float dtanh) {
+                                                 const float ds = pr * (dpt[e] - sD[col]) * dtanh;
+                                                 st[e] = masked ? 0.f : pr;
+                                                 dpt[e] = masked ? 0.f : ds;
+                                               });
   };
   auto pack = [&] {
     c_to_a<E, kBlockM>(pa, reinterpret_cast<const float(&)[kBlockM / 8][4]>(st));
@@ -619,7 +627,9 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dq_sm90_split_kernel(const DKV_GRID_C
 #pragma unroll
     for (int i = 0; i < kMyParts; ++i) {
       const int part = 2 * i + wg;
-      if (part >= K::kParts) break;
+      // d = 192: warpgroup 1 has one part. Tested only where it can fail: a branch around wgmma that
+      // the compiler cannot rule out serialises every wgmma of the kernel.
+      if (K::kParts % 2 == 1 && part >= K::kParts) break;
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk)
         sm90::wgmma_m64n64k16_ss<E, 1>(dq[i], sm90::desc_advance(da, kk * 32),
@@ -697,7 +707,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dq_sm90_split_kernel(const DKV_GRID_C
     uint16_t* dst = dq_ptr + p.dq.offset(row0 + q0 + row, h) + 2 * tq;
     for (int i = 0; i < kMyParts; ++i) {
       const int part = 2 * i + wg;
-      if (part >= K::kParts) break;
+      if (K::kParts % 2 == 1 && part >= K::kParts) break;
 #pragma unroll
       for (int j = 0; j < 8; ++j)
         store_u32(dst + 64 * part + 8 * j, pack2<E>(dq[i][4 * j + 2 * r] * p.scale, dq[i][4 * j + 2 * r + 1] * p.scale));
@@ -782,36 +792,13 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_split_kernel(const DKV_GRID
         sm90::wgmma_m64n64k16_rs<E, 1>(acc[part], a[kq],
                                        sm90::desc_advance(d0, b * kQTileBytes + part * kBlockM * 128 + kq * 2048), true);
   };
-  // Warpgroup 0: P^T in place of S^T, and its factor for dS^T into sF (s[4 j + i]: key
-  // key_in_tile[i / 2], query 8 j + 2 tq + i % 2).
+  // Warpgroup 0: P^T in place of S^T, and its factor for dS^T into sF.
   auto probabilities = [&](const QTileDesc& desc, int b) {
-    const float* sL = sL0 + b * kBlockM;
-    const int kpos_first = desc.kpos0 + desc.klo, kpos_last = desc.kpos0 + desc.khi - 1;
-    const bool need_mask = desc.m_valid < kBlockM || desc.klo > 0 || desc.khi < kBlockN ||
-                           kpos_last > desc.qpos0 || desc.qpos0 + desc.m_valid - 1 - kpos_first >= W;
-    with_score_mode(score.softcap, need_mask, [&](auto cap, auto mask) {
-#pragma unroll
-      for (int e = 0; e < 32; ++e) {
-        const int col = 8 * (e / 4) + 2 * tq + (e % 2), key = key_in_tile[(e / 2) % 2];
-        bool masked = false;
-        if constexpr (decltype(mask)::value) {
-          const int qpos = desc.qpos0 + col, kpos = desc.kpos0 + key;
-          masked = col >= desc.m_valid || key < desc.klo || key >= desc.khi || kpos > qpos || qpos - kpos >= W;
-        }
-        const float raw = s[e];
-        float pr, factor;
-        if constexpr (decltype(cap)::value) {
-          const float th = tanh_f(raw * score.cap_inv_scale);
-          pr = fast_exp2(score.cap_log2 * th - sL[col]);
-          factor = pr * (1.f - th * th);
-        } else {
-          pr = fast_exp2(score.plain(raw) - sL[col]);
-          factor = pr;
-        }
-        s[e] = masked ? 0.f : pr;
-        my_f[e * 128] = masked ? 0.f : factor;
-      }
-    });
+    transposed_probabilities<kBlockM, kBlockN>(s, desc, sL0 + b * kBlockM, key_in_tile, tq, W, score,
+                                               [&](int e, int, bool masked, float pr, float dtanh) {
+                                                 s[e] = masked ? 0.f : pr;
+                                                 my_f[e * 128] = masked ? 0.f : pr * dtanh;
+                                               });
   };
 
   for (;;) {

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from dualkv.parallel.testing import run_local_world
 
@@ -59,3 +60,16 @@ def test_a_cut_hybrid_keeps_every_attention_type():
     model = build_model("tiny-gemma4", 1, "cpu", 0)
     assert model.config.num_layers == need > 1
     assert {"sliding_attention", "full_attention"} <= set(tiny["layer_types"][:need])
+
+
+def test_models_are_built_layer_by_layer_with_the_same_weights():
+    """check_sp allocates its cut models one layer at a time (meta device first); the weights equal
+    a whole-model build with the same seed, cast to bf16."""
+    from benchmarks.check_sp import build_model, first_layers
+    from dualkv.models import build_model as build, preset_hf_config
+
+    model = build_model("tiny-qwen3", 2, "cpu", 3)
+    want = build(first_layers(preset_hf_config("tiny-qwen3"), 2), seed=3).to(torch.bfloat16).state_dict()
+    got = model.state_dict()
+    assert got.keys() == want.keys()
+    assert all(got[k].dtype == torch.bfloat16 and torch.equal(got[k], want[k]) for k in want)
