@@ -202,8 +202,9 @@ int use_sm90_forward(const Tensor& q, int head_dim) {
 }
 
 // The wgmma backward kernels (dkv_bwd_sm90.cuh: dQ and dK/dV), head dims 64 / 128 / 192 / 256 (at 192 /
-// 256 with the warpgroups' roles split, in one schedule), on the same devices. The default is 1 (the products of a tile one after the other: 1.5x the mma.sync backward
-// on an H200, benchmarks/results/cuda_hopper_bwd_h200.md); DUALKV_CUDA_WGMMA_BWD=2 overlaps the next
+// 256 with the warpgroups' roles split, in one schedule), on the same devices. The default is 1 (the
+// products of a tile one after the other: 1.5x the mma.sync backward on an H200,
+// benchmarks/results/cuda_hopper_bwd_h200.md); DUALKV_CUDA_WGMMA_BWD=2 overlaps the next
 // tile's products (slower there), =3 accumulates dQ inside the dK/dV kernel (fp32 atomics into a
 // workspace; no dQ kernel recomputing S and dP; not with deterministic=True, which keeps 1), =0 asks
 // for mma.sync. Returns 0 (mma.sync), 1, 2 or 3.
