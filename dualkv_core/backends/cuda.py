@@ -20,6 +20,7 @@ softcap, compute capability 8.0+.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -199,11 +200,18 @@ def runs_wgmma(head_dim: int, device: int | None = None) -> bool:
     current one): an sm_90 GPU, code built for sm_90a, the kernel-choice variables unset or on."""
     if _static_reason() or (_state["ops"] is None and not _prebuilt_available()):
         return False
+    device = torch.cuda.current_device() if device is None else device
+    return _runs_wgmma(head_dim, device, os.environ.get("DUALKV_CUDA_WGMMA"), os.environ.get("DUALKV_CUDA_WGMMA_BWD"))
+
+
+@functools.lru_cache(maxsize=None)
+def _runs_wgmma(head_dim: int, device: int, fwd_choice: str | None, bwd_choice: str | None) -> bool:
+    """runs_wgmma, asked of the extension once per head dim, device and kernel-choice variables."""
     try:
         ops = _ops()
     except RuntimeError:
         return False
-    return bool(ops.wgmma_path(torch.cuda.current_device() if device is None else device, head_dim))
+    return bool(ops.wgmma_path(device, head_dim))
 
 
 def check_supported(q, k, v, window, softcap) -> None:
