@@ -17,45 +17,25 @@ int sm90_dkdv_block_n(int head_dim) { return sm90_bwd_schedules(head_dim) ? 128 
 template <class E, int D, bool kOverlap>
 cudaError_t launch_dq_sm90(const BwdParams& p, cudaStream_t stream) {
   using K = DqSm90<D, kOverlap>;
-  auto kernel = &dkv_dq_sm90_kernel<E, D, kOverlap>;
-  static const cudaError_t attr = allow_smem(kernel, K::kSmemBytes);
-  if (attr != cudaSuccess) return attr;
-  if (p.grid_tiles == 0 || p.nheads == 0) return cudaSuccess;
-  DKV_LAUNCH(kernel, dim3(p.grid_tiles, p.nheads), dim3(K::kThreads), K::kSmemBytes, stream, p);
-  return last_error();
+  return launch_tiles<K, &dkv_dq_sm90_kernel<E, D, kOverlap>>(p, stream);
 }
 
 template <class E, int D, bool kOverlap, bool kDq = false>
 cudaError_t launch_dkdv_sm90(const BwdParams& p, cudaStream_t stream) {
   using K = DkdvSm90<D, kOverlap, kDq>;
-  auto kernel = &dkv_dkdv_sm90_kernel<E, D, kOverlap, kDq>;
-  static const cudaError_t attr = allow_smem(kernel, K::kSmemBytes);
-  if (attr != cudaSuccess) return attr;
-  static const int blocks = persistent_blocks(kernel, K::kThreads, K::kSmemBytes);
-  DKV_LAUNCH(kernel, dim3(blocks), dim3(K::kThreads), K::kSmemBytes, stream, p);
-  return last_error();
+  return launch_persistent<K, &dkv_dkdv_sm90_kernel<E, D, kOverlap, kDq>>(p, stream);
 }
 
 template <class E, int D>
 cudaError_t launch_dq_sm90_split(const BwdParams& p, cudaStream_t stream) {
   using K = DqSm90Split<D>;
-  auto kernel = &dkv_dq_sm90_split_kernel<E, D>;
-  static const cudaError_t attr = allow_smem(kernel, K::kSmemBytes);
-  if (attr != cudaSuccess) return attr;
-  if (p.grid_tiles == 0 || p.nheads == 0) return cudaSuccess;
-  DKV_LAUNCH(kernel, dim3(p.grid_tiles, p.nheads), dim3(K::kThreads), K::kSmemBytes, stream, p);
-  return last_error();
+  return launch_tiles<K, &dkv_dq_sm90_split_kernel<E, D>>(p, stream);
 }
 
 template <class E, int D>
 cudaError_t launch_dkdv_sm90_split(const BwdParams& p, cudaStream_t stream) {
   using K = DkdvSm90Split<D>;
-  auto kernel = &dkv_dkdv_sm90_split_kernel<E, D>;
-  static const cudaError_t attr = allow_smem(kernel, K::kSmemBytes);
-  if (attr != cudaSuccess) return attr;
-  static const int blocks = persistent_blocks(kernel, K::kThreads, K::kSmemBytes);
-  DKV_LAUNCH(kernel, dim3(blocks), dim3(K::kThreads), K::kSmemBytes, stream, p);
-  return last_error();
+  return launch_persistent<K, &dkv_dkdv_sm90_split_kernel<E, D>>(p, stream);
 }
 
 template <class E>

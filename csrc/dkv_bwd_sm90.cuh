@@ -37,6 +37,35 @@
 
 namespace dkv {
 
+// The element-wise step of the dQ kernels over a score tile S of 64 query rows x kBlockN keys (s[4 j + i]:
+// row row_in_tile[i / 2], key 8 j + 2 tq + i % 2; queries at positions qpos_lo + row): for every
+// element fn(e, r, masked, pr, dtanh) with r = i / 2, pr = exp2(score - lse) and dtanh = 1 - tanh^2
+// under a softcap (1 without one: dS = pr (dP - D) dtanh).
+template <int kBlockN, class Fn>
+DKV_DEV void row_probabilities(const float (&s)[32], const KvTile& kt, int qpos_lo, int qpos_hi,
+                               const int (&row_in_tile)[2], const float (&lse2)[2], int tq, int W,
+                               const ScoreFn& score, Fn&& fn) {
+  const bool need_mask = kt.valid < kBlockN || kt.kpos0 + kt.valid - 1 > qpos_lo || qpos_hi - kt.kpos0 >= W;
+  with_score_mode(score.softcap, need_mask, [&](auto cap, auto mask) {
+#pragma unroll
+    for (int e = 0; e < 32; ++e) {
+      const int r = (e / 2) % 2;
+      bool masked = false;
+      if constexpr (decltype(mask)::value) {
+        const int col = 8 * (e / 4) + 2 * tq + (e % 2), kpos = kt.kpos0 + col;
+        const int qpos = qpos_lo + row_in_tile[r];
+        masked = col >= kt.valid || kpos > qpos || qpos - kpos >= W;
+      }
+      if constexpr (decltype(cap)::value) {
+        const float th = tanh_f(s[e] * score.cap_inv_scale);
+        fn(e, r, masked, fast_exp2(score.cap_log2 * th - lse2[r]), 1.f - th * th);
+      } else {
+        fn(e, r, masked, fast_exp2(score.plain(s[e]) - lse2[r]), 1.f);
+      }
+    }
+  });
+}
+
 // kOverlap = false: per key tile, S and dP, the element-wise step, then dQ += dS K, each waited for;
 // the K / V ring loads two tiles ahead. kOverlap = true: S and dP of key tile t are issued before
 // dQ += dS_{t-1} K_{t-1}, and the element-wise step of tile t runs while that product still runs;
@@ -136,29 +165,11 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dq_sm90_kernel(const DKV_GRID_CONSTAN
   };
   // dS = P (dP - D) in place of dP (s[4 j + i]: row row_in_tile[i / 2], key 8 j + 2 tq + i % 2).
   auto elementwise = [&](int t) {
-    const KvTile kt = walk.tile<kBlockN>(t);
-    const bool need_mask = kt.valid < kBlockN || kt.kpos0 + kt.valid - 1 > qpos_lo || qpos_hi - kt.kpos0 >= W;
-    with_score_mode(score.softcap, need_mask, [&](auto cap, auto mask) {
-#pragma unroll
-      for (int e = 0; e < 32; ++e) {
-        const int r = (e / 2) % 2;
-        bool masked = false;
-        if constexpr (decltype(mask)::value) {
-          const int col = 8 * (e / 4) + 2 * tq + (e % 2), kpos = kt.kpos0 + col;
-          const int qpos = qpos_lo + row_in_tile[r];
-          masked = col >= kt.valid || kpos > qpos || qpos - kpos >= W;
-        }
-        const float raw = s[e];
-        float ds;
-        if constexpr (decltype(cap)::value) {
-          const float th = tanh_f(raw * score.cap_inv_scale);
-          ds = fast_exp2(score.cap_log2 * th - lse2[r]) * (dp[e] - dsum[r]) * (1.f - th * th);
-        } else {
-          ds = fast_exp2(score.plain(raw) - lse2[r]) * (dp[e] - dsum[r]);
-        }
-        dp[e] = masked ? 0.f : ds;
-      }
-    });
+    row_probabilities<kBlockN>(s, walk.tile<kBlockN>(t), qpos_lo, qpos_hi, row_in_tile, lse2, tq, W, score,
+                               [&](int e, int r, bool masked, float pr, float dtanh) {
+                                 const float ds = pr * (dp[e] - dsum[r]) * dtanh;
+                                 dp[e] = masked ? 0.f : ds;
+                               });
   };
   // After the wait that ends dQ += dS K: its operands pinned (sm90::fence_operand).
   auto pin_dq = [&] {
@@ -636,31 +647,12 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dq_sm90_split_kernel(const DKV_GRID_C
                                        sm90::desc_advance(db, part * kBlockN * 128 + kk * 2048), true);
     }
   };
-  // Warpgroup 0: the factor of dS for each score (s[4 j + i]: row row_in_tile[i / 2], key 8 j + 2 tq + i % 2).
+  // Warpgroup 0: the factor of dS for each score, into shared memory.
   auto factors = [&](int t) {
-    const KvTile kt = walk.tile<kBlockN>(t);
-    const bool need_mask = kt.valid < kBlockN || kt.kpos0 + kt.valid - 1 > qpos_lo || qpos_hi - kt.kpos0 >= W;
-    with_score_mode(score.softcap, need_mask, [&](auto cap, auto mask) {
-#pragma unroll
-      for (int e = 0; e < 32; ++e) {
-        const int r = (e / 2) % 2;
-        bool masked = false;
-        if constexpr (decltype(mask)::value) {
-          const int col = 8 * (e / 4) + 2 * tq + (e % 2), kpos = kt.kpos0 + col;
-          const int qpos = qpos_lo + row_in_tile[r];
-          masked = col >= kt.valid || kpos > qpos || qpos - kpos >= W;
-        }
-        const float raw = s[e];
-        float f;
-        if constexpr (decltype(cap)::value) {
-          const float th = tanh_f(raw * score.cap_inv_scale);
-          f = fast_exp2(score.cap_log2 * th - lse2[r]) * (1.f - th * th);
-        } else {
-          f = fast_exp2(score.plain(raw) - lse2[r]);
-        }
-        my_f[e * 128] = masked ? 0.f : f;
-      }
-    });
+    row_probabilities<kBlockN>(s, walk.tile<kBlockN>(t), qpos_lo, qpos_hi, row_in_tile, lse2, tq, W, score,
+                               [&](int e, int, bool masked, float pr, float dtanh) {
+                                 my_f[e * 128] = masked ? 0.f : pr * dtanh;
+                               });
   };
 
   for (int t = 0; t < n_tiles; ++t) {

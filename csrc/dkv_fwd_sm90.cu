@@ -10,12 +10,7 @@ namespace dkv {
 template <class E, int D, bool kWs>
 cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   using K = FwdSm90<D, kWs>;
-  auto kernel = &dkv_fwd_sm90_kernel<E, D, kWs>;
-  static const cudaError_t attr = allow_smem(kernel, K::kSmemBytes);
-  if (attr != cudaSuccess) return attr;
-  if (p.grid_tiles == 0 || p.nheads == 0) return cudaSuccess;
-  DKV_LAUNCH(kernel, dim3(p.grid_tiles, p.nheads), dim3(K::kThreads), K::kSmemBytes, stream, p);
-  return last_error();
+  return launch_tiles<K, &dkv_fwd_sm90_kernel<E, D, kWs>>(p, stream);
 }
 
 bool sm90_forward_supports(int head_dim) { return head_dim == 64 || head_dim == 128 || head_dim == 192 || head_dim == 256; }

@@ -51,40 +51,48 @@ inline int persistent_blocks(Kernel kernel, int threads, int smem) {
 #endif
 }
 
+// Launches kKernel (traits K: kThreads, kSmemBytes) on one block per (query tile, head), the grid's
+// tile count an upper bound that blocks past the device-side count leave at once. The shared-memory
+// limit is raised on the first call: the static belongs to this instantiation, one per kernel.
+template <class K, auto kKernel, class Params>
+cudaError_t launch_tiles(const Params& p, cudaStream_t stream) {
+  static const cudaError_t attr = allow_smem(kKernel, K::kSmemBytes);
+  if (attr != cudaSuccess) return attr;
+  if (p.grid_tiles == 0 || p.nheads == 0) return cudaSuccess;
+  DKV_LAUNCH(kKernel, dim3(p.grid_tiles, p.nheads), dim3(K::kThreads), K::kSmemBytes, stream, p);
+  return last_error();
+}
+
+// Launches the persistent kKernel on as many blocks as fill every SM (they take work items from a
+// counter until none is left).
+template <class K, auto kKernel, class Params>
+cudaError_t launch_persistent(const Params& p, cudaStream_t stream) {
+  static const cudaError_t attr = allow_smem(kKernel, K::kSmemBytes);
+  if (attr != cudaSuccess) return attr;
+  static const int blocks = persistent_blocks(kKernel, K::kThreads, K::kSmemBytes);
+  DKV_LAUNCH(kKernel, dim3(blocks), dim3(K::kThreads), K::kSmemBytes, stream, p);
+  return last_error();
+}
+
 template <class E, int D>
 cudaError_t run_fwd(const FwdParams& p, cudaStream_t stream) {
   constexpr TileConfig c = fwd_config(D);
   using K = FwdTraits<D, c.block_m, c.block_n, c.dsplit, c.mtiles>;
-  auto kernel = &dkv_fwd_kernel<E, K>;
-  static const cudaError_t attr = allow_smem(kernel, K::kSmemBytes);
-  if (attr != cudaSuccess) return attr;
-  if (p.grid_tiles == 0 || p.nheads == 0) return cudaSuccess;
-  DKV_LAUNCH(kernel, dim3(p.grid_tiles, p.nheads), dim3(K::kThreads), K::kSmemBytes, stream, p);
-  return last_error();
+  return launch_tiles<K, &dkv_fwd_kernel<E, K>>(p, stream);
 }
 
 template <class E, int D>
 cudaError_t run_dq(const BwdParams& p, cudaStream_t stream) {
   constexpr TileConfig c = dq_config(D);
   using K = DqTraits<D, c.block_m, c.block_n, c.dsplit, c.mtiles>;
-  auto kernel = &dkv_dq_kernel<E, K>;
-  static const cudaError_t attr = allow_smem(kernel, K::kSmemBytes);
-  if (attr != cudaSuccess) return attr;
-  if (p.grid_tiles == 0 || p.nheads == 0) return cudaSuccess;
-  DKV_LAUNCH(kernel, dim3(p.grid_tiles, p.nheads), dim3(K::kThreads), K::kSmemBytes, stream, p);
-  return last_error();
+  return launch_tiles<K, &dkv_dq_kernel<E, K>>(p, stream);
 }
 
 template <class E, int D>
 cudaError_t run_dkdv(const BwdParams& p, cudaStream_t stream) {
   constexpr TileConfig c = dkdv_config(D);
   using K = DkdvTraits<D, c.block_m, c.block_n, c.dsplit>;
-  auto kernel = &dkv_dkdv_kernel<E, K>;
-  static const cudaError_t attr = allow_smem(kernel, K::kSmemBytes);
-  if (attr != cudaSuccess) return attr;
-  static const int blocks = persistent_blocks(kernel, K::kThreads, K::kSmemBytes);
-  DKV_LAUNCH(kernel, dim3(blocks), dim3(K::kThreads), K::kSmemBytes, stream, p);
-  return last_error();
+  return launch_persistent<K, &dkv_dkdv_kernel<E, K>>(p, stream);
 }
 
 #define DKV_INSTANTIATE_FWD(D)                                                      \
