@@ -192,6 +192,27 @@ def check_bad_kernel_choices() -> bool:
     return ok
 
 
+def check_wgmma_path() -> bool:
+    """The extension's answer to backend="auto" (op wgmma_path): the wgmma forward and backward run
+    for head dims 64 / 128 / 192 / 256 when both kernel-choice variables allow them, never for 96 / 512."""
+    ok = True
+    saved = {n: os.environ.get(n) for n in ("DUALKV_CUDA_WGMMA", "DUALKV_CUDA_WGMMA_BWD")}
+    try:
+        for fwd, bwd, dims in (("1", "1", (64, 128, 192, 256)), ("1", "0", ()), ("0", "1", ())):
+            os.environ["DUALKV_CUDA_WGMMA"], os.environ["DUALKV_CUDA_WGMMA_BWD"] = fwd, bwd
+            got = tuple(d for d in (64, 96, 128, 192, 256, 512) if torch.ops.dualkv_cuda_emu.wgmma_path(0, d))
+            good = got == dims
+            ok &= good
+            print(f"{'ok' if good else 'FAIL'} wgmma_path with DUALKV_CUDA_WGMMA={fwd} DUALKV_CUDA_WGMMA_BWD={bwd}: {got}")
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    return ok
+
+
 def run_wgmma_checks(seed: int = 0) -> bool:
     """The wgmma check kernels (csrc/dkv_wgmma_check.cuh) against torch on 64 x 64 bf16 tiles."""
     g = torch.Generator().manual_seed(seed)
@@ -241,7 +262,7 @@ def main():
         # --quick: for the fused dQ (3), prompt tiles read by several responses at d = 128 and d = 64
         # and for the split dK/dV kernel (d = 192 / 256) one prompt read by several responses
         quick = {"1": (3, 4, 6, 7), "2": (3, 4, 6), "3": (0, 4, 5)}
-        ok = True
+        ok = check_wgmma_path()
         for mode in ("1", "2", "3"):  # dK/dV steps in turn, overlapped, in turn with dQ accumulated there
             os.environ["DUALKV_CUDA_WGMMA_BWD"] = mode
             print(f"DUALKV_CUDA_WGMMA_BWD={mode}", flush=True)
