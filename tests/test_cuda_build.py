@@ -155,6 +155,24 @@ def test_auto_follows_the_measured_table_per_head_dim(monkeypatch):
     assert resolve_backend("auto", "cuda", head_dim=256, dtype=torch.bfloat16) == usual
 
 
+def test_auto_never_builds_the_extension(monkeypatch):
+    """A prebuilt module that is found but fails to load makes runs_wgmma False; no just-in-time build."""
+    from dualkv.core.backends import cuda
+
+    def broken():
+        raise ImportError("undefined symbol")
+
+    def no_build():
+        raise AssertionError("auto started a just-in-time build")
+
+    monkeypatch.setattr(cuda, "_static_reason", lambda: "")
+    monkeypatch.setattr(cuda, "_prebuilt_available", lambda: True)
+    monkeypatch.setattr(cuda, "_load_prebuilt", broken)
+    monkeypatch.setattr(cuda, "_jit_build", no_build)
+    monkeypatch.setitem(cuda._state, "ops", None)
+    assert cuda.runs_wgmma(256, device=0) is False
+
+
 def test_check_supported_names_the_argument():
     from dualkv.core.backends import cuda
 

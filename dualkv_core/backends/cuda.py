@@ -198,20 +198,30 @@ def runs_wgmma(head_dim: int, device: int | None = None) -> bool:
     """The extension is loaded or importable (this starts no just-in-time build) and runs its Hopper
     wgmma kernels, forward and backward, for this head dim on CUDA device ``device`` (default: the
     current one): an sm_90 GPU, code built for sm_90a, the kernel-choice variables unset or on."""
-    if _static_reason() or (_state["ops"] is None and not _prebuilt_available()):
+    if _static_reason() or _ops_if_built() is None:
         return False
     device = torch.cuda.current_device() if device is None else device
     return _runs_wgmma(head_dim, device, os.environ.get("DUALKV_CUDA_WGMMA"), os.environ.get("DUALKV_CUDA_WGMMA_BWD"))
 
 
+def _ops_if_built():
+    """The ops when the extension is loaded or its prebuilt module loads; None otherwise (no build)."""
+    if _state["ops"] is None and _prebuilt_available():
+        with _lock:
+            if _state["ops"] is None:
+                try:
+                    _load_prebuilt()
+                except ImportError:
+                    return None
+                _state["how"] = "prebuilt dualkv._C"
+                _state["ops"] = torch.ops.dualkv_cuda
+    return _state["ops"]
+
+
 @functools.lru_cache(maxsize=None)
 def _runs_wgmma(head_dim: int, device: int, fwd_choice: str | None, bwd_choice: str | None) -> bool:
     """runs_wgmma, asked of the extension once per head dim, device and kernel-choice variables."""
-    try:
-        ops = _ops()
-    except RuntimeError:
-        return False
-    return bool(ops.wgmma_path(device, head_dim))
+    return bool(_ops_if_built().wgmma_path(device, head_dim))
 
 
 def check_supported(q, k, v, window, softcap) -> None:
