@@ -61,7 +61,9 @@ def dualkv_attention(
         return_lse: also return lse (nheads, T) float32 (not differentiable).
         backend: "auto" (on CUDA tensors Triton when available; at head dim 256 in fp16 / bf16
             the CUDA backend instead when its built extension runs the Hopper wgmma kernels, where
-            it measured faster; else the reference), "reference", "triton" or "cuda".
+            it measured faster, and whose default backward adds the prompt's gradients with fp32
+            atomics: bit-identical run to run only with ``deterministic=True``; else the reference),
+            "reference", "triton" or "cuda".
 
     Returns out (T, nheads, headdim), or (out, lse).
 
