@@ -546,10 +546,11 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
   }
 }
 
-// dQ at head dims 192 and 256 (a warpgroup's 64 x d accumulator next to S and dP would not fit its
-// registers beside the K / V ring in shared memory): a block is two warpgroups on ONE tile of 64 query
-// rows, the forward's walk over 64-key tiles (two buffers), with the roles split as in the dK/dV kernel
-// below. Per key tile:
+// dQ at head dims 192 and 256, where the d = 128 kernel's shape does not fit (at d = 256 its 128-row Q /
+// dO tiles and 3-stage K / V ring would take 320 KB of shared memory, and a warpgroup's 64 x d dQ
+// accumulator beside S and dP 192 registers a thread): a block is two warpgroups on ONE tile of 64
+// query rows, the forward's walk over 64-key tiles (two buffers), with the roles split as in the dK/dV
+// kernel below. Per key tile:
 //
 //   warpgroup 0:  S  = Q K^T  (SS), its factor P (times 1 - tanh^2 under a softcap) into shared memory
 //   warpgroup 1:  dP = dO V^T (SS), dS = P (dP - D), written to shared memory (swizzled, K-major)
