@@ -822,14 +822,16 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_split_kernel(const DKV_GRID
     cp_async_commit();  // group: K, V and the first query tile
     int b = 0;
     while (have) {
+      // Tile i has landed, and both warpgroups are done with tile i - 1 (its buffers and sF): the
+      // next tile loads into its buffer while this one computes. One barrier serves both.
+      cp_async_wait<0>();
+      sm90::fence_smem_to_async_proxy();
+      block_sync();
       ReaderCursor<kBlockM> nxt = cur;
       const bool have_next = nxt.advance(p, it, rep);
       QTileDesc next_desc{};
       if (have_next) next_desc = issue_tile(nxt, b ^ 1);
       cp_async_commit();
-      cp_async_wait<1>();
-      sm90::fence_smem_to_async_proxy();
-      block_sync();
 
       sm90::wgmma_fence();
       issue_ss(b);
@@ -855,7 +857,6 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_split_kernel(const DKV_GRID
       sm90::wgmma_wait<0>();
       sm90::fence_operand(a);
       for (int part = 0; part < kParts; ++part) sm90::fence_operand<32>(acc[part]);
-      block_sync();  // both warpgroups are done with buffer b and sF before they are refilled
 
       cur = nxt;
       have = have_next;
