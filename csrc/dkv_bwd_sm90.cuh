@@ -552,19 +552,21 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
 // query rows, the forward's walk over 64-key tiles (two buffers), with the roles split as in the dK/dV
 // kernel below. Per key tile:
 //
-//   warpgroup 0:  S  = Q K^T  (SS), its factor P (times 1 - tanh^2 under a softcap) into shared memory
-//   warpgroup 1:  dP = dO V^T (SS), dS = P (dP - D), written to shared memory (swizzled, K-major)
-//   both:         dQ[:, their half of the 64-column parts] += dS K   (SS, K as an MN-major operand)
+//   warpgroup 0:  S  = Q K^T  (SS), the dS factor F = P (times 1 - tanh^2 under a softcap)
+//   warpgroup 1:  dP = dO V^T (SS), G = dP - D
+//   both:         F and G swapped through shared memory (element e of thread t at [e][t] in both
+//                 warpgroups' accumulators: no bank conflicts), dS = F G in registers,
+//                 dQ[:, their half of the 64-column parts] += dS K   (RS, K as an MN-major operand)
 //
 // Warpgroup w takes column parts w, w + 2, ... (d = 256: two each; d = 192: parts 0 and 2, and 1).
+// Two block barriers a key tile: the tile's arrival, and the swap.
 template <int kHeadDim_>
 struct DqSm90Split {
   static constexpr int kHeadDim = kHeadDim_, kBlockM = 64, kBlockN = 64, kThreads = 256, kStages = 2;
   static constexpr int kParts = kHeadDim / 64, kMyParts = (kParts + 1) / 2;  // column parts, a warpgroup's
   static constexpr int kQTile = kBlockM * kHeadDim, kKvTile = kBlockN * kHeadDim;  // elements
-  // Q, dO; the K / V ring; dS (bf16 / fp16); the P factors (fp32); alignment.
-  static constexpr int kSmemBytes =
-      (2 * kQTile + 2 * kStages * kKvTile + kBlockM * kBlockN) * 2 + kBlockM * kBlockN * 4 + 1024;
+  // Q, dO; the K / V ring; F and G (fp32); alignment.
+  static constexpr int kSmemBytes = (2 * kQTile + 2 * kStages * kKvTile) * 2 + 2 * kBlockM * kBlockN * 4 + 1024;
   static_assert(kHeadDim == 192 || kHeadDim == 256, "the split wgmma dQ kernel: head dim 192 or 256");
 };
 
@@ -578,13 +580,14 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dq_sm90_split_kernel(const DKV_GRID_C
   const int W = p.window;
   const int tid = thread_idx(), lane = tid & 31, warp = (tid >> 5) & 3, wg = tid >> 7;
   const int g = lane >> 2, tq = lane & 3;
-  const bool p_role = wg == 0;  // warpgroup 0: S and the P factors; warpgroup 1: dP and dS
+  const bool p_role = wg == 0;  // warpgroup 0: S and F; warpgroup 1: dP and G
 
   uint16_t* sQ = reinterpret_cast<uint16_t*>(sm90::dynamic_smem_1024());
   uint16_t* sdO = sQ + K::kQTile;
   uint16_t* sK0 = sdO + K::kQTile;  // K buffers, then V buffers; tile t in buffer t % kStages
-  uint16_t* sDs = sK0 + 2 * kStages * K::kKvTile;
-  float* my_f = reinterpret_cast<float*>(sDs + kBlockM * kBlockN) + (tid & 127);  // [32][128]
+  float* sF = reinterpret_cast<float*>(sK0 + 2 * kStages * K::kKvTile);  // F, then G: [32][128] each
+  float* mine = sF + (p_role ? 0 : kBlockM * kBlockN) + (tid & 127);
+  const float* theirs = sF + (p_role ? kBlockM * kBlockN : 0) + (tid & 127);
   auto sK = [&](int t) { return sK0 + (t % kStages) * K::kKvTile; };
   auto sV = [&](int t) { return sK0 + (kStages + t % kStages) * K::kKvTile; };
 
@@ -614,7 +617,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dq_sm90_split_kernel(const DKV_GRID_C
   // S = Q K^T (warpgroup 0) or dP = dO V^T (warpgroup 1); dQ += dS K (both).
   const uint64_t desc_a = sm90::smem_desc_sw128(p_role ? sQ : sdO);
   const uint64_t desc_kv = sm90::smem_desc_sw128(p_role ? sK(0) : sV(0));
-  const uint64_t desc_ds = sm90::smem_desc_sw128(sDs), desc_k_mn = sm90::smem_desc_sw128_mn64(sK(0));
+  const uint64_t desc_k_mn = sm90::smem_desc_sw128_mn64(sK(0));
   constexpr uint32_t kKvTileBytes = K::kKvTile * 2;
 
   const ScoreFn score = make_score_fn(p.scale, p.softcap);
@@ -622,6 +625,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dq_sm90_split_kernel(const DKV_GRID_C
   for (int i = 0; i < kMyParts; ++i)
     for (int e = 0; e < 32; ++e) dq[i][e] = 0.f;
   float s[32];
+  uint32_t dsa[kBlockN / 16][4];
 
   auto issue_ss = [&](int t) {
     const uint64_t da = sm90::desc_here(desc_a);
@@ -632,9 +636,8 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dq_sm90_split_kernel(const DKV_GRID_C
       sm90::wgmma_m64n64k16_ss<E, 0>(s, sm90::desc_advance(da, off), sm90::desc_advance(db, off), k > 0);
     }
   };
-  // Keys 16 kk .. 16 kk + 15: 32 bytes into every dS row, 2048 bytes down the K tile.
+  // Keys 16 kk .. 16 kk + 15: dS fragment kk, 2048 bytes down the K tile.
   auto issue_dq = [&](int t) {
-    const uint64_t da = sm90::desc_here(desc_ds);
     const uint64_t db = sm90::desc_advance(sm90::desc_here(desc_k_mn), (t % kStages) * kKvTileBytes);
 #pragma unroll
     for (int i = 0; i < kMyParts; ++i) {
@@ -644,15 +647,15 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dq_sm90_split_kernel(const DKV_GRID_C
       if (K::kParts % 2 == 1 && part >= K::kParts) break;
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk)
-        sm90::wgmma_m64n64k16_ss<E, 1>(dq[i], sm90::desc_advance(da, kk * 32),
-                                       sm90::desc_advance(db, part * kBlockN * 128 + kk * 2048), true);
+        sm90::wgmma_m64n64k16_rs<E, 1>(dq[i], dsa[kk], sm90::desc_advance(db, part * kBlockN * 128 + kk * 2048), true);
     }
   };
-  // Warpgroup 0: the factor of dS for each score, into shared memory.
+  // Warpgroup 0: F in place of S (0 where masked), and into shared memory.
   auto factors = [&](int t) {
     row_probabilities<kBlockN>(s, walk.tile<kBlockN>(t), qpos_lo, qpos_hi, row_in_tile, lse2, tq, W, score,
                                [&](int e, int, bool masked, float pr, float dtanh) {
-                                 my_f[e * 128] = masked ? 0.f : pr * dtanh;
+                                 s[e] = masked ? 0.f : pr * dtanh;
+                                 mine[e * 128] = s[e];
                                });
   };
 
@@ -673,22 +676,20 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dq_sm90_split_kernel(const DKV_GRID_C
       factors(t);
     } else {
 #pragma unroll
-      for (int e = 0; e < 32; ++e) s[e] -= dsum[(e / 2) % 2];  // dP - D
-    }
-    block_sync();  // the factors are in shared memory
-    if (!p_role) {
-#pragma unroll
       for (int e = 0; e < 32; ++e) {
-        const int row = row_in_tile[(e / 2) % 2], key = 8 * (e / 4) + 2 * tq + (e % 2);
-        sDs[sm90::sw128_offset(row, key) / 2] = from_float<E>(s[e] * my_f[e * 128]);  // dS (0 where masked)
+        s[e] -= dsum[(e / 2) % 2];  // G = dP - D
+        mine[e * 128] = s[e];
       }
-      sm90::fence_smem_to_async_proxy();
     }
-    block_sync();  // dS is in shared memory
+    block_sync();  // F and G are in shared memory
+#pragma unroll
+    for (int e = 0; e < 32; ++e) s[e] *= theirs[e * 128];  // dS = F G (the same in both warpgroups)
+    c_to_a<E, kBlockN>(dsa, reinterpret_cast<const float(&)[kBlockN / 8][4]>(s));
     sm90::wgmma_fence();
     issue_dq(t);
     sm90::wgmma_commit();
     sm90::wgmma_wait<0>();
+    sm90::fence_operand(dsa);
     for (int i = 0; i < kMyParts; ++i) sm90::fence_operand<32>(dq[i]);
   }
   cp_async_wait<0>();
