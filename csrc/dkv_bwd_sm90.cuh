@@ -233,6 +233,21 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dq_sm90_kernel(const DKV_GRID_CONSTAN
   }
 }
 
+// The dK/dV kernels' loads of one reader query tile (cp.async, not committed): Q and dO rows into the
+// swizzled tiles sQ / sdO, lse_log2 and dsum into sL / sD; returns the tile.
+template <int D, int kThreads, int kBlockM>
+DKV_DEV ReaderTile load_reader_tile(const BwdParams& p, const ReaderCursor<kBlockM>& cur, const KvItem& it, int rep,
+                                    uint16_t* sQ, uint16_t* sdO, float* sL, float* sD, int tid) {
+  const ReaderTile rt = reader_tile(cur, it, rep);
+  const int m = rt.desc.m_valid;
+  sm90::load_tile_sw128_async<D, kThreads, kBlockM>(sQ, p.q, rt.row, rt.hq, m, tid);
+  sm90::load_tile_sw128_async<D, kThreads, kBlockM>(sdO, p.dout, rt.row, rt.hq, m, tid);
+  const int64_t si = static_cast<int64_t>(rt.hq) * p.total_q + rt.row;
+  load_vec_async<kBlockM, kThreads>(sL, p.lse_log2 + si, m, p.lse_log2, tid);
+  load_vec_async<kBlockM, kThreads>(sD, p.dsum + si, m, p.dsum, tid);
+  return rt;
+}
+
 // The element-wise step of the dK/dV kernels over a transposed score tile S^T of 64 keys x kBlockM
 // queries (s[4 j + i]: key key_in_tile[i / 2], query 8 j + 2 tq + i % 2): for every element
 // fn(e, query, masked, pr, dtanh) with pr = exp2(score - lse) and dtanh = 1 - tanh^2 under a softcap
@@ -421,14 +436,8 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
     sm90::load_tile_sw128_async<D, K::kThreads, kBlockN>(sV, it.ctx_tensor ? p.v_ctx : p.v, it.key_row0, it.hk, it.nk, tid);
 
     auto issue_tile = [&](const ReaderCursor<kBlockM>& cur, int b) -> ReaderTile {
-      const ReaderTile rt = reader_tile(cur, it, rep);
-      const int m = rt.desc.m_valid;
-      sm90::load_tile_sw128_async<D, K::kThreads, kBlockM>(sQ0 + b * K::kQTile, p.q, rt.row, rt.hq, m, tid);
-      sm90::load_tile_sw128_async<D, K::kThreads, kBlockM>(sdO0 + b * K::kQTile, p.dout, rt.row, rt.hq, m, tid);
-      const int64_t si = static_cast<int64_t>(rt.hq) * p.total_q + rt.row;
-      load_vec_async<kBlockM, K::kThreads>(sL0 + b * kBlockM, p.lse_log2 + si, m, p.lse_log2, tid);
-      load_vec_async<kBlockM, K::kThreads>(sD0 + b * kBlockM, p.dsum + si, m, p.dsum, tid);
-      return rt;
+      return load_reader_tile<D, K::kThreads>(p, cur, it, rep, sQ0 + b * K::kQTile, sdO0 + b * K::kQTile,
+                                              sL0 + b * kBlockM, sD0 + b * kBlockM, tid);
     };
     auto issue_q = [&](const ReaderCursor<kBlockM>& cur, int b) -> QTileDesc { return issue_tile(cur, b).desc; };
 
@@ -803,14 +812,8 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_split_kernel(const DKV_GRID
     sm90::load_tile_sw128_async<D, K::kThreads, kBlockN>(sV, it.ctx_tensor ? p.v_ctx : p.v, it.key_row0, it.hk, it.nk, tid);
 
     auto issue_tile = [&](const ReaderCursor<kBlockM>& cur, int b) -> QTileDesc {
-      const ReaderTile rt = reader_tile(cur, it, rep);
-      const int m = rt.desc.m_valid;
-      sm90::load_tile_sw128_async<D, K::kThreads, kBlockM>(sQ0 + b * K::kQTile, p.q, rt.row, rt.hq, m, tid);
-      sm90::load_tile_sw128_async<D, K::kThreads, kBlockM>(sdO0 + b * K::kQTile, p.dout, rt.row, rt.hq, m, tid);
-      const int64_t si = static_cast<int64_t>(rt.hq) * p.total_q + rt.row;
-      load_vec_async<kBlockM, K::kThreads>(sL0 + b * kBlockM, p.lse_log2 + si, m, p.lse_log2, tid);
-      load_vec_async<kBlockM, K::kThreads>(sD0 + b * kBlockM, p.dsum + si, m, p.dsum, tid);
-      return rt.desc;
+      return load_reader_tile<D, K::kThreads>(p, cur, it, rep, sQ0 + b * K::kQTile, sdO0 + b * K::kQTile,
+                                              sL0 + b * kBlockM, sD0 + b * kBlockM, tid).desc;
     };
 
     for (int part = 0; part < kParts; ++part)
