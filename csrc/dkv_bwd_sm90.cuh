@@ -37,6 +37,26 @@
 
 namespace dkv {
 
+// The dQ kernels' loads: key tile t of the walk into the K / V buffers (cp.async, not committed), and
+// lse_log2 / dsum of this thread's two query rows (0 past the tile's valid rows).
+template <int D, int kThreads, int kBlockN>
+DKV_DEV void load_kv_tile(const BwdParams& p, const TwoRegionWalk& walk, int t, uint16_t* sK, uint16_t* sV, int hk,
+                          int tid) {
+  const KvTile kt = walk.tile<kBlockN>(t);
+  sm90::load_tile_sw128_async<D, kThreads, kBlockN>(sK, kt.ctx ? p.k_ctx : p.k, kt.row, hk, kt.valid, tid);
+  sm90::load_tile_sw128_async<D, kThreads, kBlockN>(sV, kt.ctx ? p.v_ctx : p.v, kt.row, hk, kt.valid, tid);
+}
+
+DKV_DEV void load_row_stats(const BwdParams& p, int h, int row0, const int (&row_in_tile)[2], int m_valid,
+                            float (&lse2)[2], float (&dsum)[2]) {
+  for (int r = 0; r < 2; ++r) {
+    const int row = row_in_tile[r];
+    const int64_t i = static_cast<int64_t>(h) * p.total_q + row0 + row;
+    lse2[r] = row < m_valid ? p.lse_log2[i] : 0.f;
+    dsum[r] = row < m_valid ? p.dsum[i] : 0.f;
+  }
+}
+
 // The element-wise step of the dQ kernels over a score tile S of 64 query rows x kBlockN keys (s[4 j + i]:
 // row row_in_tile[i / 2], key 8 j + 2 tq + i % 2; queries at positions qpos_lo + row): for every
 // element fn(e, r, masked, pr, dtanh) with r = i / 2, pr = exp2(score - lse) and dtanh = 1 - tanh^2
@@ -104,11 +124,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dq_sm90_kernel(const DKV_GRID_CONSTAN
   const int n_tiles = walk.n_ctx_tiles + walk.n_own_tiles;
   const int qpos_lo = ctx_len + q0, qpos_hi = qpos_lo + m_valid - 1;
 
-  auto load_kv = [&](int t) {
-    const KvTile kt = walk.tile<kBlockN>(t);
-    sm90::load_tile_sw128_async<D, K::kThreads, kBlockN>(sK(t), kt.ctx ? p.k_ctx : p.k, kt.row, hk, kt.valid, tid);
-    sm90::load_tile_sw128_async<D, K::kThreads, kBlockN>(sV(t), kt.ctx ? p.v_ctx : p.v, kt.row, hk, kt.valid, tid);
-  };
+  auto load_kv = [&](int t) { load_kv_tile<D, K::kThreads, kBlockN>(p, walk, t, sK(t), sV(t), hk, tid); };
   // One cp.async group per step: group 0 = Q, dO and tile 0; group j = tile j: iteration t needs group t.
   sm90::load_tile_sw128_async<D, K::kThreads, kBlockM>(sQ, p.q, row0 + q0, h, m_valid, tid);
   sm90::load_tile_sw128_async<D, K::kThreads, kBlockM>(sdO, p.dout, row0 + q0, h, m_valid, tid);
@@ -121,12 +137,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dq_sm90_kernel(const DKV_GRID_CONSTAN
 
   const int row_in_tile[2] = {64 * wg + 16 * warp + g, 64 * wg + 16 * warp + g + 8};
   float lse2[2], dsum[2];
-  for (int r = 0; r < 2; ++r) {
-    const int row = row_in_tile[r];
-    const int64_t i = static_cast<int64_t>(h) * p.total_q + row0 + q0 + row;
-    lse2[r] = row < m_valid ? p.lse_log2[i] : 0.f;
-    dsum[r] = row < m_valid ? p.dsum[i] : 0.f;
-  }
+  load_row_stats(p, h, row0 + q0, row_in_tile, m_valid, lse2, dsum);
 
   // This warpgroup's 64 query rows start 64 rows (8 KB) into every 128-row part of Q and dO.
   const uint64_t desc_q = sm90::smem_desc_sw128(reinterpret_cast<const char*>(sQ) + wg * 64 * 128);
@@ -604,11 +615,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dq_sm90_split_kernel(const DKV_GRID_C
   const int n_tiles = walk.n_ctx_tiles + walk.n_own_tiles;
   const int qpos_lo = qt.ctx_len + q0, qpos_hi = qpos_lo + m_valid - 1;
 
-  auto load_kv = [&](int t) {
-    const KvTile kt = walk.tile<kBlockN>(t);
-    sm90::load_tile_sw128_async<D, K::kThreads, kBlockN>(sK(t), kt.ctx ? p.k_ctx : p.k, kt.row, hk, kt.valid, tid);
-    sm90::load_tile_sw128_async<D, K::kThreads, kBlockN>(sV(t), kt.ctx ? p.v_ctx : p.v, kt.row, hk, kt.valid, tid);
-  };
+  auto load_kv = [&](int t) { load_kv_tile<D, K::kThreads, kBlockN>(p, walk, t, sK(t), sV(t), hk, tid); };
   sm90::load_tile_sw128_async<D, K::kThreads, kBlockM>(sQ, p.q, row0 + q0, h, m_valid, tid);
   sm90::load_tile_sw128_async<D, K::kThreads, kBlockM>(sdO, p.dout, row0 + q0, h, m_valid, tid);
   load_kv(0);  // n_tiles >= 1: a query always sees its own key
@@ -616,12 +623,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dq_sm90_split_kernel(const DKV_GRID_C
 
   const int row_in_tile[2] = {16 * warp + g, 16 * warp + g + 8};
   float lse2[2], dsum[2];
-  for (int r = 0; r < 2; ++r) {
-    const int row = row_in_tile[r];
-    const int64_t i = static_cast<int64_t>(h) * p.total_q + row0 + q0 + row;
-    lse2[r] = row < m_valid ? p.lse_log2[i] : 0.f;
-    dsum[r] = row < m_valid ? p.dsum[i] : 0.f;
-  }
+  load_row_stats(p, h, row0 + q0, row_in_tile, m_valid, lse2, dsum);
 
   // S = Q K^T (warpgroup 0) or dP = dO V^T (warpgroup 1); dQ += dS K (both).
   const uint64_t desc_a = sm90::smem_desc_sw128(p_role ? sQ : sdO);
