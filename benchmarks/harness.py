@@ -288,7 +288,7 @@ class DualKVTriton(_DualKV):
 
 @register("dualkv-cuda")
 class DualKVCuda(_DualKV):
-    """The CUDA backend's defaults: on sm_90 the wgmma forward and (d 64 / 128) the wgmma backward."""
+    """The CUDA backend's defaults: on sm_90 the wgmma forward and (d 64 - 256) the wgmma backward."""
 
     backend = "cuda"
     env = {"DUALKV_CUDA_WGMMA": None, "DUALKV_CUDA_WGMMA_BWD": None}

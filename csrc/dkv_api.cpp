@@ -207,10 +207,12 @@ int use_sm90_forward(const Tensor& q, int head_dim) {
 // benchmarks/results/cuda_hopper_bwd_h200.md); DUALKV_CUDA_WGMMA_BWD=2 overlaps the next
 // tile's products (slower there), =3 accumulates dQ inside the dK/dV kernel (fp32 atomics into a
 // workspace; no dQ kernel recomputing S and dP; not with deterministic=True, which keeps 1), =0 asks
-// for mma.sync. Returns 0 (mma.sync), 1, 2 or 3.
+// for mma.sync. Returns the schedule that runs: 0 (mma.sync), 1, 2 or 3 (1 for any wgmma choice at
+// 192 / 256, which have one).
 int use_sm90_backward(const Tensor& q, int head_dim) {
   const int choice = kernel_choice("DUALKV_CUDA_WGMMA_BWD", '3');
-  return choice > 0 && sm90_bwd_supports(head_dim) && hopper_kernels_usable(q) ? choice : 0;
+  if (choice == 0 || !sm90_bwd_supports(head_dim) || !hopper_kernels_usable(q)) return 0;
+  return sm90_bwd_schedules(head_dim) ? choice : 1;
 }
 
 // Whether fwd and bwd run the wgmma kernels, forward and backward, for this head dim on CUDA device
@@ -340,7 +342,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
   }
 
   int sm90 = use_sm90_backward(q, args.head_dim);
-  if (sm90 > 1 && !sm90_bwd_schedules(args.head_dim)) sm90 = 1;  // 192 / 256: one schedule
   if (sm90 == 3 && deterministic) sm90 = 1;  // atomics on dQ are not bit-stable run to run
   Tensor dq_accum;
   if (sm90 == 3) dq_accum = at::zeros({T, args.nheads, args.head_dim}, f32);

@@ -37,8 +37,7 @@
 
 namespace dkv {
 
-// The dQ kernels' loads: key tile t of the walk into the K / V buffers (cp.async, not committed), and
-// lse_log2 / dsum of this thread's two query rows (0 past the tile's valid rows).
+// The dQ kernels' load of key tile t of the walk into the K / V buffers (cp.async, not committed).
 template <int D, int kThreads, int kBlockN>
 DKV_DEV void load_kv_tile(const BwdParams& p, const TwoRegionWalk& walk, int t, uint16_t* sK, uint16_t* sV, int hk,
                           int tid) {
@@ -47,6 +46,7 @@ DKV_DEV void load_kv_tile(const BwdParams& p, const TwoRegionWalk& walk, int t, 
   sm90::load_tile_sw128_async<D, kThreads, kBlockN>(sV, kt.ctx ? p.v_ctx : p.v, kt.row, hk, kt.valid, tid);
 }
 
+// lse_log2 / dsum of this thread's two query rows of the tile at packed row row0 (0 past m_valid).
 DKV_DEV void load_row_stats(const BwdParams& p, int h, int row0, const int (&row_in_tile)[2], int m_valid,
                             float (&lse2)[2], float (&dsum)[2]) {
   for (int r = 0; r < 2; ++r) {
@@ -731,7 +731,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dq_sm90_split_kernel(const DKV_GRID_C
 // (times 1 - tanh^2 under a softcap) passes from warpgroup 0 to warpgroup 1 through 16 KB of shared
 // memory in the accumulator's register order (element e of thread t at [e][t]: no bank conflicts), so
 // the score is computed once. Same work items, reader walk and output modes as the other dK/dV
-// kernels; the in-turn schedule; dQ comes from the mma.sync dQ kernel.
+// kernels; the in-turn schedule; dQ comes from the split dQ kernel above.
 template <int kHeadDim_>
 struct DkdvSm90Split {
   static constexpr int kHeadDim = kHeadDim_, kBlockN = 64, kBlockM = 64, kThreads = 256;

@@ -184,3 +184,17 @@ def test_check_supported_names_the_argument():
             cuda.check_supported(q.float().cuda(), q, q, None, None)
         with pytest.raises(ValueError, match="q: the cuda backend supports headdim"):
             cuda.check_supported(torch.empty(4, 2, 80, dtype=torch.bfloat16, device="cuda"), q, q, None, None)
+
+
+def test_emulation_only_names_a_case_of_its_list():
+    """emulate.py --only out of range is a usage error naming the flag and the range (before any build)."""
+    import importlib.util
+
+    script = CSRC / "emulation" / "emulate.py"
+    spec = importlib.util.spec_from_file_location("emulate", script)
+    emulate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(emulate)
+    n_bwd, n_default = len(emulate.SM90_BWD_CASES), len(emulate.CASES)
+    for args, top in ((["--sm90-bwd", "--only", str(n_bwd)], n_bwd - 1), (["--only", "-1"], n_default - 1)):
+        proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and f"--only: expected a case index 0 .. {top}, got {args[-1]}" in proc.stderr

@@ -241,6 +241,9 @@ def main():
                     help="the wgmma backward's cases (DUALKV_CUDA_WGMMA_BWD=1, 2, 3, with the wgmma forward)")
     ap.add_argument("--forward-only", action="store_true", help="with --sm90: skip the backward")
     args = ap.parse_args()
+    listed = SM90_BWD_CASES if args.sm90_bwd else CASES
+    if args.only is not None and not 0 <= args.only < len(listed):
+        ap.error(f"--only: expected a case index 0 .. {len(listed) - 1}, got {args.only}")
     t = time.time()
     build()
     print(f"built in {time.time() - t:.0f}s", flush=True)
