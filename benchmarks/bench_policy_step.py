@@ -57,6 +57,7 @@ import torch.distributed as dist
 from benchmarks.bench_memory_scaling import parse_range
 from benchmarks.harness import _is_oom, fmt_size, parse_size
 from benchmarks.report import ResultWriter, environment
+from dualkv.core.backends import BACKEND_CHOICES
 
 MODULE = "benchmarks.bench_policy_step"
 PACKINGS = ("dualkv", "replicated")
@@ -314,8 +315,9 @@ def parse_args(argv=None):
     ap.add_argument("--kl-beta", type=float, default=0.04, help="GRPO KL weight (> 0 runs the ref_log_prob phase)")
     ap.add_argument("--no-activation-checkpointing", dest="activation_checkpointing", action="store_false")
     ap.add_argument("--compile", action="store_true", help="torch.compile every decoder layer (fuses the element-wise chains)")
-    ap.add_argument("--attention-backend", choices=("auto", "triton", "cuda", "reference"), default="auto",
-                    help="dualkv_attention backend of both packings (auto: Triton on CUDA tensors)")
+    ap.add_argument("--attention-backend", choices=BACKEND_CHOICES, default="auto",
+                    help="dualkv_attention backend of both packings (auto: what measured fastest per head dim on CUDA "
+                         "tensors; a+b: a's forward, b's backward)")
     ap.add_argument("--keep-attention", action="store_true",
                     help="checkpointed layers keep their attention outputs (no attention forward in the recompute)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps per configuration")

@@ -260,16 +260,19 @@ class _DualKV(Provider):
 
     @classmethod
     def unsupported(cls, cfg, device):
-        from dualkv.core.backends import get_backend
+        from dualkv.core.backends import get_backend, split_backend
 
+        if cls.backend == "auto":
+            return None
         if cls.backend != "reference" and device.type != "cuda":
             return f"backend {cls.backend!r} needs a CUDA device"
-        try:
-            backend = get_backend(cls.backend)
-        except RuntimeError as err:
-            return str(err)
-        if not backend.is_available():
-            return f"backend {cls.backend!r} is not available: {backend.unavailable_reason()}"
+        for part in split_backend(cls.backend):
+            try:
+                backend = get_backend(part)
+            except RuntimeError as err:
+                return str(err)
+            if not backend.is_available():
+                return f"backend {part!r} is not available: {backend.unavailable_reason()}"
         return None
 
     def forward(self, q, k, v):
@@ -279,6 +282,13 @@ class _DualKV(Provider):
             else:
                 os.environ[key] = value
         return dualkv_attention(q, k, v, self.layout, softmax_scale=self.scale, backend=self.backend)
+
+
+@register("dualkv-auto")
+class DualKVAuto(_DualKV):
+    """What ``backend="auto"`` takes for the config (per head dim and dtype: see dualkv.core.backends)."""
+
+    backend = "auto"
 
 
 @register("dualkv-triton")

@@ -16,12 +16,13 @@ import torch
 
 from benchmarks.harness import AttnConfig, _random_qkv
 from dualkv.core import dualkv_attention
+from dualkv.core.backends import BACKEND_CHOICES
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="8,16K,512", help="'N,P,R' or 'N=..,P=..,R=..,H=..,H_kv=..,d=..'")
-    ap.add_argument("--backend", default="auto", choices=["auto", "triton", "cuda", "reference"])
+    ap.add_argument("--backend", default="auto", choices=BACKEND_CHOICES)
     ap.add_argument("--calls", type=int, default=3, help="forward calls (each followed by its backward with --backward)")
     ap.add_argument("--backward", action="store_true")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -27,7 +27,7 @@ import torch
 __all__ = ["environment", "ResultWriter", "load_results", "markdown_table", "detail_table", "plot_results", "PROVIDER_ORDER"]
 
 PROVIDER_ORDER = [
-    "dualkv-triton", "dualkv-cuda", "dualkv-cuda-mma", "dualkv-cuda-mma-bwd", "dualkv-cuda-ws", "dualkv-cuda-wgmma-bwd",
+    "dualkv-auto", "dualkv-triton", "dualkv-cuda", "dualkv-cuda-mma", "dualkv-cuda-mma-bwd", "dualkv-cuda-ws", "dualkv-cuda-wgmma-bwd",
     "dualkv-cuda-wgmma-bwd-overlap", "dualkv-cuda-fused-dq",
     "cudnn-cascade", "flex-packed", "fa2-cascade", "cudnn-replicated",
     "fa2-replicated", "sdpa-efficient-replicated", "reference",

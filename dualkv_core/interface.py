@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .backends import get_backend, resolve_backend
+from .backends import get_backend, resolve_backend, split_backend
 from .ops import attention_fwd
 from .reference import AttnMeta
 from .validation import check_attention_inputs, check_options, check_qkv
@@ -27,7 +27,8 @@ def _backend_name(backend: str, is_cuda: bool, head_dim: int, low_precision: boo
 def _run(q, k, v, k_ctx, v_ctx, meta, scale, window, softcap, deterministic, backend):
     name = _backend_name(backend, q.is_cuda, int(q.shape[-1]), q.dtype in (torch.float16, torch.bfloat16))
     if not torch.compiler.is_compiling():
-        get_backend(name).check_supported(q, k, v, window, softcap)
+        for part in dict.fromkeys(split_backend(name)):
+            get_backend(part).check_supported(q, k, v, window, softcap)
     return attention_fwd(
         q, k, v, k_ctx, v_ctx, list(meta), scale, -1 if window is None else window,
         0.0 if softcap is None else softcap, deterministic, name,
@@ -59,11 +60,12 @@ def dualkv_attention(
         deterministic: bit-identical gradients run to run (kernel backends may then be slower;
             see the backend's docstring for what the default costs).
         return_lse: also return lse (nheads, T) float32 (not differentiable).
-        backend: "auto" (on CUDA tensors Triton when available; at head dim 256 in fp16 / bf16
-            the CUDA backend instead when its built extension runs the Hopper wgmma kernels, where
-            it measured faster, and whose default backward adds the prompt's gradients with fp32
-            atomics: bit-identical run to run only with ``deterministic=True``; else the reference),
-            "reference", "triton" or "cuda".
+        backend: "auto" (on CUDA tensors Triton when available; in fp16 / bf16, where the built
+            CUDA extension runs the Hopper wgmma kernels, what measured faster: at head dim 256 the
+            CUDA backend, at 128 Triton's forward with the CUDA backward ("triton+cuda"); the CUDA
+            backward adds the prompt's gradients with fp32 atomics by default, so those gradients
+            are bit-identical run to run only with ``deterministic=True``; on CPU the reference),
+            "reference", "triton", "cuda", or a forward+backward pair such as "triton+cuda".
 
     Returns out (T, nheads, headdim), or (out, lse).
 

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .backends import get_backend
+from .backends import get_backend, split_backend
 from .reference import AttnMeta
 
 __all__ = ["attention_fwd", "attention_bwd"]
@@ -40,7 +40,7 @@ def attention_fwd(
 ) -> tuple[Tensor, Tensor]:
     """out (total_q, H, d) in q's dtype, lse (H, total_q) float32."""
     win, cap = _opts(window, softcap)
-    out, lse = get_backend(backend).forward(q, k, v, k_ctx, v_ctx, AttnMeta(*meta), softmax_scale, win, cap)
+    out, lse = get_backend(split_backend(backend)[0]).forward(q, k, v, k_ctx, v_ctx, AttnMeta(*meta), softmax_scale, win, cap)
     return out, lse
 
 
@@ -69,7 +69,7 @@ def attention_bwd(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """dq, dk, dv, dk_ctx, dv_ctx (the last two empty when k_ctx is None)."""
     win, cap = _opts(window, softcap)
-    dq, dk, dv, dk_ctx, dv_ctx = get_backend(backend).backward(
+    dq, dk, dv, dk_ctx, dv_ctx = get_backend(split_backend(backend)[1]).backward(
         dout, q, k, v, k_ctx, v_ctx, out, lse, AttnMeta(*meta), softmax_scale, win, cap, deterministic
     )
     if dk_ctx is None:

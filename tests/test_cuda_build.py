@@ -132,8 +132,9 @@ def test_backend_cuda_on_cpu_says_not_built():
 
 
 def test_auto_follows_the_measured_table_per_head_dim(monkeypatch):
-    """On CUDA tensors "auto" takes the CUDA backend at head dim 256 in fp16 / bf16 when its extension
-    runs the wgmma kernels there, and the usual order everywhere else; it never starts a build."""
+    """On CUDA tensors "auto" takes, in fp16 / bf16 where the CUDA extension runs the wgmma kernels,
+    the CUDA backend at head dim 256 and Triton's forward with the CUDA backward at 128; the usual
+    order everywhere else; it never starts a build."""
     from dualkv.core import backends
     from dualkv.core.backends import resolve_backend
 
@@ -146,11 +147,14 @@ def test_auto_follows_the_measured_table_per_head_dim(monkeypatch):
     assert resolve_backend("auto", "cuda", head_dim=256, dtype=torch.bfloat16) == "cuda"
     assert resolve_backend("auto", "cuda", head_dim=256, dtype=torch.float16) == "cuda"
     assert resolve_backend("auto", "cuda", head_dim=256, dtype=torch.float32) == usual
-    assert resolve_backend("auto", "cuda", head_dim=128, dtype=torch.bfloat16) == usual
+    # the pair only where Triton runs (on this CPU machine: under TRITON_INTERPRET=1)
+    assert resolve_backend("auto", "cuda", head_dim=128, dtype=torch.bfloat16) == (
+        "triton+cuda" if usual == "triton" else usual)
+    assert resolve_backend("auto", "cuda", head_dim=64, dtype=torch.bfloat16) == usual  # not measured
     assert resolve_backend("auto", "cpu", head_dim=256, dtype=torch.bfloat16) == "reference"
     assert resolve_backend("triton" if usual == "triton" else "reference", "cuda", head_dim=256,
                            dtype=torch.bfloat16) != "cuda"  # an explicit choice is kept
-    assert asked == [256, 256]
+    assert asked == [256, 256, 128]
     monkeypatch.setattr(cuda, "runs_wgmma", lambda head_dim, device=None: False)
     assert resolve_backend("auto", "cuda", head_dim=256, dtype=torch.bfloat16) == usual
 
@@ -198,3 +202,49 @@ def test_emulation_only_names_a_case_of_its_list():
     for args, top in ((["--sm90-bwd", "--only", str(n_bwd)], n_bwd - 1), (["--only", "-1"], n_default - 1)):
         proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and f"--only: expected a case index 0 .. {top}, got {args[-1]}" in proc.stderr
+
+
+def test_backend_pairs_name_a_forward_and_a_backward():
+    from dualkv.core.backends import BACKEND_CHOICES, get_backend, resolve_backend, split_backend
+
+    assert split_backend("cuda") == ("cuda", "cuda")
+    assert split_backend("triton+cuda") == ("triton", "cuda")
+    assert "triton+cuda" in BACKEND_CHOICES
+    for bad in ("triton+", "+cuda", "triton+cuda+reference", "tritn+cuda", "fast"):
+        with pytest.raises(ValueError, match="forward\\+backward pair"):
+            split_backend(bad)
+    with pytest.raises(ValueError, match="forward\\+backward pair"):
+        get_backend("triton+cuda")  # one module per name
+    # an explicit pair is checked half by half: the CUDA half is not built on this machine
+    with pytest.raises(RuntimeError, match="backend 'cuda' is not available"):
+        resolve_backend("reference+cuda", "cpu")
+    assert resolve_backend("reference+reference", "cpu") == "reference+reference"
+
+
+def test_a_pair_runs_one_backend_forward_and_the_other_backward(monkeypatch):
+    """backend="triton+reference": Triton's forward (interpreter), the reference backward on its out
+    and lse; the gradients equal the reference's own."""
+    from dualkv.core import PackedLayout, dualkv_attention
+    from dualkv.core.backends import get_backend
+
+    triton = get_backend("triton")
+    if not triton.is_available():
+        pytest.skip(triton.unavailable_reason())
+    calls = []
+    for name in ("triton", "reference"):
+        module = get_backend(name)
+        for fn in ("forward", "backward"):
+            original = getattr(module, fn)
+            monkeypatch.setattr(module, fn, lambda *a, _f=original, _n=f"{name}.{fn}": calls.append(_n) or _f(*a))
+    torch.manual_seed(0)
+    layout = PackedLayout.from_lengths([9], [[5, 3]])
+    T = layout.total_tokens
+    q, k, v = (torch.randn(T, h, 32, requires_grad=True) for h in (2, 1, 1))
+    dout = torch.randn(T, 2, 32)
+    grads = {}
+    for backend in ("triton+reference", "reference"):
+        out = dualkv_attention(q, k, v, layout, backend=backend)
+        grads[backend] = (out, *torch.autograd.grad(out, (q, k, v), dout))
+    assert calls == ["triton.forward", "reference.backward", "reference.forward", "reference.backward"]
+    for got, want in zip(grads["triton+reference"], grads["reference"]):
+        torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)

@@ -104,7 +104,8 @@ def test_bad_arguments_and_rollout_files_are_rejected(tmp_path):
     assert cfg.parallel.activation_checkpointing and cfg.parallel.checkpoint_keep_attention
     from dualkv.train.distributed import ParallelConfig
 
-    with pytest.raises(ValueError, match=r"attention_backend: expected one of \['auto', 'reference', 'triton', 'cuda'\], got 'fast'"):
+    with pytest.raises(ValueError, match=r"attention_backend: expected one of \['auto', 'reference', 'triton', 'cuda'\] or a forward\+backward "
+                       r"pair of kernel backends \(e.g. 'triton\+cuda'\), got 'fast'"):
         ParallelConfig(attention_backend="fast")
     with pytest.raises(ValueError, match="checkpoint_keep_attention: needs activation_checkpointing"):
         config_from_args(parse(["--checkpoint-keep-attention"]))

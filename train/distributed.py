@@ -34,7 +34,8 @@ class ParallelConfig:
     "fp32"); activation_checkpointing: recompute decoder layers in backward; checkpoint_keep_attention:
     with it, keep each layer's attention output instead of recomputing the attention forward;
     compile: torch.compile every decoder layer; attention_backend: the dualkv_attention backend of
-    every layer of the policy and the reference ("auto", or one of ``dualkv.core.backends.BACKENDS``)."""
+    every layer of the policy and the reference ("auto", one of ``dualkv.core.backends.BACKENDS``, or a
+    forward+backward pair of them such as "triton+cuda")."""
 
     sp: int = 1
     param_dtype: str = "bf16"
@@ -44,12 +45,15 @@ class ParallelConfig:
     attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
-        from dualkv.core.backends import BACKENDS
+        from dualkv.core.backends import split_backend
 
         if self.sp < 1:
             raise ValueError(f"sp: expected >= 1, got {self.sp}")
-        if self.attention_backend != "auto" and self.attention_backend not in BACKENDS:
-            raise ValueError(f"attention_backend: expected one of {['auto', *BACKENDS]}, got {self.attention_backend!r}")
+        if self.attention_backend != "auto":
+            try:
+                split_backend(self.attention_backend)
+            except ValueError as err:
+                raise ValueError(f"attention_{err}") from None
         if self.checkpoint_keep_attention and not self.activation_checkpointing:
             raise ValueError("checkpoint_keep_attention: needs activation_checkpointing (it selects what a "
                              "checkpointed layer keeps)")

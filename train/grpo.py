@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from dualkv.core.backends import BACKEND_CHOICES
+
 from .arithmetic import ArithmeticConfig
 from .distributed import ParallelConfig
 from .losses import LossConfig
@@ -97,8 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--checkpoint-keep-attention", action="store_true",
                    help="with --activation-checkpointing: keep attention outputs, recompute the rest of each layer")
     d.add_argument("--compile", action="store_true", help="torch.compile every decoder layer")
-    d.add_argument("--attention-backend", choices=("auto", "triton", "cuda", "reference"), default="auto",
-                   help="dualkv_attention backend of every layer (auto: Triton on CUDA tensors)")
+    d.add_argument("--attention-backend", choices=BACKEND_CHOICES, default="auto",
+                   help="dualkv_attention backend of every layer (auto: what measured fastest per head dim on CUDA "
+                        "tensors; a+b: a's forward, b's backward)")
     d.add_argument("--cpu-threads", type=int, default=None,
                    help="intra-op threads of a CPU run (default: $OMP_NUM_THREADS, else 1: small models run fastest "
                         "on one thread)")

@@ -9,6 +9,10 @@ A backend module defines::
     def backward(dout, q, k, v, k_ctx, v_ctx, out, lse, meta, softmax_scale, window, softcap,
                  deterministic) -> (dq, dk, dv, dk_ctx, dv_ctx)
 
+A name may also pair two backends, ``"<forward>+<backward>"`` (e.g. ``"triton+cuda"``): the forward
+of one, the backward of the other on that forward's ``out`` and ``lse`` (the contract below is the
+same for every backend, so the two meet exactly there).
+
 ``meta`` is an ``AttnMeta``; ``window`` an int or None; ``softcap`` a float or None; ``k_ctx`` /
 ``v_ctx`` None when context keys live in k / v themselves (the packed layout), and then the context
 gradients are summed into dk / dv and ``dk_ctx``, ``dv_ctx`` are None. ``out`` is (total_q, H, d)
@@ -21,7 +25,7 @@ import importlib
 
 import torch
 
-__all__ = ["get_backend", "resolve_backend", "available_backends", "BACKENDS"]
+__all__ = ["get_backend", "resolve_backend", "available_backends", "split_backend", "BACKENDS", "BACKEND_CHOICES"]
 
 BACKENDS = {
     "reference": "dualkv.core.backends.reference",
@@ -30,16 +34,36 @@ BACKENDS = {
 }
 # Preference of "auto" on CUDA tensors, fastest first.
 AUTO_ORDER_CUDA = ("triton",)
-# Head dims where "auto" takes the CUDA backend instead, for fp16 / bf16 when its extension is already
-# built and runs the Hopper wgmma kernels there: measured ahead of Triton forward and backward
-# (benchmarks/results/cuda_split_backward_d256_h200.md, d = 256: 1.16x forward+backward). At d = 128
-# neither is ahead in every config (within 4%), other head dims are not measured: Triton.
-AUTO_CUDA_HEAD_DIMS = (256,)
+# Where "auto" follows the measured table instead, for fp16 / bf16 when the CUDA extension is already
+# built and runs the Hopper wgmma kernels at that head dim (benchmarks/results/attention_h200_samerun.md,
+# one H200 run of every config): at d = 256 the CUDA backend is ahead forward and backward (1.36x
+# Triton forward+backward); at d = 128 Triton's forward is ahead (7-17%) and the CUDA backward (0-10%),
+# so "auto" pairs them. Other head dims are not measured: Triton.
+AUTO_CUDA_HEAD_DIMS = {256: "cuda", 128: "triton+cuda"}
+
+
+# Names a command line offers for --attention-backend / --backend.
+BACKEND_CHOICES = ("auto", *BACKENDS, "triton+cuda")
+
+
+def split_backend(name: str) -> tuple[str, str]:
+    """The (forward, backward) backends of a name: ``"cuda"`` -> both ``"cuda"``; ``"triton+cuda"``."""
+    parts = name.split("+") if isinstance(name, str) else [name]
+    if len(parts) == 1:
+        parts = parts * 2
+    if len(parts) != 2 or any(part not in BACKENDS for part in parts):
+        raise ValueError(
+            f"backend: expected one of {['auto', *BACKENDS]} or a forward+backward pair of kernel backends "
+            f"(e.g. 'triton+cuda'), got {name!r}"
+        )
+    return parts[0], parts[1]
 
 
 def get_backend(name: str):
+    """The module of one backend (for a pair, use ``split_backend`` first)."""
     if name not in BACKENDS:
-        raise ValueError(f"backend: expected one of {['auto', *BACKENDS]}, got {name!r}")
+        split_backend(name)  # a malformed name: the error that lists the accepted forms
+        raise ValueError(f"backend: {name!r} is a forward+backward pair; get_backend takes one of {list(BACKENDS)}")
     try:
         return importlib.import_module(BACKENDS[name])
     except ImportError as err:  # the module itself is missing (not built yet)
@@ -76,13 +100,17 @@ def resolve_backend(name: str, where: torch.Tensor | torch.device | str, head_di
         head_dim = where.shape[-1] if head_dim is None else head_dim
         dtype = where.dtype if dtype is None else dtype
     if name != "auto":
-        backend = get_backend(name)
-        if not backend.is_available():
-            raise RuntimeError(f"backend {name!r} is not available here: {backend.unavailable_reason()}")
+        for part in dict.fromkeys(split_backend(name)):
+            backend = get_backend(part)
+            if not backend.is_available():
+                raise RuntimeError(f"backend {part!r} is not available here: {backend.unavailable_reason()}")
         return name
     if is_cuda:
-        if head_dim in AUTO_CUDA_HEAD_DIMS and dtype in (torch.float16, torch.bfloat16) and _runs_wgmma(head_dim):
-            return "cuda"
+        choice = AUTO_CUDA_HEAD_DIMS.get(head_dim)
+        if choice and dtype in (torch.float16, torch.bfloat16) and _runs_wgmma(head_dim):
+            # _runs_wgmma answered for the CUDA backend; the other half of a pair must be available too
+            if all(_available(part) for part in split_backend(choice) if part != "cuda"):
+                return choice
         for candidate in AUTO_ORDER_CUDA:
             if _available(candidate):
                 return candidate
