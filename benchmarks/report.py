@@ -281,7 +281,7 @@ def _color(provider: str):
     import matplotlib
 
     order = PROVIDER_ORDER + sorted({provider} - set(PROVIDER_ORDER))
-    return matplotlib.colormaps["tab10"](order.index(provider) % 10)
+    return matplotlib.colormaps["tab20"](order.index(provider) % 20)  # one colour per known provider
 
 
 def pyplot():

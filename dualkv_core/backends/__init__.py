@@ -35,10 +35,10 @@ BACKENDS = {
 # Preference of "auto" on CUDA tensors, fastest first.
 AUTO_ORDER_CUDA = ("triton",)
 # Where "auto" follows the measured table instead, for fp16 / bf16 when the CUDA extension is already
-# built and runs the Hopper wgmma kernels at that head dim (benchmarks/results/attention_h200_samerun.md,
-# one H200 run of every config): at d = 256 the CUDA backend is ahead forward and backward (1.36x
-# Triton forward+backward); at d = 128 Triton's forward is ahead (7-17%) and the CUDA backward (0-10%),
-# so "auto" pairs them. Other head dims are not measured: Triton.
+# built and runs the Hopper wgmma kernels at that head dim (benchmarks/results/attention_h200_auto_pair.md,
+# one H200 run of every config): at d = 256 the CUDA backend is ahead forward and backward (1.37x
+# Triton forward+backward); at d = 128 Triton's forward is ahead (by 4-15%) and the CUDA backward (by
+# 4-10%), so "auto" pairs them. Other head dims are not measured: Triton.
 AUTO_CUDA_HEAD_DIMS = {256: "cuda", 128: "triton+cuda"}
 
 
