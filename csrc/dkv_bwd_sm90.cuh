@@ -259,6 +259,19 @@ DKV_DEV ReaderTile load_reader_tile(const BwdParams& p, const ReaderCursor<kBloc
   return rt;
 }
 
+// The dK/dV kernels' start of a reader tile: its loads have landed (every thread's, visible to wgmma)
+// and every warpgroup is done with the previous tile, whose buffers are then free for the next
+// tile's loads; the tile's shared-memory products are issued (committed, not waited for).
+template <class IssueSS>
+DKV_DEV void open_reader_tile(IssueSS&& issue_ss) {
+  cp_async_wait<0>();
+  sm90::fence_smem_to_async_proxy();
+  block_sync();
+  sm90::wgmma_fence();
+  issue_ss();
+  sm90::wgmma_commit();
+}
+
 // The element-wise step of the dK/dV kernels over a transposed score tile S^T of 64 keys x kBlockM
 // queries (s[4 j + i]: key key_in_tile[i / 2], query 8 j + 2 tq + i % 2): for every element
 // fn(e, query, masked, pr, dtanh) with pr = exp2(score - lse) and dtanh = 1 - tanh^2 under a softcap
@@ -465,14 +478,9 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
     if constexpr (!kOverlap) {
       int b = 0;
       while (have) {
-        // Tile i has landed, and every warpgroup is done with tile i - 1 (its buffer and, with kDq,
-        // dS): the next tile loads into that buffer, issued under this tile's first products.
-        cp_async_wait<0>();
-        sm90::fence_smem_to_async_proxy();
-        block_sync();
-        sm90::wgmma_fence();
-        issue_ss(b);
-        sm90::wgmma_commit();
+        // The next tile loads into tile i - 1's buffer (with kDq, dS is free too), issued under this
+        // tile's first products.
+        open_reader_tile([&] { issue_ss(b); });
         ReaderCursor<kBlockM> nxt = cur;
         const bool have_next = nxt.advance(p, it, rep);
         ReaderTile next_tile{};
@@ -836,15 +844,9 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_split_kernel(const DKV_GRID
     cp_async_commit();  // group: K, V and the first query tile
     int b = 0;
     while (have) {
-      // Tile i has landed, and both warpgroups are done with tile i - 1 (its buffers and sF): the
-      // next tile loads into its buffer while this one computes, issued under this tile's first
-      // products. One block barrier a tile.
-      cp_async_wait<0>();
-      sm90::fence_smem_to_async_proxy();
-      block_sync();
-      sm90::wgmma_fence();
-      issue_ss(b);
-      sm90::wgmma_commit();
+      // The next tile loads into tile i - 1's buffers (sF is free too), issued under this tile's
+      // first products. One block barrier a tile.
+      open_reader_tile([&] { issue_ss(b); });
       ReaderCursor<kBlockM> nxt = cur;
       const bool have_next = nxt.advance(p, it, rep);
       QTileDesc next_desc{};
