@@ -313,7 +313,9 @@ DKV_DEV void transposed_probabilities(const float (&s)[32], const QTileDesc& des
 // kernel recomputes S and dP. Each warpgroup writes its dS (64 queries x its 64 keys) to shared
 // memory; after a block barrier, dQ_part (64 queries x 64 head-dim columns) = dS K by wgmma SS (dS
 // K-major, K MN-major; at d = 128 warpgroup w takes columns 64 w .. 64 w + 63 over all 128 keys, at
-// d = 64 it takes its own 64 keys), added to the fp32 dQ workspace with atomics.
+// d = 64 it takes its own 64 keys). The warpgroup stages dQ_part in shared memory (rows of 64 fp32,
+// padded to 68 against bank conflicts) and 64 of its threads each add one row (256 bytes) to the fp32
+// dQ workspace with one bulk reduce-add (cp.reduce.async.bulk), which runs while the block goes on.
 template <int kHeadDim_, bool kOverlap_, bool kDq_ = false>
 struct DkdvSm90 {
   static constexpr int kHeadDim = kHeadDim_, kBlockN = 128, kBlockM = 64, kThreads = 256;
@@ -322,9 +324,12 @@ struct DkdvSm90 {
   static constexpr int kParts = kHeadDim / 64;
   static constexpr int kKvTile = kBlockN * kHeadDim, kQTile = kBlockM * kHeadDim;  // elements
   static constexpr int kDsTile = kDq ? kBlockM * kBlockN : 0;                      // elements
-  // K, V; Q and dO buffers; (kDq) dS; lse_log2 and dsum buffers; the item slot; alignment.
-  static constexpr int kSmemBytes =
-      (2 * kKvTile + 2 * kQBuffers * kQTile + kDsTile) * 2 + 2 * kQBuffers * kBlockM * 4 + 16 + 1024;
+  static constexpr int kStageRow = 68;  // (kDq) floats a staged dQ row: 64 columns, padded
+  static constexpr int kStage = kDq ? 2 * kBlockM * kStageRow : 0;                  // floats, both warpgroups
+  // K, V; Q and dO buffers; (kDq) dS and the dQ staging; lse_log2 and dsum buffers; the item slot;
+  // alignment.
+  static constexpr int kSmemBytes = (2 * kKvTile + 2 * kQBuffers * kQTile + kDsTile) * 2 + kStage * 4 +
+                                    2 * kQBuffers * kBlockM * 4 + 16 + 1024;
   static_assert(kHeadDim == 64 || kHeadDim == 128, "the wgmma dK/dV kernel: head dim 64 or 128");
   static_assert(!(kDq && kOverlap), "dQ in the dK/dV kernel: the in-turn schedule only");
 };
@@ -344,7 +349,8 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
   uint16_t* sQ0 = sV + K::kKvTile;               // buffer b at sQ0 + b * kQTile
   uint16_t* sdO0 = sQ0 + kQBuffers * K::kQTile;  // buffer b at sdO0 + b * kQTile
   uint16_t* sDs = sdO0 + kQBuffers * K::kQTile;  // (kDq) part c (keys 64 c ..) at sDs + c * kBlockM * 64
-  float* sL0 = reinterpret_cast<float*>(sDs + K::kDsTile);
+  float* sStage = reinterpret_cast<float*>(sDs + K::kDsTile);  // (kDq) warpgroup w's rows at w * 64 * kStageRow
+  float* sL0 = sStage + K::kStage;
   float* sD0 = sL0 + kQBuffers * kBlockM;
   int* s_item = reinterpret_cast<int*>(sD0 + kQBuffers * kBlockM);
 
@@ -443,14 +449,27 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
     sm90::wgmma_commit();
     sm90::wgmma_wait<0>();
     sm90::fence_operand<32>(dq);
-    // dq[4 j + i]: query 16 warp + g + 8 (i / 2), column 64 col_part + 8 j + 2 tq + i % 2.
+    // dq[4 j + i]: query 16 warp + g + 8 (i / 2), column 64 col_part + 8 j + 2 tq + i % 2. Staged, then
+    // thread q < 64 of the warpgroup adds row q: first its previous row must have been read out.
+    const int q = tid & 127;
+    float* stage = sStage + wg * kBlockM * K::kStageRow;
+    if (q < kBlockM) sm90::bulk_wait_read<0>();
+    sm90::warpgroup_sync(wg);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const int query = 16 * warp + g + 8 * r;
-      if (query >= t.desc.m_valid) continue;
-      float* dst = p.dq_accum + (static_cast<int64_t>(t.row + query) * p.nheads + t.hq) * D + 64 * col_part + 2 * tq;
+      float* row = stage + (16 * warp + g + 8 * r) * K::kStageRow + 2 * tq;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) atomic_add_f32x2(dst + 8 * j, dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]);
+      for (int j = 0; j < 8; ++j) {
+        row[8 * j] = dq[4 * j + 2 * r];
+        row[8 * j + 1] = dq[4 * j + 2 * r + 1];
+      }
+    }
+    sm90::fence_smem_to_async_proxy();
+    sm90::warpgroup_sync(wg);
+    if (q < t.desc.m_valid) {
+      float* dst = p.dq_accum + (static_cast<int64_t>(t.row + q) * p.nheads + t.hq) * D + 64 * col_part;
+      sm90::bulk_reduce_add_f32(dst, stage + q * K::kStageRow, 64 * 4);
+      sm90::bulk_commit();
     }
   };
 
@@ -575,6 +594,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
     }
     block_sync();  // shared K/V are reloaded by the next item
   }
+  if constexpr (kDq) sm90::bulk_wait<0>();  // the dQ rows this thread added (shared memory stays valid)
 }
 
 // dQ at head dims 192 and 256, where the d = 128 kernel's shape does not fit (at d = 256 its 128-row Q /

@@ -4,7 +4,8 @@
 //
 // Semantics follow the PTX ISA: mma.sync.m16n8k16 (row.col), ldmatrix.m8n8.x4 (.trans), cp.async
 // with zero fill (copies are deferred until cp.async.wait_group, as on the hardware, so a missing
-// wait reads stale shared memory), shfl.sync.bfly, bar.sync, and wgmma.mma_async m64nNk16 with
+// wait reads stale shared memory), cp.reduce.async.bulk .add.f32 (likewise deferred, to its
+// cp.async.bulk.wait_group), shfl.sync.bfly, bar.sync, and wgmma.mma_async m64nNk16 with
 // 128-byte-swizzled shared-memory operands (executed at issue: a missing wgmma.wait_group is not
 // caught; the layouts are those csrc/dkv_wgmma.cuh documents, checked on a GPU by
 // tests/gpu/test_wgmma_gpu.py). Every warp collective waits for all 32
@@ -54,6 +55,13 @@ struct PendingCopy {
   int src_bytes;
 };
 
+// cp.reduce.async.bulk ... .add.f32 of `count` floats, run when a bulk wait_group retires its group.
+struct PendingReduce {
+  float* dst;
+  const float* src;
+  int count;
+};
+
 struct Thread {
   int tid = 0, lane = 0;
   dim3 block, grid, bdim;
@@ -63,6 +71,8 @@ struct Thread {
   unsigned char* smem = nullptr;
   std::vector<std::vector<PendingCopy>> groups;  // committed groups, oldest first
   std::vector<PendingCopy> open;                 // copies not yet committed
+  std::vector<std::vector<PendingReduce>> bulk_groups;  // committed bulk groups, oldest first
+  std::vector<PendingReduce> bulk_open;                 // bulk reductions not yet committed
 };
 
 inline thread_local Thread self;
@@ -272,6 +282,31 @@ inline void mbar_wait_parity(uint64_t* bar, int parity) {
   while (static_cast<int>(word.load() >> 63) == parity) std::this_thread::yield();
 }
 
+// Bulk reduce-add from shared to global memory (cp.reduce.async.bulk, bulk_group): deferred until a
+// cp.async.bulk.wait_group retires its group (the latest the hardware may read the shared source), so
+// a source overwritten before that wait is caught; the adds are atomic (other threads and blocks add
+// to the same rows). A thread that exits with reductions pending is an error, as on the device.
+inline void bulk_reduce_add_f32(float* dst, const float* src, int bytes) {
+  self.bulk_open.push_back({dst, src, bytes / 4});
+}
+inline void bulk_commit() {
+  self.bulk_groups.push_back(std::move(self.bulk_open));
+  self.bulk_open.clear();
+}
+inline void bulk_wait(int n) {
+  while (static_cast<int>(self.bulk_groups.size()) > n) {
+    for (const auto& r : self.bulk_groups.front())
+      for (int i = 0; i < r.count; ++i) std::atomic_ref<float>(r.dst[i]).fetch_add(r.src[i]);
+    self.bulk_groups.erase(self.bulk_groups.begin());
+  }
+}
+
+// bar.sync over the 128 threads of this thread's warpgroup.
+inline void warpgroup_sync() {
+  if (self.wg == nullptr) throw std::runtime_error("emulated warpgroup barrier: the block is not made of whole warpgroups");
+  self.wg->bar->arrive_and_wait();
+}
+
 // __any_sync over the whole warp.
 inline bool warp_any(bool pred) {
   Warp& w = *self.warp;
@@ -314,6 +349,8 @@ inline void launch(dim3 grid, dim3 block, size_t smem_bytes, const std::function
             body();
             cp_commit();
             cp_wait(0);
+            if (!self.bulk_open.empty() || !self.bulk_groups.empty())
+              throw std::runtime_error("emulated bulk reduction: a thread exited before waiting for it");
           });
         }
         for (auto& th : threads) th.join();

@@ -108,6 +108,61 @@ DKV_DEV void load_tile_sw128_async(uint16_t* dst, const TensorRef& t, int64_t ro
 #define DKV_HAS_WGMMA 0
 #endif
 
+// Bulk reduce-add of fp32 from shared to global memory (cp.reduce.async.bulk, sm_90): `bytes` a
+// multiple of 16, both addresses 16-byte aligned; asynchronous, in this thread's bulk group. Shared
+// memory written by ordinary stores must be fenced for the async proxy (fence_smem_to_async_proxy)
+// before the thread that issues it reads it. bulk_wait_read<N>: the sources of all but this thread's
+// newest N groups have been read (they may be overwritten); bulk_wait<N>: their adds are done.
+DKV_DEV void bulk_reduce_add_f32(float* gmem, const float* smem, int bytes) {
+#if defined(DKV_EMULATE)
+  dkv_emu::bulk_reduce_add_f32(gmem, smem, bytes);
+#elif DKV_HAS_WGMMA
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(gmem),
+               "r"(static_cast<uint32_t>(__cvta_generic_to_shared(smem))), "r"(bytes)
+               : "memory");
+#else
+  (void)gmem, (void)smem, (void)bytes;
+#endif
+}
+
+DKV_DEV void bulk_commit() {
+#if defined(DKV_EMULATE)
+  dkv_emu::bulk_commit();
+#elif DKV_HAS_WGMMA
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+#endif
+}
+
+template <int N>
+DKV_DEV void bulk_wait_read() {
+#if defined(DKV_EMULATE)
+  dkv_emu::bulk_wait(N);
+#elif DKV_HAS_WGMMA
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+template <int N>
+DKV_DEV void bulk_wait() {
+#if defined(DKV_EMULATE)
+  dkv_emu::bulk_wait(N);
+#elif DKV_HAS_WGMMA
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+// A barrier over the 128 threads of warpgroup wg (named barrier 1 + wg; 0 is the block's).
+DKV_DEV void warpgroup_sync(int wg) {
+#if defined(DKV_EMULATE)
+  (void)wg;
+  dkv_emu::warpgroup_sync();
+#elif DKV_HAS_WGMMA
+  asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
+#else
+  (void)wg;
+#endif
+}
+
 // mbarrier (shared-memory arrival barrier with phases) for producer / consumer pipelines: init by one
 // thread before a block_sync; arrive (release); wait until the phase of the given parity completed
 // (acquire). Phase r of a barrier completes with its count-th arrival; its parity is r % 2.
