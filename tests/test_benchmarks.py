@@ -286,7 +286,9 @@ def test_cuda_kernel_variants_set_their_environment(monkeypatch):
 
 
 def test_reference_provider_end_to_end(tmp_path):
-    path = bench_attention.main(["--preset", "tiny", "--device", "cpu", "--providers", "reference,fa2-cascade",
+    """The reference and dualkv-auto (the reference on CPU tensors) run and validate; a CUDA-only peer
+    is reported unsupported."""
+    path = bench_attention.main(["--preset", "tiny", "--device", "cpu", "--providers", "reference,dualkv-auto,fa2-cascade",
                                  "--validate", "--validation-shape", "2,97,33", "--out", str(tmp_path), "--stem", "tiny",
                                  "--budget-ms", "5", "--max-reps", "2"])
     data = json.loads(Path(path).read_text())
@@ -295,8 +297,9 @@ def test_reference_provider_end_to_end(tmp_path):
     assert ref["status"] == "ok", ref
     for mode in ("fwd", "bwd", "fwdbwd"):
         assert ref[f"{mode}_ms"] > 0 and ref[f"{mode}_tflops"] > 0
+    assert rows["dualkv-auto"]["status"] == "ok", rows["dualkv-auto"]
     assert rows["fa2-cascade"]["status"].startswith("unsupported")
-    assert [v["ok"] for v in data["validation"]] == [True, None]
+    assert [v["ok"] for v in data["validation"]] == [True, True, None]
     assert (tmp_path / "tiny_tflops.png").exists() and (tmp_path / "tiny.md").exists()
 
 
