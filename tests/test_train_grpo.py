@@ -98,6 +98,22 @@ def test_attention_backend_reaches_every_layer_of_policy_and_reference(tmp_path)
     assert pinned[0]["loss"] == pytest.approx(auto[0]["loss"], rel=1e-6, abs=1e-9)
 
 
+def test_deterministic_attention_reaches_every_layer(tmp_path):
+    """--deterministic-attention passes deterministic=True to dualkv_attention in every attention module
+    of the policy and the reference, with auto's backend choice left alone or a pinned one kept."""
+    for extra, keywords in (([], {"deterministic": True}),
+                            (["--attention-backend", "reference"], {"backend": "reference", "deterministic": True})):
+        cfg = _config(tmp_path / str(len(extra)), "--deterministic-attention", "--kl-beta", "0.04", "--steps", "1", *extra)
+        assert cfg.parallel.deterministic_attention
+        trainer = Trainer(cfg)
+        try:
+            fns = [m.attn_fn for model in (trainer.policy, trainer.updater.reference)
+                   for m in model.modules() if hasattr(m, "attn_fn")]
+            assert fns and all(getattr(f, "keywords", None) == keywords for f in fns)
+        finally:
+            trainer.close()
+
+
 def test_bad_arguments_and_rollout_files_are_rejected(tmp_path):
     parse = build_parser().parse_args
     cfg = config_from_args(parse(["--activation-checkpointing", "--checkpoint-keep-attention"]))

@@ -35,7 +35,10 @@ class ParallelConfig:
     with it, keep each layer's attention output instead of recomputing the attention forward;
     compile: torch.compile every decoder layer; attention_backend: the dualkv_attention backend of
     every layer of the policy and the reference ("auto", one of ``dualkv.core.backends.BACKENDS``, or a
-    forward+backward pair of them such as "triton+cuda")."""
+    forward+backward pair of them such as "triton+cuda"); deterministic_attention: bit-identical
+    attention gradients run to run (``dualkv_attention(deterministic=True)``; the CUDA backward, which
+    ``auto`` takes at head dims 128 / 256 on Hopper, otherwise adds the prompt's gradients with fp32
+    atomics)."""
 
     sp: int = 1
     param_dtype: str = "bf16"
@@ -43,6 +46,7 @@ class ParallelConfig:
     compile: bool = False
     checkpoint_keep_attention: bool = False
     attention_backend: str = "auto"
+    deterministic_attention: bool = False
 
     def __post_init__(self) -> None:
         from dualkv.core.backends import split_backend
@@ -169,10 +173,13 @@ def parallelize_policy(model: torch.nn.Module, ctx: DistContext, cfg: ParallelCo
 
     if not trainable:
         model.requires_grad_(False)
-    if cfg.attention_backend != "auto":
+    options = {"backend": cfg.attention_backend} if cfg.attention_backend != "auto" else {}
+    if cfg.deterministic_attention:
+        options["deterministic"] = True
+    if options:
         from dualkv.core import dualkv_attention
 
-        model.set_attn_fn(functools.partial(dualkv_attention, backend=cfg.attention_backend))
+        model.set_attn_fn(functools.partial(dualkv_attention, **options))
     if cfg.activation_checkpointing and trainable:
         model.set_activation_checkpointing(True, keep_attention=cfg.checkpoint_keep_attention)
     if ctx.sp_size > 1:

@@ -102,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--attention-backend", choices=BACKEND_CHOICES, default="auto",
                    help="dualkv_attention backend of every layer (auto: what measured fastest per head dim on CUDA "
                         "tensors; a+b: a's forward, b's backward)")
+    d.add_argument("--deterministic-attention", action="store_true",
+                   help="bit-identical attention gradients run to run (the CUDA backward, which auto takes at head "
+                        "dims 128 / 256 on Hopper, otherwise adds the prompt's gradients with fp32 atomics)")
     d.add_argument("--cpu-threads", type=int, default=None,
                    help="intra-op threads of a CPU run (default: $OMP_NUM_THREADS, else 1: small models run fastest "
                         "on one thread)")
@@ -142,7 +145,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         optim=OptimConfig(lr=lr, weight_decay=args.weight_decay, eps=args.adam_eps),
         parallel=ParallelConfig(sp=args.sp, param_dtype=dtype, activation_checkpointing=args.activation_checkpointing,
                                 compile=args.compile, checkpoint_keep_attention=args.checkpoint_keep_attention,
-                                attention_backend=args.attention_backend),
+                                attention_backend=args.attention_backend,
+                                deterministic_attention=args.deterministic_attention),
     )
 
 
