@@ -39,7 +39,7 @@ AUTO_ORDER_CUDA = ("triton",)
 # one H200 run of every config): at d = 256 the CUDA backend is ahead forward and backward (1.37x
 # Triton forward+backward); at d = 128 Triton's forward is ahead (by 4-15%) and the CUDA backward (by
 # 4-10%), so "auto" pairs them. Other head dims are not measured: Triton.
-AUTO_CUDA_HEAD_DIMS = {256: "cuda", 128: "triton+cuda"}
+AUTO_WGMMA_CHOICE = {256: "cuda", 128: "triton+cuda"}
 
 
 # Names a command line offers for --attention-backend / --backend.
@@ -106,7 +106,7 @@ def resolve_backend(name: str, where: torch.Tensor | torch.device | str, head_di
                 raise RuntimeError(f"backend {part!r} is not available here: {backend.unavailable_reason()}")
         return name
     if is_cuda:
-        choice = AUTO_CUDA_HEAD_DIMS.get(head_dim)
+        choice = AUTO_WGMMA_CHOICE.get(head_dim)
         if choice and dtype in (torch.float16, torch.bfloat16) and _runs_wgmma(head_dim):
             # _runs_wgmma answered for the CUDA backend; the other half of a pair must be available too
             if all(_available(part) for part in split_backend(choice) if part != "cuda"):
