@@ -364,3 +364,16 @@ def test_kernel_once_runs_forward_and_backward(capsys):
     assert "2 call(s) on reference" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         kernel_once.main(["--calls", "0", "--device", "cpu"])
+
+
+def test_kernel_once_profile_lists_the_costliest_first(capsys):
+    from benchmarks import kernel_once
+
+    kernel_once.main(["--config", "N=2,P=40,R=9,H=4,H_kv=2,d=32,dtype=float32", "--backend", "reference",
+                      "--backward", "--device", "cpu", "--calls", "2", "--profile", "--top", "5"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith("ms per call")
+    rows = [line.split(None, 1) for line in lines[2:]]
+    assert 1 <= len(rows) <= 5 and any(name.startswith("dualkv::attention") for _, name in rows), rows
+    times = [float(ms) for ms, _ in rows]
+    assert times == sorted(times, reverse=True) and times[0] > 0
