@@ -52,6 +52,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.calls < 1:
         ap.error(f"--calls: expected a positive count, got {args.calls}")
+    if args.top < 1:
+        ap.error(f"--top: expected a positive count, got {args.top}")
 
     cfg = AttnConfig.parse(args.config)
     device = torch.device(args.device)

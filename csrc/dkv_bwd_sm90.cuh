@@ -304,10 +304,10 @@ DKV_DEV void transposed_probabilities(const float (&s)[32], const QTileDesc& des
 // kOverlap = false: per query tile, the two shared-memory products, the element-wise step, then the
 // two register-operand products, each waited for; the next tile's loads are issued under the first
 // two, and one block barrier a tile (its arrival) also frees the previous tile's buffers (on an H200
-// 12% faster than issuing them before the products behind a second barrier). kOverlap = true: the shared-memory products of
-// tile i + 1 are issued before the register-operand products of tile i, and the element-wise step
-// of tile i + 1 runs while those still run (the forward's pattern); Q / dO / lse / D then need three
-// buffers instead of two.
+// 12% faster than issuing them before the products behind a second barrier). kOverlap = true: the
+// shared-memory products of tile i + 1 are issued before the register-operand products of tile i,
+// and the element-wise step of tile i + 1 runs while those still run (the forward's pattern);
+// Q / dO / lse / D then need three buffers instead of two.
 //
 // kDq = true (DUALKV_CUDA_WGMMA_BWD=3, with kOverlap = false): dQ is accumulated here too, so no dQ
 // kernel recomputes S and dP. Each warpgroup writes its dS (64 queries x its 64 keys) to shared

@@ -377,3 +377,6 @@ def test_kernel_once_profile_lists_the_costliest_first(capsys):
     assert 1 <= len(rows) <= 5 and any(name.startswith("dualkv::attention") for _, name in rows), rows
     times = [float(ms) for ms, _ in rows]
     assert times == sorted(times, reverse=True) and times[0] > 0
+    with pytest.raises(SystemExit):
+        kernel_once.main(["--top", "0", "--profile", "--device", "cpu"])
+    assert "--top: expected a positive count, got 0" in capsys.readouterr().err
