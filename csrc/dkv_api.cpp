@@ -344,7 +344,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
   int sm90 = use_sm90_backward(q, args.head_dim);
   if (sm90 == 3 && deterministic) sm90 = 1;  // atomics on dQ are not bit-stable run to run
   Tensor dq_accum;
-  if (sm90 == 3) dq_accum = at::zeros({T, args.nheads, args.head_dim}, f32);
+  if (sm90 == 3) dq_accum = at::zeros({args.nheads, args.head_dim / 64, T, kDqAccumPitch}, f32);
   const int dq_block = sm90 ? sm90_dq_block_m(args.head_dim) : dq_config(args.head_dim).block_m;
   const int kv_block = sm90 ? sm90_dkdv_block_n(args.head_dim) : dkdv_config(args.head_dim).block_n;
   const Tensor seg_len = segment_lengths(cu_seqlens);
@@ -397,7 +397,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
       check_launch(bf16 ? run_dq_sm90<Bf16>(p, st, overlap) : run_dq_sm90<Fp16>(p, st, overlap), "dq kernel (sm90 wgmma)");
     }
     check_launch(bf16 ? run_dkdv_sm90<Bf16>(p, st, sm90) : run_dkdv_sm90<Fp16>(p, st, sm90), "dk/dv kernel (sm90 wgmma)");
-    if (sm90 == 3) dq.copy_(dq_accum.mul_(args.scale));  // dQ = scale * sum of dS K, cast once
+    if (sm90 == 3) {  // dQ = scale * sum of dS K, cast once
+      const Tensor rows = dq_accum.narrow(3, 0, 64).permute({2, 0, 1, 3});  // (T, H, d / 64, 64)
+      dq.view({T, args.nheads, args.head_dim / 64, 64}).copy_(rows.mul(args.scale));
+    }
   } else {
     check_launch(bf16 ? dispatch_dq<Bf16>(p, st) : dispatch_dq<Fp16>(p, st), "dq kernel");
     check_launch(bf16 ? dispatch_dkdv<Bf16>(p, st) : dispatch_dkdv<Fp16>(p, st), "dk/dv kernel");

@@ -313,9 +313,10 @@ DKV_DEV void transposed_probabilities(const float (&s)[32], const QTileDesc& des
 // kernel recomputes S and dP. Each warpgroup writes its dS (64 queries x its 64 keys) to shared
 // memory; after a block barrier, dQ_part (64 queries x 64 head-dim columns) = dS K by wgmma SS (dS
 // K-major, K MN-major; at d = 128 warpgroup w takes columns 64 w .. 64 w + 63 over all 128 keys, at
-// d = 64 it takes its own 64 keys). The warpgroup stages dQ_part in shared memory (rows of 64 fp32,
-// padded to 68 against bank conflicts) and 64 of its threads each add one row (256 bytes) to the fp32
-// dQ workspace with one bulk reduce-add (cp.reduce.async.bulk), which runs while the block goes on.
+// d = 64 it takes its own 64 keys), issued with dV / dK. The warpgroup stages dQ_part in shared
+// memory with the workspace's padded row pitch (kDqAccumPitch) and one of its threads adds the
+// tile's valid rows to the fp32 workspace, head-major so that they are one contiguous run, with one
+// bulk reduce-add (cp.reduce.async.bulk) that runs while the block goes on.
 template <int kHeadDim_, bool kOverlap_, bool kDq_ = false>
 struct DkdvSm90 {
   static constexpr int kHeadDim = kHeadDim_, kBlockN = 128, kBlockM = 64, kThreads = 256;
@@ -324,8 +325,7 @@ struct DkdvSm90 {
   static constexpr int kParts = kHeadDim / 64;
   static constexpr int kKvTile = kBlockN * kHeadDim, kQTile = kBlockM * kHeadDim;  // elements
   static constexpr int kDsTile = kDq ? kBlockM * kBlockN : 0;                      // elements
-  static constexpr int kStageRow = 68;  // (kDq) floats a staged dQ row: 64 columns, padded
-  static constexpr int kStage = kDq ? 2 * kBlockM * kStageRow : 0;                  // floats, both warpgroups
+  static constexpr int kStage = kDq ? 2 * kBlockM * kDqAccumPitch : 0;              // floats, both warpgroups
   // K, V; Q and dO buffers; (kDq) dS and the dQ staging; lse_log2 and dsum buffers; the item slot;
   // alignment.
   static constexpr int kSmemBytes = (2 * kKvTile + 2 * kQBuffers * kQTile + kDsTile) * 2 + kStage * 4 +
@@ -431,14 +431,14 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
       part[sm90::sw128_offset(query, key) / 2] = from_float<E>(dpt[e]);
     }
   };
-  // (kDq) dQ_part = dS K for this warpgroup's columns (or keys, at d = 64), added to the workspace.
-  auto add_dq = [&](const ReaderTile& t) {
+  // (kDq) dQ_part = dS K for this warpgroup's columns (or keys, at d = 64), issued behind the block
+  // barrier that makes both warpgroups' dS visible; waited for with the register-operand products.
+  float dq[32];
+  auto issue_dq = [&] {
     constexpr int kSteps = kParts == 2 ? kBlockN / 16 : 4;  // k16 steps over keys
     const int col_part = kParts == 2 ? wg : 0, step0 = kParts == 2 ? 0 : 4 * wg;
-    sm90::fence_smem_to_async_proxy();  // this thread's dS stores, for the async proxy
-    block_sync();                       // both warpgroups' dS
+    block_sync();  // both warpgroups' dS (each thread fenced its stores for the async proxy)
     const uint64_t da = sm90::smem_desc_sw128(sDs), db = sm90::smem_desc_sw128_mn64(sK);
-    float dq[32];
     sm90::wgmma_fence();
 #pragma unroll
     for (int s = 0; s < kSteps; ++s) {
@@ -446,29 +446,29 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
       sm90::wgmma_m64n64k16_ss<E, 1>(dq, sm90::desc_advance(da, (k / 4) * kBlockM * 128 + (k % 4) * 32),
                                      sm90::desc_advance(db, col_part * kBlockN * 128 + k * 2048), s > 0);
     }
-    sm90::wgmma_commit();
-    sm90::wgmma_wait<0>();
-    sm90::fence_operand<32>(dq);
-    // dq[4 j + i]: query 16 warp + g + 8 (i / 2), column 64 col_part + 8 j + 2 tq + i % 2. Staged, then
-    // thread q < 64 of the warpgroup adds row q: first its previous row must have been read out.
-    const int q = tid & 127;
-    float* stage = sStage + wg * kBlockM * K::kStageRow;
-    if (q < kBlockM) sm90::bulk_wait_read<0>();
+  };
+  // (kDq) dq[4 j + i]: query 16 warp + g + 8 (i / 2), column 64 col_part + 8 j + 2 tq + i % 2. The
+  // warpgroup stages its rows in shared memory with the workspace's row pitch, so the tile's valid
+  // rows are one contiguous run there and in the workspace; one thread adds them with one bulk
+  // reduce-add, which runs while the block goes on (its source is reread only a tile later).
+  auto store_dq = [&](const ReaderTile& t) {
+    const int col_part = kParts == 2 ? wg : 0;
+    float* stage = sStage + wg * kBlockM * kDqAccumPitch;
+    const bool issuer = (tid & 127) == 0;
+    if (issuer) sm90::bulk_wait_read<0>();  // the previous tile's rows have been read out
     sm90::warpgroup_sync(wg);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      float* row = stage + (16 * warp + g + 8 * r) * K::kStageRow + 2 * tq;
+      float* row = stage + (16 * warp + g + 8 * r) * kDqAccumPitch + 2 * tq;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        row[8 * j] = dq[4 * j + 2 * r];
-        row[8 * j + 1] = dq[4 * j + 2 * r + 1];
-      }
+      for (int j = 0; j < 8; ++j)
+        store_f32x2(row + 8 * j, dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]);
     }
     sm90::fence_smem_to_async_proxy();
     sm90::warpgroup_sync(wg);
-    if (q < t.desc.m_valid) {
-      float* dst = p.dq_accum + (static_cast<int64_t>(t.row + q) * p.nheads + t.hq) * D + 64 * col_part;
-      sm90::bulk_reduce_add_f32(dst, stage + q * K::kStageRow, 64 * 4);
+    if (issuer && t.desc.m_valid > 0) {
+      const int64_t run = (static_cast<int64_t>(t.hq) * kParts + col_part) * p.total_q + t.row;
+      sm90::bulk_reduce_add_f32(p.dq_accum + run * kDqAccumPitch, stage, t.desc.m_valid * kDqAccumPitch * 4);
       sm90::bulk_commit();
     }
   };
@@ -509,14 +509,21 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
         sm90::wgmma_wait<0>();
         pin_ss();
         elementwise(tile.desc, b);
-        if constexpr (kDq) store_ds();
+        if constexpr (kDq) {
+          store_ds();
+          sm90::fence_smem_to_async_proxy();  // this thread's dS stores, for the other warpgroup's wgmma
+        }
         pack();
         sm90::wgmma_fence();
         issue_rs(b);
+        if constexpr (kDq) issue_dq();  // its barrier waits while dV / dK run
         sm90::wgmma_commit();
         sm90::wgmma_wait<0>();
         pin_rs();
-        if constexpr (kDq) add_dq(tile);
+        if constexpr (kDq) {
+          sm90::fence_operand<32>(dq);
+          store_dq(tile);
+        }
 
         cur = nxt;
         have = have_next;

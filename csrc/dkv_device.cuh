@@ -71,6 +71,10 @@ DKV_DEV void atomic_add_f32x2(float* p, float a, float b) {
   atomic_add_f32(p + 1, b);
 }
 DKV_DEV int atomic_add_i32(int* p, int v) { return std::atomic_ref<int>(*p).fetch_add(v); }
+DKV_DEV void store_f32x2(float* p, float a, float b) {
+  p[0] = a;
+  p[1] = b;
+}
 
 template <class E>
 DKV_DEV float to_float(uint16_t h) {
@@ -155,6 +159,8 @@ DKV_DEV float fast_exp2(float x) {
 DKV_DEV float fast_log2(float x) { return __log2f(x); }
 DKV_DEV float tanh_f(float x) { return tanhf(x); }
 DKV_DEV void atomic_add_f32(float* p, float v) { atomicAdd(p, v); }
+// p[0] = a, p[1] = b as one 8-byte store; p 8-byte aligned.
+DKV_DEV void store_f32x2(float* p, float a, float b) { *reinterpret_cast<float2*>(p) = make_float2(a, b); }
 // p[0] += a, p[1] += b; p 8-byte aligned. One vector atomic on sm_90, two elsewhere.
 DKV_DEV void atomic_add_f32x2(float* p, float a, float b) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

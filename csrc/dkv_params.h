@@ -54,6 +54,10 @@ struct FwdParams : AttnArgs {
   int grid_tiles = 0;                // upper bound of the number of query tiles
 };
 
+// Row pitch (floats) of BwdParams::dq_accum: 64 columns and 4 of padding, so a warpgroup's staged
+// rows in shared memory are free of bank conflicts and copy to the workspace as one run.
+constexpr int kDqAccumPitch = 68;
+
 struct BwdParams : AttnArgs {
   TensorRef out, dout;
   const float* lse = nullptr;  // (H, total_q) natural log
@@ -62,7 +66,8 @@ struct BwdParams : AttnArgs {
   TensorRef dq, dk, dv, dk_ctx, dv_ctx;
   float* dk_accum = nullptr;   // (ctx rows, Hkv, d) fp32 context-gradient accumulators
   float* dv_accum = nullptr;
-  float* dq_accum = nullptr;   // (total_q, H, d) fp32 dQ workspace of the fused wgmma dK/dV kernel (zeroed)
+  float* dq_accum = nullptr;   // (H, d / 64, total_q, kDqAccumPitch) fp32 dQ workspace of the fused
+                               // wgmma dK/dV kernel (zeroed; columns 64 .. pitch - 1 are padding)
   const int* q_tile_prefix = nullptr;   // dq kernel: (S+1,) prefix of ceil(len_s / kBlockM)
   int grid_tiles = 0;
   const int* kv_item_prefix = nullptr;  // dkdv kernel: prefix over the item groups
