@@ -346,6 +346,13 @@ class DualKVCudaFusedDq(DualKVCuda):
     env = {"DUALKV_CUDA_WGMMA": None, "DUALKV_CUDA_WGMMA_BWD": "3"}
 
 
+@register("dualkv-pair-fused-dq")
+class DualKVPairFusedDq(DualKVCudaFusedDq):
+    """Triton's forward with the fused-dQ CUDA backward (the pair ``auto`` takes at d = 128, fused)."""
+
+    backend = "triton+cuda"
+
+
 @register("reference")
 class DualKVReference(_DualKV):
     """The pure-PyTorch oracle through the same op (correctness anchor, CPU tests; slow)."""

@@ -271,11 +271,12 @@ def test_cuda_kernel_variants_set_their_environment(monkeypatch):
     expect = {"dualkv-cuda": (None, None), "dualkv-cuda-mma": ("0", "0"), "dualkv-cuda-mma-bwd": (None, "0"),
               "dualkv-cuda-ws": ("2", None),
               "dualkv-cuda-wgmma-bwd": (None, "1"),
-              "dualkv-cuda-wgmma-bwd-overlap": (None, "2"), "dualkv-cuda-fused-dq": (None, "3")}
+              "dualkv-cuda-wgmma-bwd-overlap": (None, "2"), "dualkv-cuda-fused-dq": (None, "3"),
+              "dualkv-pair-fused-dq": (None, "3")}
     q, k, v = harness._random_qkv(cfg, CPU, 0)
     for name, (fwd, bwd) in expect.items():
         cls = harness.get_provider(name)
-        assert cls.backend == "cuda" and name in report.PROVIDER_ORDER
+        assert cls.backend == ("triton+cuda" if "pair" in name else "cuda") and name in report.PROVIDER_ORDER
         if not torch.cuda.is_available():
             assert "CUDA device" in cls.unsupported(cfg, CPU)
         monkeypatch.setenv("DUALKV_CUDA_WGMMA", "stale")
