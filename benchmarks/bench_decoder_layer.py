@@ -44,6 +44,7 @@ from benchmarks.harness import Timer, _free, _is_oom, _short, _sync, parse_size
 from benchmarks.peers import FA2Piece, FlexPacked, _FA2Varlen
 from benchmarks.report import ResultWriter, environment
 from dualkv.core import PackedLayout, dualkv_attention
+from dualkv.core.backends import BACKEND_CHOICES
 
 MODULE = "benchmarks.bench_decoder_layer"
 SWEEP = "5K,32;8K,16;16K,8;32K,4;64K,4;128K,8"
@@ -361,7 +362,7 @@ def parse_args(argv=None):
     ap.add_argument("--preset", default="qwen3-8b", help="dualkv.models preset whose first layer is timed")
     ap.add_argument("--points", default=SWEEP, help="';'-separated 'P,mb' points")
     ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--backend", default="triton", help="dualkv backend of the 'dualkv' variant")
+    ap.add_argument("--backend", default="auto", choices=BACKEND_CHOICES, help="dualkv backend of the 'dualkv' variant")
     ap.add_argument("--validate", action="store_true")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default="benchmarks/results")

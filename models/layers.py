@@ -90,14 +90,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
+        # F.rms_norm: one fused kernel (forward and backward) where PyTorch has one, e.g. on CUDA.
+        shape = (x.shape[-1],)
         if self.style == "qwen3":
-            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-            return self.weight * h.to(x.dtype)
-        h = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
-        if self.weight is not None:
-            h = h * self.weight.float()
-        return h.type_as(x)
+            return self.weight * F.rms_norm(x.float(), shape, eps=self.eps).to(x.dtype)
+        weight = None if self.weight is None else self.weight.float()
+        return F.rms_norm(x.float(), shape, weight, eps=self.eps).type_as(x)
 
     def extra_repr(self) -> str:
         dim = None if self.weight is None else self.weight.shape[0]
