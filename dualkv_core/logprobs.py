@@ -16,10 +16,11 @@ c = l without a cap), z = c / temperature and p = softmax(z)::
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
-__all__ = ["gather_logprobs", "response_logprobs_from_logits", "logprobs_from_logits", "linear_logprobs"]
+__all__ = ["gather_logprobs", "response_logprobs_from_logits", "logprobs_from_logits", "linear_logprobs", "LOGPROB_IMPLS"]
 
 # Rows per chunk so that one fp32 (chunk, V) temporary stays near 256 MiB.
 _CHUNK_ELEMENTS = 1 << 26
@@ -75,24 +76,37 @@ def _scaled_logits(h_cD, weight_VD, temperature, softcap):
 
 class _LinearLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden_nD, weight_VD, targets_n, temperature, softcap, chunk, want_entropy):
+    def forward(ctx, hidden_nD, weight_VD, targets_n, temperature, softcap, chunk, want_entropy, impl):
         n, acc = hidden_nD.shape[0], _acc_dtype(hidden_nD.dtype)
         lp_n = hidden_nD.new_empty(n, dtype=acc)
         ent_n = hidden_nD.new_empty(n, dtype=acc) if want_entropy else None
+        stats = None
+        if impl == "triton":  # lse and mean_z per row, so that backward needs no reduction
+            from .backends.triton import logprob_kernel
+
+            stats = hidden_nD.new_empty(2, n, dtype=torch.float32)
         for s in range(0, n, chunk):
+            if stats is not None:
+                logits = torch.nn.functional.linear(hidden_nD[s:s + chunk], weight_VD)
+                lp, ent, stats[0, s:s + chunk], stats[1, s:s + chunk] = logprob_kernel.forward(
+                    logits, targets_n[s:s + chunk], temperature, softcap)
+                lp_n[s:s + chunk] = lp
+                if want_entropy:
+                    ent_n[s:s + chunk] = ent
+                continue
             z, _ = _scaled_logits(hidden_nD[s:s + chunk], weight_VD, temperature, softcap)
             lse = torch.logsumexp(z, dim=-1)
             lp_n[s:s + chunk] = z.gather(-1, targets_n[s:s + chunk, None]).squeeze(-1) - lse
             if want_entropy:  # H = lse - sum_v p_v z_v, as a row-wise dot (no extra (c, V) block)
                 ent_n[s:s + chunk] = lse - torch.linalg.vecdot(torch.softmax(z, dim=-1), z)
-        ctx.save_for_backward(hidden_nD, weight_VD, targets_n)
+        ctx.save_for_backward(hidden_nD, weight_VD, targets_n, stats)
         ctx.options = (temperature, softcap, chunk)
         ctx.set_materialize_grads(False)
         return lp_n, ent_n
 
     @staticmethod
     def backward(ctx, g_lp, g_ent):
-        hidden_nD, weight_VD, targets_n = ctx.saved_tensors
+        hidden_nD, weight_VD, targets_n, stats = ctx.saved_tensors
         temperature, softcap, chunk = ctx.options
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hidden_nD) if need_h else None
@@ -100,17 +114,27 @@ class _LinearLogProbs(torch.autograd.Function):
         grad_w = torch.zeros(weight_VD.shape, dtype=acc, device=weight_VD.device) if need_w else None
         for s in range(0, hidden_nD.shape[0], chunk):
             h_cD = hidden_nD[s:s + chunk]
-            z, t = _scaled_logits(h_cD, weight_VD, temperature, softcap)
-            dz = _dlogits(z, t, g_lp, g_ent, targets_n[s:s + chunk], s, chunk, temperature)
-            dl = dz.to(weight_VD.dtype)
-            del z, dz, t
+            if stats is not None:
+                from .backends.triton import logprob_kernel
+
+                rows = slice(s, s + chunk)
+                dl = logprob_kernel.backward_(
+                    torch.nn.functional.linear(h_cD, weight_VD), targets_n[rows],
+                    None if g_lp is None else g_lp[rows].float().contiguous(),
+                    None if g_ent is None else g_ent[rows].float().contiguous(),
+                    stats[0, rows], stats[1, rows], temperature, softcap)
+            else:
+                z, t = _scaled_logits(h_cD, weight_VD, temperature, softcap)
+                dz = _dlogits(z, t, g_lp, g_ent, targets_n[s:s + chunk], s, chunk, temperature)
+                dl = dz.to(weight_VD.dtype)
+                del z, dz, t
             if need_h:
                 grad_h[s:s + chunk] = dl @ weight_VD
             if need_w:
                 grad_w += dl.t() @ h_cD
         if need_w:
             grad_w = grad_w.to(weight_VD.dtype)
-        return grad_h, grad_w, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None
 
 
 def _dlogits(z, t, g_lp, g_ent, targets_c, s, chunk, temperature):
@@ -157,6 +181,31 @@ def _check_lean_inputs(hidden, weight, targets, temperature, softcap, chunk_size
         raise ValueError(f"chunk_size: expected None or an int >= 1, got {chunk_size!r}")
 
 
+LOGPROB_IMPLS = ("torch", "triton")
+
+
+def _resolve_impl(impl: str | None, hidden: torch.Tensor) -> str:
+    """The ``impl`` argument (or ``DUALKV_LOGPROBS_IMPL``), checked against what can run ``hidden``."""
+    source = "impl"
+    if impl is None:
+        impl, source = os.environ.get("DUALKV_LOGPROBS_IMPL", "torch"), "DUALKV_LOGPROBS_IMPL"
+    if impl not in LOGPROB_IMPLS:
+        raise ValueError(f"{source}: expected one of {LOGPROB_IMPLS}, got {impl!r}")
+    if impl == "triton":
+        from .backends import triton as triton_backend
+
+        if not triton_backend.is_available():
+            raise ValueError(f"{source}: 'triton' cannot run here: {triton_backend.unavailable_reason()}")
+        if hidden.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(f"hidden: expected float16, bfloat16 or float32 for the triton log-prob kernels, got {hidden.dtype}")
+        if not hidden.is_cuda and hidden.dtype == torch.bfloat16:
+            raise ValueError("hidden: bfloat16 is not supported by the Triton CPU interpreter; use float16 or float32")
+        if not hidden.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
+            raise ValueError(f"hidden: expected a CUDA tensor for the triton log-prob kernels, got device {hidden.device} "
+                             "(TRITON_INTERPRET=1 runs them on CPU)")
+    return impl
+
+
 def linear_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -166,6 +215,7 @@ def linear_logprobs(
     softcap: float | None = None,
     return_entropy: bool = False,
     chunk_size: int | None = None,
+    impl: str | None = None,
 ):
     """Log-probs (and entropies) of ``targets`` under ``softmax(cap(hidden @ weight.T) / temperature)``.
 
@@ -177,11 +227,17 @@ def linear_logprobs(
         softcap: final-logit softcap ``cap * tanh(l / cap)`` or None.
         return_entropy: also return the entropy of each row's distribution.
         chunk_size: rows per chunk; default keeps one fp32 (chunk, V) block near 256 MiB.
+        impl: how each chunk's logits are reduced: ``"torch"`` (PyTorch ops on an fp32 copy) or
+            ``"triton"`` (one Triton kernel per direction over the logits in the weights' dtype,
+            keeping each row's log-sum-exp and mean logit for backward; fp16 / bf16 / fp32 on CUDA,
+            fp16 / fp32 under ``TRITON_INTERPRET=1``). None reads ``DUALKV_LOGPROBS_IMPL``
+            (default ``"torch"``).
     Returns ``(logprobs (n,), entropy (n,) or None)``, float32 (float64 for float64 inputs),
     differentiable with respect to hidden and weight (the weight gradient is accumulated over the
     chunks in one fp32 (V, D) buffer and cast once).
     """
     _check_lean_inputs(hidden, weight, targets, temperature, softcap, chunk_size)
+    impl = _resolve_impl(impl, hidden)
     chunk = chunk_size or max(1, _CHUNK_ELEMENTS // weight.shape[0])
     if hidden.shape[0] == 0:
         # no rows (e.g. a sequence-parallel rank whose slice predicts no response token): keep the graph
@@ -189,4 +245,4 @@ def linear_logprobs(
         empty = hidden.new_zeros(0, dtype=_acc_dtype(hidden.dtype)) + (hidden.sum() + weight.sum()) * 0
         return empty, (empty.clone() if return_entropy else None)
     return _LinearLogProbs.apply(hidden, weight, targets.long(), float(temperature),
-                                 None if softcap is None else float(softcap), chunk, return_entropy)
+                                 None if softcap is None else float(softcap), chunk, return_entropy, impl)

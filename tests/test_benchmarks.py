@@ -381,3 +381,33 @@ def test_kernel_once_profile_lists_the_costliest_first(capsys):
     with pytest.raises(SystemExit):
         kernel_once.main(["--top", "0", "--profile", "--device", "cpu"])
     assert "--top: expected a positive count, got 0" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- log-prob head benchmark
+def test_logprob_head_benchmark_smoke(tmp_path, monkeypatch):
+    """Both implementations and the matmul floor run on tiny points (the Triton one in the
+    interpreter), agree, and the report names every row."""
+    pytest.importorskip("triton")
+    from benchmarks import bench_logprobs
+    from dualkv.core.backends.triton import logprob_kernel
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(logprob_kernel, "BLOCK_V", 64)
+    md = bench_logprobs.main(["--points", "n=9,D=8,V=150", "--device", "cpu", "--out", str(tmp_path), "--stem", "lp",
+                              "--budget-ms", "1", "--max-reps", "2"])
+    rows = json.loads((tmp_path / "lp.json").read_text())["rows"]
+    assert [r["impl"] for r in rows] == ["torch", "triton", "matmul-only"]
+    assert all(r["status"] == "ok" and r["fwd_ms"] > 0 and r["fwdbwd_ms"] > 0 for r in rows)
+    assert rows[1]["max_lp_diff"] < 1e-5 and rows[1]["max_grad_rel_diff"] < 1e-5
+    assert "| n=9,D=8,V=150 | triton | ok |" in md.read_text() and (tmp_path / "lp.png").is_file()
+
+
+@pytest.mark.parametrize("argv,match", [(["--points", "n=4,D=8"], "expected n, D and V"),
+                                        (["--points", "n=0,D=8,V=9"], "positive ints"),
+                                        (["--impls", "torch,cuda"], "--impls: expected names")])
+def test_logprob_head_benchmark_bad_arguments(argv, match, capsys):
+    from benchmarks import bench_logprobs
+
+    with pytest.raises(SystemExit):
+        bench_logprobs.parse_args(argv)
+    assert match in capsys.readouterr().err

@@ -171,3 +171,63 @@ def test_plain_helpers_agree():
     assert rows.shape == (2, 2) and rows[1, 1] == 0
     with pytest.raises(ValueError, match="input_ids"):
         response_logprobs_from_logits(torch.randn(5, 11), PackedLayout.from_lengths([2], [[2, 1]]))
+
+
+# ------------------------------------------------------------ impl="triton" (interpreter on CPU)
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Several blocks of logits per row and a ragged last one (V = 97, 300 with 32-wide blocks)."""
+    pytest.importorskip("triton")
+    from dualkv.core.backends.triton import logprob_kernel
+
+    monkeypatch.setattr(logprob_kernel, "BLOCK_V", 32)
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("temperature,softcap", [(1.0, None), (0.6, 3.0)])
+@pytest.mark.parametrize("terms", ["both", "logprobs", "entropy"])
+def test_triton_kernels_equal_torch_path(small_blocks, dtype, temperature, softcap, terms):
+    h, w, t = inputs(n=11, V=300, dtype=dtype)
+    results = {}
+    for impl, args in (("torch", (h, w)), ("triton", (h, w)), ("fp64", (h.double(), w.double()))):
+        lp, ent = linear_logprobs(*args, t, temperature=temperature, softcap=softcap, return_entropy=True,
+                                  chunk_size=4, impl="torch" if impl == "fp64" else impl)
+        objective = {"both": loss(lp, ent), "logprobs": loss(lp, None), "entropy": loss(ent, None, seed=2)}[terms]
+        results[impl] = (lp, ent, *torch.autograd.grad(objective, args))
+    names = ("logprobs", "entropy", "dhidden", "dweight")
+    for name, got, torch_path, exact in zip(names, results["triton"], results["torch"], results["fp64"]):
+        assert got.dtype == torch_path.dtype, name
+        # same logits in the same dtype, reduced in another order (and, in fp16, dlogits rounded
+        # before the LM-head products): no further from fp64 than the PyTorch path, up to 2x + a floor
+        scale = exact.abs().max()
+        err, ref_err = ((x.double() - exact).abs().max() / scale for x in (got, torch_path))
+        assert err <= 2 * ref_err + (1e-6 if dtype == torch.float32 else 1e-3), (name, err.item(), ref_err.item())
+
+
+def test_triton_impl_from_environment_and_errors(small_blocks, monkeypatch):
+    h, w, t = inputs()
+    monkeypatch.setenv("DUALKV_LOGPROBS_IMPL", "triton")
+    from dualkv.core.backends.triton import logprob_kernel
+
+    calls = []
+    real = logprob_kernel.forward
+    monkeypatch.setattr(logprob_kernel, "forward", lambda *a: calls.append(1) or real(*a))
+    lp, _ = linear_logprobs(h, w, t, chunk_size=5)
+    assert len(calls) == 3  # 13 rows in chunks of 5
+    torch.testing.assert_close(lp, linear_logprobs(h, w, t, impl="torch")[0], rtol=1e-5, atol=1e-5)
+    monkeypatch.setenv("DUALKV_LOGPROBS_IMPL", "cuda")
+    with pytest.raises(ValueError, match="DUALKV_LOGPROBS_IMPL: expected one of"):
+        linear_logprobs(h, w, t)
+    with pytest.raises(ValueError, match="impl: expected one of"):
+        linear_logprobs(h, w, t, impl="fused")
+    h64, w64, t64 = inputs(dtype=torch.float64)
+    with pytest.raises(ValueError, match="hidden: expected float16, bfloat16 or float32"):
+        linear_logprobs(h64, w64, t64, impl="triton")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="bfloat16 is not supported by the Triton CPU interpreter"):
+            linear_logprobs(*inputs(dtype=torch.bfloat16), impl="triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        with pytest.raises(ValueError, match="'triton' cannot run here"):
+            linear_logprobs(h, w, t, impl="triton")
