@@ -58,6 +58,7 @@ from benchmarks.bench_memory_scaling import parse_range
 from benchmarks.harness import _is_oom, fmt_size, parse_size
 from benchmarks.report import ResultWriter, environment
 from dualkv.core.backends import BACKEND_CHOICES
+from dualkv.core.logprobs import LOGPROB_IMPLS
 
 MODULE = "benchmarks.bench_policy_step"
 PACKINGS = ("dualkv", "replicated")
@@ -88,7 +89,8 @@ def train_config(args, packing: str, mb: int):
         optim=OptimConfig(lr=1e-6),
         parallel=ParallelConfig(sp=args.sp, param_dtype="bf16" if cuda else "fp32",
                                 activation_checkpointing=args.activation_checkpointing, compile=args.compile,
-                                checkpoint_keep_attention=args.keep_attention, attention_backend=args.attention_backend),
+                                checkpoint_keep_attention=args.keep_attention, attention_backend=args.attention_backend,
+                                logprobs_impl=args.logprobs_impl),
     )
 
 
@@ -318,6 +320,9 @@ def parse_args(argv=None):
     ap.add_argument("--attention-backend", choices=BACKEND_CHOICES, default="auto",
                     help="dualkv_attention backend of both packings (auto: what measured fastest per head dim on CUDA "
                          "tensors; a+b: a's forward, b's backward)")
+    ap.add_argument("--logprobs-impl", choices=LOGPROB_IMPLS, default=None,
+                    help="log-prob head's reduction of each chunk of logits, both packings (default: "
+                         "$DUALKV_LOGPROBS_IMPL, else torch)")
     ap.add_argument("--keep-attention", action="store_true",
                     help="checkpointed layers keep their attention outputs (no attention forward in the recompute)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps per configuration")
@@ -382,7 +387,8 @@ def _run(args, argv) -> Path:
                 responses_per_step=args.responses_per_step, algorithm="grpo", kl_beta=args.kl_beta,
                 activation_checkpointing=args.activation_checkpointing, compile=args.compile,
                 keep_attention=args.keep_attention, warmup=args.warmup, steps=args.steps, seed=args.seed,
-                world_size=_world(), sp=args.sp, attention_backend=args.attention_backend)
+                world_size=_world(), sp=args.sp, attention_backend=args.attention_backend,
+                logprobs_impl=args.logprobs_impl or os.environ.get("DUALKV_LOGPROBS_IMPL", "torch"))
     card = meta["card"]["name"].split()[-1].lower() if device.type == "cuda" else "cpu"
     stem = args.stem or f"policy_step_{card}_{datetime.now(timezone.utc):%Y%m%d-%H%M}"
     main_rank = _rank() == 0
@@ -400,9 +406,10 @@ def _run(args, argv) -> Path:
 
 
 SETTINGS = ("preset", "P", "response_range", "responses_per_step", "algorithm", "kl_beta", "activation_checkpointing",
-            "compile", "keep_attention", "warmup", "steps", "seed", "world_size", "sp", "attention_backend")
+            "compile", "keep_attention", "warmup", "steps", "seed", "world_size", "sp", "attention_backend",
+            "logprobs_impl")
 # What files written before these settings existed ran.
-SETTING_DEFAULTS = {"world_size": 1, "sp": 1, "attention_backend": "auto"}
+SETTING_DEFAULTS = {"world_size": 1, "sp": 1, "attention_backend": "auto", "logprobs_impl": "torch"}
 
 
 def merge(paths: list[str], out: str, stem: str) -> Path:
@@ -437,6 +444,7 @@ def write_report(writer) -> Path:
                   f"{' (keeping attention outputs)' if meta.get('keep_attention') else ''}"
                   f"{', torch.compile per decoder layer' if meta.get('compile') else ''}"
                   f"{', attention backend ' + meta['attention_backend'] if meta.get('attention_backend', 'auto') != 'auto' else ''}"
+                  f"{', log-prob head ' + meta['logprobs_impl'] if meta.get('logprobs_impl', 'torch') != 'torch' else ''}"
                   f"{_ranks_text(meta)}\n\n"
                   + tables(rows, meta))
     png = plot(rows, writer.dir / f"{writer.stem}.png", meta["card"]["name"])

@@ -119,6 +119,10 @@ class CausalLM(nn.Module):
     ``RouterStats`` and ``aux_loss`` the load-balancing loss (unscaled; the trainer multiplies by
     ``moe.aux_loss_coef``); tokens are weighted by their replication count so both equal what
     transformers computes on the N-replicated batch. ``None`` for dense models.
+
+    ``logprobs_impl`` (None, ``"torch"`` or ``"triton"``) is how the log-prob head reduces each chunk
+    of logits (``dualkv.core.logprobs.linear_logprobs``'s ``impl``; None reads
+    ``DUALKV_LOGPROBS_IMPL``); the trainer sets it from ``ParallelConfig.logprobs_impl``.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -133,6 +137,7 @@ class CausalLM(nn.Module):
         self.aux_loss: torch.Tensor | None = None
         self._checkpointed: frozenset[int] = frozenset()
         self._keep_attention = False
+        self.logprobs_impl: str | None = None
 
     # ------------------------------------------------------------------ set-up
     def tie_weights(self) -> None:
@@ -254,6 +259,7 @@ class CausalLM(nn.Module):
         lp_n, ent_n = linear_logprobs(
             hidden_TD[src], self.lm_head.weight, layout.input_ids[tgt], temperature=temperature,
             softcap=self.config.final_logit_softcap, return_entropy=return_entropy, chunk_size=chunk_size,
+            impl=self.logprobs_impl,
         )
         lp_BR = layout.unpack_logprobs(lp_n)
         return (lp_BR, layout.unpack_logprobs(ent_n)) if return_entropy else lp_BR

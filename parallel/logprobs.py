@@ -192,24 +192,24 @@ def logits_head(compute_logits) -> LogprobHead:
     return LogprobHead(run, "logits")
 
 
-def linear_head(weight_VD, softcap=None, chunk_size=None) -> LogprobHead:
-    """Memory-lean log-prob head of an LM-head weight (``dualkv.core.logprobs.linear_logprobs``):
-    logits in chunks, recomputed in backward, never (n, V) fp32 at once."""
+def linear_head(weight_VD, softcap=None, chunk_size=None, impl=None) -> LogprobHead:
+    """Memory-lean log-prob head of an LM-head weight (``dualkv.core.logprobs.linear_logprobs``, with
+    its ``impl``): logits in chunks, recomputed in backward, never (n, V) fp32 at once."""
     from dualkv.core.logprobs import linear_logprobs
 
     def run(hidden_nD, targets_n, temperature, return_entropy):
         return linear_logprobs(hidden_nD, weight_VD, targets_n, temperature=temperature, softcap=softcap,
-                               return_entropy=return_entropy, chunk_size=chunk_size)
+                               return_entropy=return_entropy, chunk_size=chunk_size, impl=impl)
 
     return LogprobHead(run, "linear")
 
 
 def model_head(model, chunk_size=None):
-    """The lean head for a ``dualkv.models.CausalLM`` (bias-free ``lm_head`` + ``config.final_logit_softcap``),
-    else ``logits_head(model.compute_logits)``."""
+    """The lean head for a ``dualkv.models.CausalLM`` (bias-free ``lm_head`` + ``config.final_logit_softcap``,
+    its ``logprobs_impl``), else ``logits_head(model.compute_logits)``."""
     lm_head, config = getattr(model, "lm_head", None), getattr(model, "config", None)
     if isinstance(lm_head, torch.nn.Linear) and lm_head.bias is None and hasattr(config, "final_logit_softcap"):
-        return linear_head(lm_head.weight, config.final_logit_softcap, chunk_size)
+        return linear_head(lm_head.weight, config.final_logit_softcap, chunk_size, getattr(model, "logprobs_impl", None))
     return logits_head(model.compute_logits)
 
 

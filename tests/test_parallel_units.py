@@ -189,3 +189,25 @@ def test_mesh_needs_an_initialised_process_group():
         pytest.skip("a default process group exists in this test process")
     with pytest.raises(ValueError, match="torch.distributed: expected an initialised default process group"):
         init_sp_mesh(2)
+
+
+def test_model_head_follows_the_models_logprobs_impl(monkeypatch):
+    """The SP log-prob head of a dualkv model reduces its logits the way the model's own head does
+    (``CausalLM.logprobs_impl``)."""
+    pytest.importorskip("triton")
+    import dualkv.models as M
+    from dualkv.core.backends.triton import logprob_kernel
+    from dualkv.parallel.logprobs import model_head
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    calls = []
+    real = logprob_kernel.forward
+    monkeypatch.setattr(logprob_kernel, "forward", lambda *a: calls.append(1) or real(*a))
+    model = M.build_model("tiny-qwen3", seed=0)
+    hidden, targets = torch.randn(6, model.config.hidden_size), torch.randint(0, model.config.vocab_size, (6,))
+    plain, _ = model_head(model)(hidden, targets, 1.0, False)
+    assert not calls
+    model.logprobs_impl = "triton"
+    fused, _ = model_head(model)(hidden, targets, 1.0, False)
+    assert calls
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)

@@ -114,6 +114,32 @@ def test_deterministic_attention_reaches_every_layer(tmp_path):
             trainer.close()
 
 
+def test_logprobs_impl_reaches_policy_and_reference(tmp_path, monkeypatch):
+    """--logprobs-impl triton sets the log-prob head of the policy and the reference; the run's
+    log-prob phases and update then go through the Triton kernels (interpreter here) and train as
+    the PyTorch head does."""
+    pytest.importorskip("triton")
+    from dualkv.core.backends.triton import logprob_kernel
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    calls = {"forward": 0, "backward_": 0}
+    for name in calls:
+        real = getattr(logprob_kernel, name)
+        monkeypatch.setattr(logprob_kernel, name, lambda *a, _real=real, _name=name: calls.__setitem__(_name, calls[_name] + 1) or _real(*a))
+    cfg = _config(tmp_path, "--logprobs-impl", "triton", "--kl-beta", "0.04", "--steps", "1")
+    assert cfg.parallel.logprobs_impl == "triton"
+    trainer = Trainer(cfg)
+    try:
+        assert trainer.policy.logprobs_impl == trainer.updater.reference.logprobs_impl == "triton"
+        fused = trainer.run()
+    finally:
+        trainer.close()
+    assert calls["forward"] > 0 and calls["backward_"] > 0
+    plain, _, _ = _train(_config(tmp_path / "torch", "--kl-beta", "0.04", "--steps", "1"))
+    for key in ("loss", "kl", "grad_norm"):
+        assert fused[0][key] == pytest.approx(plain[0][key], rel=1e-4, abs=1e-6), key
+
+
 def test_bad_arguments_and_rollout_files_are_rejected(tmp_path):
     parse = build_parser().parse_args
     cfg = config_from_args(parse(["--activation-checkpointing", "--checkpoint-keep-attention"]))
@@ -123,6 +149,8 @@ def test_bad_arguments_and_rollout_files_are_rejected(tmp_path):
     with pytest.raises(ValueError, match=r"attention_backend: expected one of \['auto', 'reference', 'triton', 'cuda'\] or a forward\+backward "
                        r"pair of kernel backends \(e.g. 'triton\+cuda'\), got 'fast'"):
         ParallelConfig(attention_backend="fast")
+    with pytest.raises(ValueError, match=r"logprobs_impl: expected None or one of \('torch', 'triton'\), got 'fused'"):
+        ParallelConfig(logprobs_impl="fused")
     with pytest.raises(ValueError, match="checkpoint_keep_attention: needs activation_checkpointing"):
         config_from_args(parse(["--checkpoint-keep-attention"]))
     with pytest.raises(ValueError, match="mini_batches: expected a divisor of groups=6, got 4"):

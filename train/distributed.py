@@ -38,7 +38,9 @@ class ParallelConfig:
     forward+backward pair of them such as "triton+cuda"); deterministic_attention: bit-identical
     attention gradients run to run (``dualkv_attention(deterministic=True)``; the CUDA backward, which
     ``auto`` takes at head dims 128 / 256 on Hopper, otherwise adds the prompt's gradients with fp32
-    atomics)."""
+    atomics); logprobs_impl: how the log-prob head reduces each chunk of logits, ``"torch"`` or
+    ``"triton"`` (``CausalLM.logprobs_impl``; None leaves the model's, which reads
+    ``DUALKV_LOGPROBS_IMPL``)."""
 
     sp: int = 1
     param_dtype: str = "bf16"
@@ -47,10 +49,14 @@ class ParallelConfig:
     checkpoint_keep_attention: bool = False
     attention_backend: str = "auto"
     deterministic_attention: bool = False
+    logprobs_impl: str | None = None
 
     def __post_init__(self) -> None:
         from dualkv.core.backends import split_backend
+        from dualkv.core.logprobs import LOGPROB_IMPLS
 
+        if self.logprobs_impl is not None and self.logprobs_impl not in LOGPROB_IMPLS:
+            raise ValueError(f"logprobs_impl: expected None or one of {LOGPROB_IMPLS}, got {self.logprobs_impl!r}")
         if self.sp < 1:
             raise ValueError(f"sp: expected >= 1, got {self.sp}")
         if self.attention_backend != "auto":
@@ -180,6 +186,8 @@ def parallelize_policy(model: torch.nn.Module, ctx: DistContext, cfg: ParallelCo
         from dualkv.core import dualkv_attention
 
         model.set_attn_fn(functools.partial(dualkv_attention, **options))
+    if cfg.logprobs_impl is not None:
+        model.logprobs_impl = cfg.logprobs_impl
     if cfg.activation_checkpointing and trainable:
         model.set_activation_checkpointing(True, keep_attention=cfg.checkpoint_keep_attention)
     if ctx.sp_size > 1:

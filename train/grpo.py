@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from dualkv.core.backends import BACKEND_CHOICES
+from dualkv.core.logprobs import LOGPROB_IMPLS
 
 from .arithmetic import ArithmeticConfig
 from .distributed import ParallelConfig
@@ -105,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--deterministic-attention", action="store_true",
                    help="bit-identical attention gradients run to run (the CUDA backward, which auto takes at head "
                         "dims 128 / 256 on Hopper, otherwise adds the prompt's gradients with fp32 atomics)")
+    d.add_argument("--logprobs-impl", choices=LOGPROB_IMPLS, default=None,
+                   help="how the log-prob head reduces each chunk of logits: PyTorch ops on an fp32 copy (torch) or one "
+                        "Triton kernel per direction (triton); default: $DUALKV_LOGPROBS_IMPL, else torch")
     d.add_argument("--cpu-threads", type=int, default=None,
                    help="intra-op threads of a CPU run (default: $OMP_NUM_THREADS, else 1: small models run fastest "
                         "on one thread)")
@@ -146,7 +150,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         parallel=ParallelConfig(sp=args.sp, param_dtype=dtype, activation_checkpointing=args.activation_checkpointing,
                                 compile=args.compile, checkpoint_keep_attention=args.checkpoint_keep_attention,
                                 attention_backend=args.attention_backend,
-                                deterministic_attention=args.deterministic_attention),
+                                deterministic_attention=args.deterministic_attention,
+                                logprobs_impl=args.logprobs_impl),
     )
 
 
