@@ -346,6 +346,20 @@ class DualKVCudaFusedDq(DualKVCuda):
     env = {"DUALKV_CUDA_WGMMA": None, "DUALKV_CUDA_WGMMA_BWD": "3"}
 
 
+@register("dualkv-cuda-ws-bwd")
+class DualKVCudaWsBwd(DualKVCuda):
+    """The opt-in warp-specialised wgmma dK/dV kernel (a producer warpgroup loads; d 64 / 128)."""
+
+    env = {"DUALKV_CUDA_WGMMA": None, "DUALKV_CUDA_WGMMA_BWD": "4"}
+
+
+@register("dualkv-pair-ws-bwd")
+class DualKVPairWsBwd(DualKVCudaWsBwd):
+    """Triton's forward with the warp-specialised dK/dV backward (the pair ``auto`` takes at d = 128)."""
+
+    backend = "triton+cuda"
+
+
 @register("dualkv-pair-fused-dq")
 class DualKVPairFusedDq(DualKVCudaFusedDq):
     """Triton's forward with the fused-dQ CUDA backward (the pair ``auto`` takes at d = 128, fused)."""

@@ -205,12 +205,13 @@ int use_sm90_forward(const Tensor& q, int head_dim) {
 // 256 with the warpgroups' roles split, in one schedule), on the same devices. The default is 1 (the
 // products of a tile one after the other: 1.5x the mma.sync backward on an H200,
 // benchmarks/results/cuda_hopper_bwd_h200.md); DUALKV_CUDA_WGMMA_BWD=2 overlaps the next
-// tile's products (slower there), =3 accumulates dQ inside the dK/dV kernel (fp32 atomics into a
-// workspace; no dQ kernel recomputing S and dP; not with deterministic=True, which keeps 1), =0 asks
-// for mma.sync. Returns the schedule that runs: 0 (mma.sync), 1, 2 or 3 (1 for any wgmma choice at
-// 192 / 256, which have one).
+// tile's products (slower there), =3 accumulates dQ inside the dK/dV kernel (fp32 bulk reductions into a
+// workspace; no dQ kernel recomputing S and dP; not with deterministic=True, which keeps 1), =4 runs
+// the dK/dV kernel warp-specialised (a producer warpgroup loads; not yet measured), =0 asks for
+// mma.sync. Returns the schedule that runs: 0 (mma.sync), 1 .. 4 (1 for any wgmma choice at 192 /
+// 256, which have one).
 int use_sm90_backward(const Tensor& q, int head_dim) {
-  const int choice = kernel_choice("DUALKV_CUDA_WGMMA_BWD", '3');
+  const int choice = kernel_choice("DUALKV_CUDA_WGMMA_BWD", '4');
   if (choice == 0 || !sm90_bwd_supports(head_dim) || !hopper_kernels_usable(q)) return 0;
   return sm90_bwd_schedules(head_dim) ? choice : 1;
 }

@@ -49,12 +49,14 @@ cudaError_t run_dq_sm90(const BwdParams& p, cudaStream_t stream, bool overlap) {
   }
 }
 
-// schedule: 1 (in turn), 2 (overlapped), 3 (in turn, dQ accumulated here into p.dq_accum).
+// schedule: 1 (in turn), 2 (overlapped), 3 (in turn, dQ accumulated here into p.dq_accum), 4 (in
+// turn, warp-specialised: a producer warpgroup loads).
 template <class E, int D>
 cudaError_t launch_dkdv_sm90_schedule(const BwdParams& p, cudaStream_t stream, int schedule) {
   switch (schedule) {
     case 2: return launch_dkdv_sm90<E, D, true>(p, stream);
     case 3: return launch_dkdv_sm90<E, D, false, true>(p, stream);
+    case 4: return launch_persistent<DkdvSm90Ws<D>, &dkv_dkdv_sm90_ws_kernel<E, D>>(p, stream);
     default: return launch_dkdv_sm90<E, D, false>(p, stream);
   }
 }

@@ -25,7 +25,8 @@
 // dQ (64 x d) += dS K (wgmma RS, K as an MN-major operand).
 //
 // DUALKV_CUDA_WGMMA_BWD=3 runs the dK/dV kernel with dQ accumulated in it (DkdvSm90::kDq) and no dQ
-// kernel.
+// kernel; =4 runs the dK/dV kernel warp-specialised (dkv_dkdv_sm90_ws_kernel: a producer warpgroup
+// loads, the two compute warpgroups never meet at a barrier) with the default dQ kernel.
 //
 // Both kernels have two schedules (DUALKV_CUDA_WGMMA_BWD=1: the products of a tile in turn; =2: the
 // next tile's shared-memory products issued before this tile's register-operand ones, and the
@@ -602,6 +603,204 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
     block_sync();  // shared K/V are reloaded by the next item
   }
   if constexpr (kDq) sm90::bulk_wait<0>();  // the dQ rows this thread added (shared memory stays valid)
+}
+
+// The dK/dV kernel warp-specialised (DUALKV_CUDA_WGMMA_BWD=4; d = 64 / 128): warpgroup 0 only loads,
+// warpgroups 1 and 2 compute as the in-turn kernel above (each its 64 keys of the 128-key tile). The
+// producer fetches the items, loads an item's K / V once the consumers are done with the previous
+// item's (kv_empty), then its reader query tiles into a ring of kStages buffers, each with a slot
+// saying what it holds (full: landed, empty: both consumers are done with it). So the consumers
+// never meet at a block barrier: they drift apart, one's element-wise step under the other's
+// products, and the load addressing leaves their registers (setmaxnreg).
+template <int kHeadDim_>
+struct DkdvSm90Ws {
+  static constexpr int kHeadDim = kHeadDim_, kBlockN = 128, kBlockM = 64, kThreads = 384, kStages = 3;
+  static constexpr int kParts = kHeadDim / 64;
+  static constexpr int kKvTile = kBlockN * kHeadDim, kQTile = kBlockM * kHeadDim;  // elements
+  // What a ring buffer holds: a reader tile of `item` (kTile), the item's last (kLast), or the end.
+  struct Slot {
+    QTileDesc desc;
+    int item, flags;
+  };
+  static constexpr int kTile = 1, kLast = 2, kDone = 4;
+  // K, V; Q and dO buffers; lse_log2 and dsum buffers; slots; full, empty and kv_empty barriers; the
+  // producer's item slot; alignment.
+  static constexpr int kSmemBytes = (2 * kKvTile + 2 * kStages * kQTile) * 2 + 2 * kStages * kBlockM * 4 +
+                                    kStages * static_cast<int>(sizeof(Slot)) + (2 * kStages + 1) * 8 + 16 + 1024;
+  static_assert(kHeadDim == 64 || kHeadDim == 128, "the warp-specialised dK/dV kernel: head dim 64 or 128");
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory of one H100 / H200 block");
+};
+
+template <class E, int D>
+DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CONSTANT BwdParams p) {
+  using K = DkdvSm90Ws<D>;
+  using Slot = typename K::Slot;
+  constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kParts = K::kParts, kStages = K::kStages;
+  const int rep = p.nheads / p.nheads_kv;
+  const int W = p.window;
+  const int total_items = p.kv_item_prefix[p.num_item_groups] * p.nheads_kv;
+
+  uint16_t* sK = reinterpret_cast<uint16_t*>(sm90::dynamic_smem_1024());
+  uint16_t* sV = sK + K::kKvTile;
+  uint16_t* sQ0 = sV + K::kKvTile;             // buffer b at sQ0 + b * kQTile
+  uint16_t* sdO0 = sQ0 + kStages * K::kQTile;  // buffer b at sdO0 + b * kQTile
+  float* sL0 = reinterpret_cast<float*>(sdO0 + kStages * K::kQTile);
+  float* sD0 = sL0 + kStages * kBlockM;
+  Slot* slots = reinterpret_cast<Slot*>(sD0 + kStages * kBlockM);
+  uint64_t* full = reinterpret_cast<uint64_t*>(slots + kStages);
+  uint64_t* empty = full + kStages;
+  uint64_t* kv_empty = empty + kStages;
+  int* s_item = reinterpret_cast<int*>(kv_empty + 1);
+
+  if (thread_idx() == 0) {
+    for (int st = 0; st < kStages; ++st) {
+      sm90::mbar_init(&full[st], 128);
+      sm90::mbar_init(&empty[st], 256);
+    }
+    sm90::mbar_init(kv_empty, 256);
+  }
+  block_sync();
+
+  if (thread_idx() < 128) {  // the producer
+    sm90::setmaxnreg_dec<40>();
+    const int pt = thread_idx();
+    int n_slots = 0;  // slots published so far: slot i goes to buffer i % kStages
+    auto open_slot = [&]() -> int {  // the next buffer, once the consumers are done with its last use
+      const int b = n_slots % kStages;
+      if (n_slots >= kStages) sm90::mbar_wait(&empty[b], (n_slots / kStages - 1) & 1);
+      return b;
+    };
+    auto publish = [&](int b, const QTileDesc& desc, int item, int flags) {
+      if (pt == 0) slots[b] = Slot{desc, item, flags};
+      cp_async_wait<0>();                 // this thread's copies (K / V and the tile) have landed
+      sm90::fence_smem_to_async_proxy();  // for the wgmma that read them
+      sm90::mbar_arrive(&full[b]);
+      ++n_slots;
+    };
+    for (int n_items = 0;; ++n_items) {
+      if (pt == 0) *s_item = atomic_add_i32(p.work_counter, 1);
+      sm90::warpgroup_sync(0);
+      const int item = *s_item;
+      sm90::warpgroup_sync(0);
+      if (n_items > 0) sm90::mbar_wait(kv_empty, (n_items - 1) & 1);  // K / V of the last item are read
+      if (item >= total_items) {
+        publish(open_slot(), QTileDesc{}, item, K::kDone);
+        break;
+      }
+      const KvItem it = decode_item<kBlockN>(p, item);
+      ReaderCursor<kBlockM> cur;
+      bool have = cur.begin(p, it);
+      if (!have) {
+        publish(open_slot(), QTileDesc{}, item, K::kLast);  // no reader: the consumers store zeros
+        continue;
+      }
+      sm90::load_tile_sw128_async<D, 128, kBlockN>(sK, it.ctx_tensor ? p.k_ctx : p.k, it.key_row0, it.hk, it.nk, pt);
+      sm90::load_tile_sw128_async<D, 128, kBlockN>(sV, it.ctx_tensor ? p.v_ctx : p.v, it.key_row0, it.hk, it.nk, pt);
+      cp_async_commit();
+      while (have) {
+        const int b = open_slot();
+        const ReaderTile rt = load_reader_tile<D, 128>(p, cur, it, rep, sQ0 + b * K::kQTile, sdO0 + b * K::kQTile,
+                                                       sL0 + b * kBlockM, sD0 + b * kBlockM, pt);
+        cp_async_commit();
+        have = cur.advance(p, it, rep);
+        publish(b, rt.desc, item, K::kTile | (have ? 0 : K::kLast));
+      }
+    }
+    return;
+  }
+
+  sm90::setmaxnreg_inc<232>();
+  const int tid = thread_idx() - 128, lane = tid & 31, warp = (tid >> 5) & 3, wg = tid >> 7;  // wg: consumer 0 / 1
+  const int g = lane >> 2, tq = lane & 3;
+  // This warpgroup's 64 keys start 64 rows (8 KB) into every 128-row part of K and V.
+  const uint64_t desc_k = sm90::smem_desc_sw128(reinterpret_cast<const char*>(sK) + wg * 64 * 128);
+  const uint64_t desc_v = sm90::smem_desc_sw128(reinterpret_cast<const char*>(sV) + wg * 64 * 128);
+  const uint64_t desc_q = sm90::smem_desc_sw128(sQ0), desc_do = sm90::smem_desc_sw128(sdO0);
+  const uint64_t desc_q_mn = sm90::smem_desc_sw128_mn64(sQ0), desc_do_mn = sm90::smem_desc_sw128_mn64(sdO0);
+  constexpr uint32_t kQTileBytes = K::kQTile * 2;
+  const ScoreFn score = make_score_fn(p.scale, p.softcap);
+  const int key_in_tile[2] = {64 * wg + 16 * warp + g, 64 * wg + 16 * warp + g + 8};
+
+  float dk[kParts][32], dv[kParts][32];
+  float st[32], dpt[32];
+  uint32_t pa[kBlockM / 16][4] = {}, dsa[kBlockM / 16][4] = {};
+
+  for (int n_slots = 0;;) {  // one item a pass
+    for (int part = 0; part < kParts; ++part)
+      for (int i = 0; i < 32; ++i) dk[part][i] = dv[part][i] = 0.f;
+    Slot slot;
+    for (;;) {  // its slots
+      const int b = n_slots % kStages;
+      sm90::mbar_wait(&full[b], (n_slots / kStages) & 1);
+      slot = slots[b];
+      if (slot.flags & K::kTile) {
+        // S^T = K Q^T and dP^T = V dO^T, then dV += P^T dO and dK += dS^T Q (as dkv_dkdv_sm90_kernel).
+        const uint32_t qb = b * kQTileBytes;
+        sm90::wgmma_fence();
+        {
+          const uint64_t dk0 = sm90::desc_here(desc_k), dv0 = sm90::desc_here(desc_v);
+          const uint64_t dq0 = sm90::desc_here(desc_q), ddo0 = sm90::desc_here(desc_do);
+#pragma unroll
+          for (int k = 0; k < D / 16; ++k) {
+            const uint32_t kv_off = (k / 4) * kBlockN * 128 + (k % 4) * 32, q_off = qb + (k / 4) * kBlockM * 128 + (k % 4) * 32;
+            sm90::wgmma_m64n64k16_ss<E, 0>(st, sm90::desc_advance(dk0, kv_off), sm90::desc_advance(dq0, q_off), k > 0);
+            sm90::wgmma_m64n64k16_ss<E, 0>(dpt, sm90::desc_advance(dv0, kv_off), sm90::desc_advance(ddo0, q_off), k > 0);
+          }
+        }
+        sm90::wgmma_commit();
+        sm90::wgmma_wait<0>();
+        sm90::fence_operand<32>(st);
+        sm90::fence_operand<32>(dpt);
+        const float* sD = sD0 + b * kBlockM;
+        transposed_probabilities<kBlockM, kBlockN>(st, slot.desc, sL0 + b * kBlockM, key_in_tile, tq, W, score,
+                                                   [&](int e, int col, bool masked, float pr, float dtanh) {
+                                                     const float ds = pr * (dpt[e] - sD[col]) * dtanh;
+                                                     st[e] = masked ? 0.f : pr;
+                                                     dpt[e] = masked ? 0.f : ds;
+                                                   });
+        c_to_a<E, kBlockM>(pa, reinterpret_cast<const float(&)[kBlockM / 8][4]>(st));
+        c_to_a<E, kBlockM>(dsa, reinterpret_cast<const float(&)[kBlockM / 8][4]>(dpt));
+        sm90::wgmma_fence();
+        {
+          const uint64_t ddo_mn = sm90::desc_here(desc_do_mn), dq_mn = sm90::desc_here(desc_q_mn);
+#pragma unroll
+          for (int part = 0; part < kParts; ++part)
+#pragma unroll
+            for (int kq = 0; kq < kBlockM / 16; ++kq) {
+              const uint32_t off = qb + part * kBlockM * 128 + kq * 2048;
+              sm90::wgmma_m64n64k16_rs<E, 1>(dv[part], pa[kq], sm90::desc_advance(ddo_mn, off), true);
+              sm90::wgmma_m64n64k16_rs<E, 1>(dk[part], dsa[kq], sm90::desc_advance(dq_mn, off), true);
+            }
+        }
+        sm90::wgmma_commit();
+        sm90::wgmma_wait<0>();
+        sm90::fence_operand(pa);
+        sm90::fence_operand(dsa);
+        for (int part = 0; part < kParts; ++part) {
+          sm90::fence_operand<32>(dk[part]);
+          sm90::fence_operand<32>(dv[part]);
+        }
+      }
+      if (!(slot.flags & K::kDone)) sm90::mbar_arrive(&empty[b]);
+      ++n_slots;
+      if (slot.flags & (K::kLast | K::kDone)) break;
+    }
+    if (slot.flags & K::kDone) break;
+    sm90::mbar_arrive(kv_empty);  // K / V are read: the producer may load the next item's
+    const KvItem it = decode_item<kBlockN>(p, slot.item);
+    // dk[part][4 j + i]: key key_in_tile[i / 2], column 64 part + 8 j + 2 tq + i % 2.
+    for (int r = 0; r < 2; ++r) {
+      const int key = key_in_tile[r];
+      if (key >= it.nk) continue;
+      store_dkdv_row<E>(p, it, it.key_row0 + key, [&](auto&& store) {
+        for (int part = 0; part < kParts; ++part)
+#pragma unroll
+          for (int j = 0; j < 8; ++j)
+            store(64 * part + 8 * j + 2 * tq, dk[part][4 * j + 2 * r], dk[part][4 * j + 2 * r + 1],
+                  dv[part][4 * j + 2 * r], dv[part][4 * j + 2 * r + 1]);
+      });
+    }
+  }
 }
 
 // dQ at head dims 192 and 256, where the d = 128 kernel's shape does not fit (at d = 256 its 128-row Q /

@@ -175,20 +175,22 @@ def test_wgmma_forward_matches_reference(cuda_backend, case, dtype, mode, monkey
     assert any("dkv_fwd_sm90_kernel" in name for name in kernels), f"the wgmma forward did not run: {sorted(kernels)}"
 
 
-@pytest.mark.parametrize("mode", [None, "2", "3"], ids=["default", "overlap", "fused-dq"])
+@pytest.mark.parametrize("mode", [None, "2", "3", "4"], ids=["default", "overlap", "fused-dq", "ws"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", [c for c in GRID if c[4] in (64, 128)], ids=lambda c: _ids(c))
 def test_wgmma_backward_matches_reference(cuda_backend, case, dtype, deterministic, mode, monkeypatch):
     """The Hopper wgmma dQ and dK/dV kernels (csrc/dkv_bwd_sm90.cuh; d = 64 / 128): the default on sm_90
-    (the products of a tile in turn), DUALKV_CUDA_WGMMA_BWD=2 (overlapped) and =3 (dQ accumulated in
-    the dK/dV kernel, no dQ kernel; deterministic=True keeps the default), on the grid against the
-    fp32 reference, in both accumulation modes, and the profiler shows which kernels ran."""
+    (the products of a tile in turn), DUALKV_CUDA_WGMMA_BWD=2 (overlapped), =3 (dQ accumulated in
+    the dK/dV kernel, no dQ kernel; deterministic=True keeps the default) and =4 (the dK/dV kernel
+    warp-specialised), on the grid against the fp32 reference, in both accumulation modes, and the
+    profiler shows which kernels ran."""
     _choose_hopper_kernels(monkeypatch, "DUALKV_CUDA_WGMMA_BWD", mode, "the wgmma backward")
     r, kernels = _kernels_of(case, dtype, deterministic)
     _check_against_reference(case, dtype, r)
     fused = mode == "3" and not deterministic
-    assert any("dkv_dkdv_sm90_kernel" in name for name in kernels), f"the dK/dV kernel did not run: {sorted(kernels)}"
+    dkdv = "dkv_dkdv_sm90_ws_kernel" if mode == "4" else "dkv_dkdv_sm90_kernel"
+    assert any(dkdv in name for name in kernels), f"the dK/dV kernel did not run: {sorted(kernels)}"
     assert any("dkv_dq_sm90_kernel" in name for name in kernels) != fused, sorted(kernels)
 
 
@@ -358,10 +360,10 @@ def _sanitizer():
 
 # Kernel paths under the sanitizer: the defaults (on sm_90 the wgmma forward and backward), the opt-in
 # Hopper forms (the warp-specialised forward with the overlapped wgmma backward; the dK/dV kernel that
-# also accumulates dQ) and the mma.sync kernels; all but the first differ from the defaults only on an
+# also accumulates dQ; the warp-specialised dK/dV kernel) and the mma.sync kernels; all but the first differ from the defaults only on an
 # sm_90 GPU.
 SANITIZER_PATHS = {"default": {}, "hopper-opt-in": {"DUALKV_CUDA_WGMMA": "2", "DUALKV_CUDA_WGMMA_BWD": "2"},
-                   "fused-dq": {"DUALKV_CUDA_WGMMA_BWD": "3"},
+                   "fused-dq": {"DUALKV_CUDA_WGMMA_BWD": "3"}, "ws-dkdv": {"DUALKV_CUDA_WGMMA_BWD": "4"},
                    "mma-sync": {"DUALKV_CUDA_WGMMA": "0", "DUALKV_CUDA_WGMMA_BWD": "0"}}
 
 
