@@ -302,6 +302,69 @@ DKV_DEV void transposed_probabilities(const float (&s)[32], const QTileDesc& des
   });
 }
 
+// One warpgroup's products in the dK/dV kernels (the in-turn and overlapped one below and the
+// warp-specialised one): its 64 keys start 64 rows (8 KB) into every 128-row part of K and V; the
+// query tile in buffer b sits at b * kQTile of the Q and dO buffers.
+template <class E, int D, int kBlockM, int kBlockN>
+struct DkdvProducts {
+  static constexpr int kParts = D / 64;
+  static constexpr uint32_t kQTileBytes = kBlockM * D * 2;
+  uint64_t k, v, q, dout, q_mn, dout_mn;
+
+  DKV_DEV DkdvProducts(const uint16_t* sK, const uint16_t* sV, const uint16_t* sQ0, const uint16_t* sdO0, int wg)
+      : k(sm90::smem_desc_sw128(reinterpret_cast<const char*>(sK) + wg * 64 * 128)),
+        v(sm90::smem_desc_sw128(reinterpret_cast<const char*>(sV) + wg * 64 * 128)),
+        q(sm90::smem_desc_sw128(sQ0)),
+        dout(sm90::smem_desc_sw128(sdO0)),
+        q_mn(sm90::smem_desc_sw128_mn64(sQ0)),
+        dout_mn(sm90::smem_desc_sw128_mn64(sdO0)) {}
+
+  // S^T = K Q^T and dP^T = V dO^T of the query tile in buffer b (D / 16 k16 steps each).
+  DKV_DEV void issue_ss(float (&st)[32], float (&dpt)[32], int b) const {
+    const uint32_t qb = b * kQTileBytes;
+    const uint64_t dk0 = sm90::desc_here(k), dv0 = sm90::desc_here(v);
+    const uint64_t dq0 = sm90::desc_here(q), ddo0 = sm90::desc_here(dout);
+#pragma unroll
+    for (int s = 0; s < D / 16; ++s) {  // part s / 4, 32 bytes per k16 step inside it
+      const uint32_t kv_off = (s / 4) * kBlockN * 128 + (s % 4) * 32, q_off = qb + (s / 4) * kBlockM * 128 + (s % 4) * 32;
+      sm90::wgmma_m64n64k16_ss<E, 0>(st, sm90::desc_advance(dk0, kv_off), sm90::desc_advance(dq0, q_off), s > 0);
+      sm90::wgmma_m64n64k16_ss<E, 0>(dpt, sm90::desc_advance(dv0, kv_off), sm90::desc_advance(ddo0, q_off), s > 0);
+    }
+  }
+  // dV += P^T dO, dK += dS^T Q with the tile in buffer b: queries 16 kq .. 16 kq + 15 are rows 2048
+  // bytes apart per step.
+  DKV_DEV void issue_rs(float (&dk)[kParts][32], float (&dv)[kParts][32], const uint32_t (&pa)[kBlockM / 16][4],
+                        const uint32_t (&dsa)[kBlockM / 16][4], int b) const {
+    const uint64_t ddo_mn = sm90::desc_here(dout_mn), dq_mn = sm90::desc_here(q_mn);
+#pragma unroll
+    for (int part = 0; part < kParts; ++part)
+#pragma unroll
+      for (int kq = 0; kq < kBlockM / 16; ++kq) {
+        const uint32_t off = b * kQTileBytes + part * kBlockM * 128 + kq * 2048;
+        sm90::wgmma_m64n64k16_rs<E, 1>(dv[part], pa[kq], sm90::desc_advance(ddo_mn, off), true);
+        sm90::wgmma_m64n64k16_rs<E, 1>(dk[part], dsa[kq], sm90::desc_advance(dq_mn, off), true);
+      }
+  }
+};
+
+// The dK/dV kernels' end of an item: each thread's two key rows of dK and dV (dk[part][4 j + i]: key
+// key_in_tile[i / 2], column 64 part + 8 j + 2 tq + i % 2) to their destinations.
+template <class E, int kParts>
+DKV_DEV void store_dkdv_rows(const BwdParams& p, const KvItem& it, const int (&key_in_tile)[2], int tq,
+                             const float (&dk)[kParts][32], const float (&dv)[kParts][32]) {
+  for (int r = 0; r < 2; ++r) {
+    const int key = key_in_tile[r];
+    if (key >= it.nk) continue;
+    store_dkdv_row<E>(p, it, it.key_row0 + key, [&](auto&& store) {
+      for (int part = 0; part < kParts; ++part)
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          store(64 * part + 8 * j + 2 * tq, dk[part][4 * j + 2 * r], dk[part][4 * j + 2 * r + 1],
+                dv[part][4 * j + 2 * r], dv[part][4 * j + 2 * r + 1]);
+    });
+  }
+}
+
 // kOverlap = false: per query tile, the two shared-memory products, the element-wise step, then the
 // two register-operand products, each waited for; the next tile's loads are issued under the first
 // two, and one block barrier a tile (its arrival) also frees the previous tile's buffers (on an H200
@@ -350,18 +413,12 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
   uint16_t* sQ0 = sV + K::kKvTile;               // buffer b at sQ0 + b * kQTile
   uint16_t* sdO0 = sQ0 + kQBuffers * K::kQTile;  // buffer b at sdO0 + b * kQTile
   uint16_t* sDs = sdO0 + kQBuffers * K::kQTile;  // (kDq) part c (keys 64 c ..) at sDs + c * kBlockM * 64
-  float* sStage = reinterpret_cast<float*>(sDs + K::kDsTile);  // (kDq) warpgroup w's rows at w * 64 * kStageRow
+  float* sStage = reinterpret_cast<float*>(sDs + K::kDsTile);  // (kDq) warpgroup w's rows at w * 64 * kDqAccumPitch
   float* sL0 = sStage + K::kStage;
   float* sD0 = sL0 + kQBuffers * kBlockM;
   int* s_item = reinterpret_cast<int*>(sD0 + kQBuffers * kBlockM);
 
-  // This warpgroup's 64 keys start 64 rows (8 KB) into every 128-row part of K and V.
-  const uint64_t desc_k = sm90::smem_desc_sw128(reinterpret_cast<const char*>(sK) + wg * 64 * 128);
-  const uint64_t desc_v = sm90::smem_desc_sw128(reinterpret_cast<const char*>(sV) + wg * 64 * 128);
-  const uint64_t desc_q = sm90::smem_desc_sw128(sQ0), desc_do = sm90::smem_desc_sw128(sdO0);
-  const uint64_t desc_q_mn = sm90::smem_desc_sw128_mn64(sQ0), desc_do_mn = sm90::smem_desc_sw128_mn64(sdO0);
-  constexpr uint32_t kQTileBytes = K::kQTile * 2;
-
+  const DkdvProducts<E, D, kBlockM, kBlockN> products(sK, sV, sQ0, sdO0, wg);
   const ScoreFn score = make_score_fn(p.scale, p.softcap);
   const int key_in_tile[2] = {64 * wg + 16 * warp + g, 64 * wg + 16 * warp + g + 8};
 
@@ -369,31 +426,8 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
   float st[32], dpt[32];
   uint32_t pa[kBlockM / 16][4] = {}, dsa[kBlockM / 16][4] = {};
 
-  // S^T = K Q^T and dP^T = V dO^T of the query tile in buffer b (D / 16 k16 steps each).
-  auto issue_ss = [&](int b) {
-    const uint32_t qb = b * kQTileBytes;
-    const uint64_t dk0 = sm90::desc_here(desc_k), dv0 = sm90::desc_here(desc_v);
-    const uint64_t dq0 = sm90::desc_here(desc_q), ddo0 = sm90::desc_here(desc_do);
-#pragma unroll
-    for (int k = 0; k < D / 16; ++k) {  // part k / 4, 32 bytes per k16 step inside it
-      const uint32_t kv_off = (k / 4) * kBlockN * 128 + (k % 4) * 32, q_off = qb + (k / 4) * kBlockM * 128 + (k % 4) * 32;
-      sm90::wgmma_m64n64k16_ss<E, 0>(st, sm90::desc_advance(dk0, kv_off), sm90::desc_advance(dq0, q_off), k > 0);
-      sm90::wgmma_m64n64k16_ss<E, 0>(dpt, sm90::desc_advance(dv0, kv_off), sm90::desc_advance(ddo0, q_off), k > 0);
-    }
-  };
-  // dV += P^T dO, dK += dS^T Q with the tile in buffer b: queries 16 kq .. 16 kq + 15 are rows 2048
-  // bytes apart per step.
-  auto issue_rs = [&](int b) {
-    const uint64_t ddo_mn = sm90::desc_here(desc_do_mn), dq_mn = sm90::desc_here(desc_q_mn);
-#pragma unroll
-    for (int part = 0; part < kParts; ++part)
-#pragma unroll
-      for (int kq = 0; kq < kBlockM / 16; ++kq) {
-        const uint32_t off = b * kQTileBytes + part * kBlockM * 128 + kq * 2048;
-        sm90::wgmma_m64n64k16_rs<E, 1>(dv[part], pa[kq], sm90::desc_advance(ddo_mn, off), true);
-        sm90::wgmma_m64n64k16_rs<E, 1>(dk[part], dsa[kq], sm90::desc_advance(dq_mn, off), true);
-      }
-  };
+  auto issue_ss = [&](int b) { products.issue_ss(st, dpt, b); };
+  auto issue_rs = [&](int b) { products.issue_rs(dk, dv, pa, dsa, b); };
   // P^T and dS^T in place of S^T and dP^T (st[4 j + i]: key key_in_tile[i / 2], query 8 j + 2 tq + i % 2).
   auto elementwise = [&](const QTileDesc& desc, int b) {
     const float* sD = sD0 + b * kBlockM;
@@ -588,18 +622,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
       }
     }
     cp_async_wait<0>();  // an item with no reader still has its K/V load in flight
-    // dk[part][4 j + i]: key key_in_tile[i / 2], column 64 part + 8 j + 2 tq + i % 2.
-    for (int r = 0; r < 2; ++r) {
-      const int key = key_in_tile[r];
-      if (key >= it.nk) continue;
-      store_dkdv_row<E>(p, it, it.key_row0 + key, [&](auto&& store) {
-        for (int part = 0; part < kParts; ++part)
-#pragma unroll
-          for (int j = 0; j < 8; ++j)
-            store(64 * part + 8 * j + 2 * tq, dk[part][4 * j + 2 * r], dk[part][4 * j + 2 * r + 1],
-                  dv[part][4 * j + 2 * r], dv[part][4 * j + 2 * r + 1]);
-      });
-    }
+    store_dkdv_rows<E, kParts>(p, it, key_in_tile, tq, dk, dv);
     block_sync();  // shared K/V are reloaded by the next item
   }
   if constexpr (kDq) sm90::bulk_wait<0>();  // the dQ rows this thread added (shared memory stays valid)
@@ -712,12 +735,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
   sm90::setmaxnreg_inc<232>();
   const int tid = thread_idx() - 128, lane = tid & 31, warp = (tid >> 5) & 3, wg = tid >> 7;  // wg: consumer 0 / 1
   const int g = lane >> 2, tq = lane & 3;
-  // This warpgroup's 64 keys start 64 rows (8 KB) into every 128-row part of K and V.
-  const uint64_t desc_k = sm90::smem_desc_sw128(reinterpret_cast<const char*>(sK) + wg * 64 * 128);
-  const uint64_t desc_v = sm90::smem_desc_sw128(reinterpret_cast<const char*>(sV) + wg * 64 * 128);
-  const uint64_t desc_q = sm90::smem_desc_sw128(sQ0), desc_do = sm90::smem_desc_sw128(sdO0);
-  const uint64_t desc_q_mn = sm90::smem_desc_sw128_mn64(sQ0), desc_do_mn = sm90::smem_desc_sw128_mn64(sdO0);
-  constexpr uint32_t kQTileBytes = K::kQTile * 2;
+  const DkdvProducts<E, D, kBlockM, kBlockN> products(sK, sV, sQ0, sdO0, wg);
   const ScoreFn score = make_score_fn(p.scale, p.softcap);
   const int key_in_tile[2] = {64 * wg + 16 * warp + g, 64 * wg + 16 * warp + g + 8};
 
@@ -735,18 +753,8 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
       slot = slots[b];
       if (slot.flags & K::kTile) {
         // S^T = K Q^T and dP^T = V dO^T, then dV += P^T dO and dK += dS^T Q (as dkv_dkdv_sm90_kernel).
-        const uint32_t qb = b * kQTileBytes;
         sm90::wgmma_fence();
-        {
-          const uint64_t dk0 = sm90::desc_here(desc_k), dv0 = sm90::desc_here(desc_v);
-          const uint64_t dq0 = sm90::desc_here(desc_q), ddo0 = sm90::desc_here(desc_do);
-#pragma unroll
-          for (int k = 0; k < D / 16; ++k) {
-            const uint32_t kv_off = (k / 4) * kBlockN * 128 + (k % 4) * 32, q_off = qb + (k / 4) * kBlockM * 128 + (k % 4) * 32;
-            sm90::wgmma_m64n64k16_ss<E, 0>(st, sm90::desc_advance(dk0, kv_off), sm90::desc_advance(dq0, q_off), k > 0);
-            sm90::wgmma_m64n64k16_ss<E, 0>(dpt, sm90::desc_advance(dv0, kv_off), sm90::desc_advance(ddo0, q_off), k > 0);
-          }
-        }
+        products.issue_ss(st, dpt, b);
         sm90::wgmma_commit();
         sm90::wgmma_wait<0>();
         sm90::fence_operand<32>(st);
@@ -761,17 +769,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
         c_to_a<E, kBlockM>(pa, reinterpret_cast<const float(&)[kBlockM / 8][4]>(st));
         c_to_a<E, kBlockM>(dsa, reinterpret_cast<const float(&)[kBlockM / 8][4]>(dpt));
         sm90::wgmma_fence();
-        {
-          const uint64_t ddo_mn = sm90::desc_here(desc_do_mn), dq_mn = sm90::desc_here(desc_q_mn);
-#pragma unroll
-          for (int part = 0; part < kParts; ++part)
-#pragma unroll
-            for (int kq = 0; kq < kBlockM / 16; ++kq) {
-              const uint32_t off = qb + part * kBlockM * 128 + kq * 2048;
-              sm90::wgmma_m64n64k16_rs<E, 1>(dv[part], pa[kq], sm90::desc_advance(ddo_mn, off), true);
-              sm90::wgmma_m64n64k16_rs<E, 1>(dk[part], dsa[kq], sm90::desc_advance(dq_mn, off), true);
-            }
-        }
+        products.issue_rs(dk, dv, pa, dsa, b);
         sm90::wgmma_commit();
         sm90::wgmma_wait<0>();
         sm90::fence_operand(pa);
@@ -787,19 +785,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
     }
     if (slot.flags & K::kDone) break;
     sm90::mbar_arrive(kv_empty);  // K / V are read: the producer may load the next item's
-    const KvItem it = decode_item<kBlockN>(p, slot.item);
-    // dk[part][4 j + i]: key key_in_tile[i / 2], column 64 part + 8 j + 2 tq + i % 2.
-    for (int r = 0; r < 2; ++r) {
-      const int key = key_in_tile[r];
-      if (key >= it.nk) continue;
-      store_dkdv_row<E>(p, it, it.key_row0 + key, [&](auto&& store) {
-        for (int part = 0; part < kParts; ++part)
-#pragma unroll
-          for (int j = 0; j < 8; ++j)
-            store(64 * part + 8 * j + 2 * tq, dk[part][4 * j + 2 * r], dk[part][4 * j + 2 * r + 1],
-                  dv[part][4 * j + 2 * r], dv[part][4 * j + 2 * r + 1]);
-      });
-    }
+    store_dkdv_rows<E, kParts>(p, decode_item<kBlockN>(p, slot.item), key_in_tile, tq, dk, dv);
   }
 }
 
