@@ -112,11 +112,11 @@ class _LinearLogProbs(torch.autograd.Function):
         grad_h = torch.empty_like(hidden_nD) if need_h else None
         acc = _acc_dtype(hidden_nD.dtype)
         grad_w = torch.zeros(weight_VD.shape, dtype=acc, device=weight_VD.device) if need_w else None
+        if stats is not None:
+            from .backends.triton import logprob_kernel
         for s in range(0, hidden_nD.shape[0], chunk):
             h_cD = hidden_nD[s:s + chunk]
             if stats is not None:
-                from .backends.triton import logprob_kernel
-
                 rows = slice(s, s + chunk)
                 dl = logprob_kernel.backward_(
                     torch.nn.functional.linear(h_cD, weight_VD), targets_n[rows],
@@ -196,13 +196,7 @@ def _resolve_impl(impl: str | None, hidden: torch.Tensor) -> str:
 
         if not triton_backend.is_available():
             raise ValueError(f"{source}: 'triton' cannot run here: {triton_backend.unavailable_reason()}")
-        if hidden.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-            raise ValueError(f"hidden: expected float16, bfloat16 or float32 for the triton log-prob kernels, got {hidden.dtype}")
-        if not hidden.is_cuda and hidden.dtype == torch.bfloat16:
-            raise ValueError("hidden: bfloat16 is not supported by the Triton CPU interpreter; use float16 or float32")
-        if not hidden.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
-            raise ValueError(f"hidden: expected a CUDA tensor for the triton log-prob kernels, got device {hidden.device} "
-                             "(TRITON_INTERPRET=1 runs them on CPU)")
+        triton_backend.check_tensor("hidden", hidden, "the triton log-prob kernels")
     return impl
 
 

@@ -57,20 +57,26 @@ def unavailable_reason() -> str:
     return ""
 
 
+def check_tensor(name: str, t: torch.Tensor, what: str) -> None:
+    """Raise ValueError, naming ``name``, unless Triton kernels (``what``, for the message) can run on
+    ``t`` here: its dtype, and a CUDA device or the CPU interpreter (which has no bf16)."""
+    if t.dtype not in _DTYPES:
+        raise ValueError(f"{name}: expected float16, bfloat16 or float32 for {what}, got dtype {t.dtype}")
+    if t.is_cuda:
+        if t.dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+            raise ValueError(f"{name}: bfloat16 needs a GPU with bf16 support (compute capability >= 8.0)")
+    elif not _interpret():
+        raise ValueError(f"{name}: expected a CUDA tensor for {what}, got device {t.device} "
+                         "(TRITON_INTERPRET=1 runs the kernels on CPU)")
+    elif t.dtype == torch.bfloat16:
+        raise ValueError(f"{name}: bfloat16 is not supported by the Triton CPU interpreter; use float16 or float32")
+
+
 def check_supported(q, k, v, window, softcap) -> None:
     """Raise ValueError, naming the argument, for inputs these kernels do not handle."""
-    if q.dtype not in _DTYPES:
-        raise ValueError(f"q: expected dtype float16, bfloat16 or float32 for the triton backend, got {q.dtype}")
+    check_tensor("q", q, "the triton backend")
     if q.shape[2] not in HEAD_DIMS:
         raise ValueError(f"q: expected headdim in {HEAD_DIMS} for the triton backend, got {q.shape[2]}")
-    if q.is_cuda:
-        if q.dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
-            raise ValueError("q: bfloat16 needs a GPU with bf16 support (compute capability >= 8.0)")
-    elif not _interpret():
-        raise ValueError(f"q: expected a CUDA tensor for the triton backend, got device {q.device} "
-                         "(TRITON_INTERPRET=1 runs the kernels on CPU)")
-    elif q.dtype == torch.bfloat16:
-        raise ValueError("q: bfloat16 is not supported by the Triton CPU interpreter; use float16 or float32")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name}: expected a contiguous last dimension, got strides {t.stride()}")
