@@ -76,3 +76,94 @@ def padded_rows(groups, rng: random.Random, pad_id: int = 0, shuffle: bool = Tru
         resp_mask[b, : r.numel()] = 1
     uid = [f"prompt-{g}" for g, _ in rows]
     return ids, attn, resp_mask, uid, rows
+
+
+# ------------------------------------------------------------- Triton kernels compiled without a GPU
+_COMPILE_SPECS = """
+import importlib, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+for spec in json.loads(open(sys.argv[1]).read()):
+    fn = getattr(importlib.import_module(spec["module"]), spec["name"])
+    source = ASTSource(fn=fn, signature=spec["signature"], constexprs=spec["constexprs"])
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=spec["options"])
+    assert len(compiled.asm["cubin"]) > 0, spec["name"]
+    print("compiled", spec["name"], flush=True)
+"""
+
+
+def _launch_spec(kernel, args: tuple, kwargs: dict) -> dict:
+    """A kernel launch as ASTSource arguments: Triton's own type of each argument, constexprs kept."""
+    import inspect
+
+    from triton.runtime.jit import mangle_type
+
+    fn = getattr(kernel, "fn", kernel)
+    params = list(inspect.signature(fn).parameters.values())
+    values = dict(zip((p.name for p in params), args))
+    values.update({k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")})
+    signature, constexprs = {}, {}
+    for p in params:
+        v = values[p.name]
+        ty = "constexpr" if "constexpr" in str(p.annotation) else mangle_type(v)
+        signature[p.name] = ty
+        if ty == "constexpr":
+            constexprs[p.name] = v
+    options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+    return dict(module=fn.__module__, name=fn.__name__, signature=signature, constexprs=constexprs, options=options)
+
+
+def record_triton_launches(monkeypatch, module, names) -> dict:
+    """Wrap the kernels ``module.<name>`` so that every launch still runs and is also recorded (as
+    ASTSource arguments, one entry per distinct launch) in the returned dict."""
+    import json
+
+    specs = {}
+
+    class Recorder:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                spec = _launch_spec(self.kernel, args, kwargs)
+                specs[json.dumps(spec, sort_keys=True)] = spec
+                return self.kernel[grid](*args, **kwargs)
+            return launch
+
+    for name in names:
+        monkeypatch.setattr(module, name, Recorder(getattr(module, name)))
+    return specs
+
+
+def compile_for_hopper(specs: dict, tmp_path, dtypes=("bf16",)) -> None:
+    """Compile every recorded launch to sm_90 machine code, in a subprocess outside the Triton
+    interpreter (which never runs Triton's compiler), with its fp16 arguments and descriptors as each
+    of ``dtypes`` (the interpreter has no bf16, the GPU runs it). Skips where Triton has no
+    ahead-of-time compile API."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+    import triton
+
+    if not hasattr(triton, "compile"):
+        pytest.skip("this Triton has no ahead-of-time compile API")
+    launches = {}
+    for spec in specs.values():
+        for dtype in dtypes:
+            typed = {**spec, "signature": {k: v.replace("fp16", dtype) for k, v in spec["signature"].items()}}
+            launches[json.dumps(typed, sort_keys=True)] = typed
+    path = tmp_path / "launches.json"
+    path.write_text(json.dumps(list(launches.values())))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _COMPILE_SPECS, str(path)], env=env, capture_output=True, text=True,
+                         timeout=900)
+    if "ImportError" in run.stderr and ("GPUTarget" in run.stderr or "ASTSource" in run.stderr):
+        pytest.skip("this Triton has no ahead-of-time compile API")
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.stdout.count("compiled") == len(launches)

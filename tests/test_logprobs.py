@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -16,6 +12,7 @@ from dualkv.core.logprobs import (
     logprobs_from_logits,
     response_logprobs_from_logits,
 )
+from helpers import compile_for_hopper, record_triton_launches
 
 
 def inputs(n=13, D=24, V=97, dtype=torch.float32, seed=0):
@@ -237,38 +234,31 @@ def test_triton_impl_from_environment_and_errors(small_blocks, monkeypatch):
             linear_logprobs(h, w, t, impl="triton")
 
 
-_AOT_COMPILE = """
-import sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from dualkv.core.backends.triton import logprob_kernel as lk
+def test_triton_kernels_compile_for_hopper(small_blocks, tmp_path, monkeypatch):
+    """The kernels, as linear_logprobs launches them (the default block width, with and without a
+    softcap, both gradients flowing), lower to sm_90 machine code in bf16 and fp16 on this CPU-only
+    machine: the interpreter never runs Triton's compiler (and cannot run bf16 at all)."""
+    from dualkv.core.backends.triton import logprob_kernel
 
-dtype, cap = sys.argv[1], sys.argv[2] == "1"
-rows = {"L": f"*{dtype}", "stride_l": "i64", "TGT": "*i64"}
-tail = {"LSE": "*fp32", "MEANZ": "*fp32", "V": "i32", "inv_temp": "fp32", "cap": "fp32"}
-kernels = [(lk._logprob_fwd_kernel, {**rows, "LP": "*fp32", "ENT": "*fp32", **tail}, {}),
-           (lk._logprob_bwd_kernel, {**rows, "G_LP": "*fp32", "G_ENT": "*fp32", **tail}, {"HAS_G": True, "HAS_G_ENT": True})]
-for fn, signature, flags in kernels:
-    constexprs = {"HAS_CAP": cap, **flags, "BLOCK": lk.BLOCK_V}
-    source = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in constexprs}}, constexprs=constexprs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
-    assert len(compiled.asm["cubin"]) > 0, fn.__name__
-print("compiled")
-"""
+    monkeypatch.setattr(logprob_kernel, "BLOCK_V", 4096)
+    specs = record_triton_launches(monkeypatch, logprob_kernel, ("_logprob_fwd_kernel", "_logprob_bwd_kernel"))
+    h, w, t = inputs(n=3, D=8, V=5000, dtype=torch.float16)
+    for softcap in (None, 3.0):
+        lp, ent = linear_logprobs(h, w, t, softcap=softcap, return_entropy=True, impl="triton")
+        torch.autograd.grad(loss(lp, ent), (h, w))
+    assert {s["name"] for s in specs.values()} == {"_logprob_fwd_kernel", "_logprob_bwd_kernel"}
+    assert len(specs) == 4  # each kernel with and without the cap
+    compile_for_hopper(specs, tmp_path, dtypes=("bf16", "fp16"))
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-@pytest.mark.parametrize("cap", [False, True])
-def test_triton_kernels_compile_for_hopper(dtype, cap):
-    """The kernels lower to sm_90 machine code here, without a GPU: the interpreter skips Triton's
-    compiler (and cannot run bf16 at all). In a subprocess, outside the interpreter."""
-    triton = pytest.importorskip("triton")
-    if not hasattr(triton, "compile"):
-        pytest.skip("this Triton has no ahead-of-time compile API")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", _AOT_COMPILE, dtype, str(int(cap))], env=env, capture_output=True,
-                         text=True, timeout=300)
-    if "ImportError" in out.stderr and "GPUTarget" in out.stderr:
-        pytest.skip("this Triton has no GPUTarget")
-    assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-3000:]
+def test_triton_kernel_entry_points_name_bad_arguments(small_blocks):
+    """The kernels' Python entry points refuse logits / targets they cannot address, naming them."""
+    from dualkv.core.backends.triton import logprob_kernel
+
+    logits, targets = torch.randn(4, 50), torch.randint(0, 50, (4,))
+    with pytest.raises(ValueError, match=r"logits: expected a \(n, V\) tensor with a contiguous last dim"):
+        logprob_kernel.forward(logits.t(), targets, 1.0, None)
+    with pytest.raises(ValueError, match=r"targets: expected \(4,\) int64"):
+        logprob_kernel.forward(logits, targets.int(), 1.0, None)
+    with pytest.raises(ValueError, match=r"targets: expected \(4,\) int64"):
+        logprob_kernel.backward_(logits, targets[:3], None, None, targets.float(), targets.float(), 1.0, None)

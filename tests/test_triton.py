@@ -9,7 +9,6 @@ both load paths (pointers and tensor descriptors).
 from __future__ import annotations
 
 import math
-import os
 import random
 from dataclasses import replace
 
@@ -19,6 +18,7 @@ import torch
 from dualkv.core import AttnMeta, PackedLayout, dualkv_attention, flash_attn_dualkv_varlen_func, reference_attention
 from dualkv.core.backends import triton as triton_backend
 from dualkv.core.reference import reference_attention_backward_meta, reference_attention_meta
+from helpers import compile_for_hopper, record_triton_launches
 
 pytestmark = pytest.mark.skipif(not triton_backend.is_available(), reason="triton backend not available here")
 
@@ -280,74 +280,17 @@ def test_random_layouts():
 
 
 # ------------------------------------------------------------------ compiled for Hopper, no GPU
-_COMPILE_RECORDED = """
-import importlib, json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-
-for spec in json.loads(open(sys.argv[1]).read()):
-    fn = getattr(importlib.import_module(spec["module"]), spec["name"])
-    source = ASTSource(fn=fn, signature=spec["signature"], constexprs=spec["constexprs"])
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=spec["options"])
-    assert len(compiled.asm["cubin"]) > 0, spec["name"]
-    print("compiled", spec["name"], flush=True)
-"""
-
-def _launch_spec(kernel, args: tuple, kwargs: dict) -> dict:
-    """A kernel launch as ASTSource arguments: Triton's own type of each argument (16-bit float
-    tensors and descriptors as bf16, what the GPU runs; the interpreter has no bf16), constexprs kept."""
-    import inspect
-
-    from triton.runtime.jit import mangle_type
-
-    fn = getattr(kernel, "fn", kernel)
-    params = list(inspect.signature(fn).parameters.values())
-    values = dict(zip((p.name for p in params), args))
-    values.update({k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")})
-    signature, constexprs = {}, {}
-    for p in params:
-        v = values[p.name]
-        ty = "constexpr" if "constexpr" in str(p.annotation) else mangle_type(v).replace("fp16", "bf16")
-        signature[p.name] = ty
-        if ty == "constexpr":
-            constexprs[p.name] = v
-    options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
-    return dict(module=fn.__module__, name=fn.__name__, signature=signature, constexprs=constexprs, options=options)
-
-
 def test_kernels_compile_for_hopper_with_gpu_configs(tmp_path, monkeypatch):
     """Every attention kernel a forward + backward launches, with the configs a GPU would take, in
     bf16, lowers to sm_90 machine code on this CPU-only machine: the interpreter never runs Triton's
     compiler, so a kernel it runs can still fail to compile. The launches are recorded from an
     interpreter run (window and softcap on), then compiled in a subprocess outside the interpreter."""
-    import json
-    import subprocess
-    import sys
-
-    import triton
-
-    if not hasattr(triton, "compile"):
-        pytest.skip("this Triton has no ahead-of-time compile API")
     from dualkv.core.backends.triton import configs
 
     monkeypatch.setattr(configs, "choose", lambda kind, key, head_dim, elem, on_cuda, run=None:
                         configs.candidates(kind, head_dim, elem)[0])
-    specs = {}
-
-    class Recorder:
-        def __init__(self, name, kernel):
-            self.name, self.kernel = name, kernel
-
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                spec = _launch_spec(self.kernel, args, kwargs)
-                specs[json.dumps(spec, sort_keys=True)] = spec
-                return self.kernel[grid](*args, **kwargs)
-            return launch
-
-    for name in ("fwd_kernel", "preprocess_kernel", "dkdv_kernel", "reduce_kernel", "dq_kernel", "scale_cast_kernel"):
-        monkeypatch.setattr(launcher, name, Recorder(name, getattr(launcher, name)))
+    specs = record_triton_launches(monkeypatch, launcher, ("fwd_kernel", "preprocess_kernel", "dkdv_kernel",
+                                                           "reduce_kernel", "dq_kernel", "scale_cast_kernel"))
     layout = PackedLayout.from_lengths([70], [[40, 9]])
     g = torch.Generator().manual_seed(0)
     q = torch.randn(layout.total_tokens, 4, 128, generator=g, dtype=torch.float16).requires_grad_()
@@ -356,12 +299,4 @@ def test_kernels_compile_for_hopper_with_gpu_configs(tmp_path, monkeypatch):
     out.float().square().sum().backward()
     names = {s["name"] for s in specs.values()}
     assert {"fwd_kernel", "preprocess_kernel", "dkdv_kernel", "dq_kernel"} <= names, names
-    path = tmp_path / "launches.json"
-    path.write_text(json.dumps(list(specs.values())))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _COMPILE_RECORDED, str(path)], env=env, capture_output=True, text=True,
-                         timeout=900)
-    if "ImportError" in run.stderr and ("GPUTarget" in run.stderr or "ASTSource" in run.stderr):
-        pytest.skip("this Triton has no ahead-of-time compile API")
-    assert run.returncode == 0, run.stderr[-4000:]
-    assert run.stdout.count("compiled") == len(specs)
+    compile_for_hopper(specs, tmp_path)
