@@ -641,15 +641,23 @@ struct DkdvSm90Ws {
   static constexpr int kParts = kHeadDim / 64;
   static constexpr int kKvTile = kBlockN * kHeadDim, kQTile = kBlockM * kHeadDim;  // elements
   // What a ring buffer holds: a reader tile of `item` (kTile), the item's last (kLast), or the end.
-  struct Slot {
+  struct alignas(16) Slot {
     QTileDesc desc;
     int item, flags;
   };
   static constexpr int kTile = 1, kLast = 2, kDone = 4;
-  // K, V; Q and dO buffers; lse_log2 and dsum buffers; slots; full, empty and kv_empty barriers; the
-  // producer's item slot; alignment.
-  static constexpr int kSmemBytes = (2 * kKvTile + 2 * kStages * kQTile) * 2 + 2 * kStages * kBlockM * 4 +
-                                    kStages * static_cast<int>(sizeof(Slot)) + (2 * kStages + 1) * 8 + 16 + 1024;
+  // Shared memory, in bytes from the 1024-aligned base: K, V; the Q and dO buffers; the lse_log2 and
+  // dsum buffers; the full, empty and kv_empty barriers (8-byte aligned); the slots (16-byte aligned);
+  // the producer's item; then the base's alignment slack.
+  static constexpr int kOffQ = 2 * kKvTile * 2, kOffDo = kOffQ + kStages * kQTile * 2;
+  static constexpr int kOffL = kOffDo + kStages * kQTile * 2, kOffD = kOffL + kStages * kBlockM * 4;
+  static constexpr int kOffBars = kOffD + kStages * kBlockM * 4;
+  static constexpr int kOffSlots = kOffBars + ((2 * kStages + 1) * 8 + 15) / 16 * 16;
+  static constexpr int kOffItem = kOffSlots + kStages * static_cast<int>(sizeof(Slot));
+  static constexpr int kSmemBytes = kOffItem + 16 + 1024;
+  static_assert(kOffQ % 1024 == 0 && kOffDo % 1024 == 0 && kQTile * 2 % 1024 == 0,
+                "128-byte-swizzled tiles start on 1024-byte boundaries");
+  static_assert(kOffBars % 8 == 0 && kOffSlots % 16 == 0, "mbarriers 8-byte, slots 16-byte aligned");
   static_assert(kHeadDim == 64 || kHeadDim == 128, "the warp-specialised dK/dV kernel: head dim 64 or 128");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one H100 / H200 block");
 };
@@ -663,17 +671,18 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
   const int W = p.window;
   const int total_items = p.kv_item_prefix[p.num_item_groups] * p.nheads_kv;
 
-  uint16_t* sK = reinterpret_cast<uint16_t*>(sm90::dynamic_smem_1024());
+  char* smem = reinterpret_cast<char*>(sm90::dynamic_smem_1024());
+  uint16_t* sK = reinterpret_cast<uint16_t*>(smem);
   uint16_t* sV = sK + K::kKvTile;
-  uint16_t* sQ0 = sV + K::kKvTile;             // buffer b at sQ0 + b * kQTile
-  uint16_t* sdO0 = sQ0 + kStages * K::kQTile;  // buffer b at sdO0 + b * kQTile
-  float* sL0 = reinterpret_cast<float*>(sdO0 + kStages * K::kQTile);
-  float* sD0 = sL0 + kStages * kBlockM;
-  Slot* slots = reinterpret_cast<Slot*>(sD0 + kStages * kBlockM);
-  uint64_t* full = reinterpret_cast<uint64_t*>(slots + kStages);
+  uint16_t* sQ0 = reinterpret_cast<uint16_t*>(smem + K::kOffQ);    // buffer b at sQ0 + b * kQTile
+  uint16_t* sdO0 = reinterpret_cast<uint16_t*>(smem + K::kOffDo);  // buffer b at sdO0 + b * kQTile
+  float* sL0 = reinterpret_cast<float*>(smem + K::kOffL);
+  float* sD0 = reinterpret_cast<float*>(smem + K::kOffD);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + K::kOffBars);
   uint64_t* empty = full + kStages;
   uint64_t* kv_empty = empty + kStages;
-  int* s_item = reinterpret_cast<int*>(kv_empty + 1);
+  Slot* slots = reinterpret_cast<Slot*>(smem + K::kOffSlots);
+  int* s_item = reinterpret_cast<int*>(smem + K::kOffItem);
 
   if (thread_idx() == 0) {
     for (int st = 0; st < kStages; ++st) {

@@ -21,6 +21,7 @@
 #include <functional>
 #include <memory>
 #include <stdexcept>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -80,11 +81,19 @@ inline thread_local Thread self;
 inline void warp_sync() { self.warp->bar->arrive_and_wait(); }
 inline void block_sync() { self.block_bar->arrive_and_wait(); }
 
+// Misaligned operands fault on the device (cudaErrorMisalignedAddress); here they throw at the call.
+inline void require_aligned(const void* p, uintptr_t align, const char* what) {
+  if (reinterpret_cast<uintptr_t>(p) % align != 0)
+    throw std::runtime_error(std::string("emulated ") + what + ": address not " + std::to_string(align) + "-byte aligned");
+}
+
 inline void run_copy(const PendingCopy& c) {
   if (c.src_bytes > 0) std::memcpy(c.dst, c.src, c.src_bytes);
   if (c.bytes > c.src_bytes) std::memset(static_cast<char*>(c.dst) + c.src_bytes, 0, c.bytes - c.src_bytes);
 }
 inline void cp_async(void* dst, const void* src, int bytes, int src_bytes) {
+  require_aligned(dst, bytes, "cp.async destination");
+  if (src_bytes > 0) require_aligned(src, bytes, "cp.async source");
   self.open.push_back({dst, src, bytes, src_bytes});
 }
 inline void cp_commit() {
@@ -102,6 +111,7 @@ inline void cp_wait(int n) {
 // matrix l / 8; lane l receives, from matrix i, row l / 4, columns 2(l % 4), 2(l % 4) + 1
 // (transposed: column l / 4, rows 2(l % 4), 2(l % 4) + 1), the lower column/row in the low half.
 inline void ldmatrix_x4(uint32_t (&r)[4], const void* addr, bool trans) {
+  require_aligned(addr, 16, "ldmatrix row");
   Warp& w = *self.warp;
   const int l = self.lane;
   w.ptr[l] = addr;
@@ -264,9 +274,11 @@ inline float shfl_xor(float v, int mask) {
 // bits 0-31 the arrivals still pending in this phase. A phase completes when its last arrival comes;
 // try_wait.parity(P) answers whether the phase of parity P has completed (the current phase differs).
 inline void mbar_init(uint64_t* bar, int count) {
+  require_aligned(bar, 8, "mbarrier");
   std::atomic_ref<uint64_t>(*bar).store((static_cast<uint64_t>(count) << 32) | static_cast<uint32_t>(count));
 }
 inline void mbar_arrive(uint64_t* bar) {
+  require_aligned(bar, 8, "mbarrier");
   std::atomic_ref<uint64_t> word(*bar);
   uint64_t v = word.load();
   for (;;) {
@@ -278,6 +290,7 @@ inline void mbar_arrive(uint64_t* bar) {
   }
 }
 inline void mbar_wait_parity(uint64_t* bar, int parity) {
+  require_aligned(bar, 8, "mbarrier");
   std::atomic_ref<uint64_t> word(*bar);
   while (static_cast<int>(word.load() >> 63) == parity) std::this_thread::yield();
 }
@@ -287,6 +300,9 @@ inline void mbar_wait_parity(uint64_t* bar, int parity) {
 // a source overwritten before that wait is caught; the adds are atomic (other threads and blocks add
 // to the same rows). A thread that exits with reductions pending is an error, as on the device.
 inline void bulk_reduce_add_f32(float* dst, const float* src, int bytes) {
+  require_aligned(dst, 16, "bulk reduction destination");
+  require_aligned(src, 16, "bulk reduction source");
+  if (bytes % 16 != 0) throw std::runtime_error("emulated bulk reduction: size not a multiple of 16 bytes");
   self.bulk_open.push_back({dst, src, bytes / 4});
 }
 inline void bulk_commit() {
