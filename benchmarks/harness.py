@@ -254,9 +254,10 @@ class _DualKV(Provider):
 
     backend = "reference"
     # Kernel choices of the CUDA backend, read by its binding at every call: set before each forward
-    # (the backward of that forward follows it), None = unset (the default). The CUDA variants below
-    # time the backend's kernel paths against each other in one run.
-    env: dict[str, str | None] = {}
+    # (the backward of that forward follows it), None = unset (the default). Every DualKV provider sets
+    # both, so none inherits the choice of the variant timed before it; the CUDA variants below time
+    # the backend's kernel paths against each other in one run.
+    env: dict[str, str | None] = {"DUALKV_CUDA_WGMMA": None, "DUALKV_CUDA_WGMMA_BWD": None}
 
     @classmethod
     def unsupported(cls, cfg, device):
@@ -327,7 +328,7 @@ class DualKVCudaWs(DualKVCuda):
 
 @register("dualkv-cuda-wgmma-bwd")
 class DualKVCudaWgmmaBwd(DualKVCuda):
-    """The wgmma backward asked for by name (d 64 / 128; the products of a tile in turn; the default on sm_90)."""
+    """The wgmma backward's in-turn schedule (d 64 / 128; the products of a tile in turn; the default before 4)."""
 
     env = {"DUALKV_CUDA_WGMMA": None, "DUALKV_CUDA_WGMMA_BWD": "1"}
 
@@ -348,7 +349,7 @@ class DualKVCudaFusedDq(DualKVCuda):
 
 @register("dualkv-cuda-ws-bwd")
 class DualKVCudaWsBwd(DualKVCuda):
-    """The opt-in warp-specialised wgmma dK/dV kernel (a producer warpgroup loads; d 64 / 128)."""
+    """The warp-specialised wgmma dK/dV kernel asked for by name (a producer warpgroup loads; d 64 / 128; the default on sm_90)."""
 
     env = {"DUALKV_CUDA_WGMMA": None, "DUALKV_CUDA_WGMMA_BWD": "4"}
 
@@ -356,6 +357,13 @@ class DualKVCudaWsBwd(DualKVCuda):
 @register("dualkv-pair-ws-bwd")
 class DualKVPairWsBwd(DualKVCudaWsBwd):
     """Triton's forward with the warp-specialised dK/dV backward (the pair ``auto`` takes at d = 128)."""
+
+    backend = "triton+cuda"
+
+
+@register("dualkv-pair-in-turn-bwd")
+class DualKVPairInTurnBwd(DualKVCudaWgmmaBwd):
+    """Triton's forward with the in-turn wgmma backward (what ``auto`` took at d = 128 before the ws kernel)."""
 
     backend = "triton+cuda"
 

@@ -165,18 +165,19 @@ void check_launch(cudaError_t err, const char* what) {
 }
 
 // A kernel-choice environment variable: "0" (mma.sync), "1" .. max_choice (a Hopper form); unset or empty
-// gives the default, 1 on a device and 0 on the CPU emulation (which runs mma.sync unless asked, so
-// that its default cases keep checking the sm_80 path). Any other value is an error naming the
+// gives the default, `device_default` on a device and 0 on the CPU emulation (which runs mma.sync unless
+// asked, so that its default cases keep checking the sm_80 path). Any other value is an error naming the
 // variable (a typo must not silently select the default).
-int kernel_choice(const char* name, char max_choice = '2') {
+int kernel_choice(const char* name, char max_choice = '2', int device_default = 1) {
   const char* flag = std::getenv(name);
   const std::string choice = flag == nullptr ? "" : flag;
   TORCH_CHECK(choice.empty() || (choice.size() == 1 && choice[0] >= '0' && choice[0] <= max_choice), kOps, ": ", name,
               ": expected 0 .. ", max_choice, " (or unset), got '", choice, "'");
 #ifdef DKV_EMULATE
-  constexpr int kDefault = 0;
+  (void)device_default;
+  const int kDefault = 0;
 #else
-  constexpr int kDefault = 1;
+  const int kDefault = device_default;
 #endif
   return choice.empty() ? kDefault : choice[0] - '0';
 }
@@ -202,16 +203,17 @@ int use_sm90_forward(const Tensor& q, int head_dim) {
 }
 
 // The wgmma backward kernels (dkv_bwd_sm90.cuh: dQ and dK/dV), head dims 64 / 128 / 192 / 256 (at 192 /
-// 256 with the warpgroups' roles split, in one schedule), on the same devices. The default is 1 (the
-// products of a tile one after the other: 1.5x the mma.sync backward on an H200,
-// benchmarks/results/cuda_hopper_bwd_h200.md); DUALKV_CUDA_WGMMA_BWD=2 overlaps the next
-// tile's products (slower there), =3 accumulates dQ inside the dK/dV kernel (fp32 bulk reductions into a
-// workspace; no dQ kernel recomputing S and dP; not with deterministic=True, which keeps 1), =4 runs
-// the dK/dV kernel warp-specialised (a producer warpgroup loads; not yet measured), =0 asks for
-// mma.sync. Returns the schedule that runs: 0 (mma.sync), 1 .. 4 (1 for any wgmma choice at 192 /
-// 256, which have one).
+// 256 with the warpgroups' roles split, in one schedule), on the same devices. DUALKV_CUDA_WGMMA_BWD
+// picks the dK/dV kernel's schedule at 64 / 128: 1 the products of a tile one after the other (1.5x the
+// mma.sync backward on an H200, benchmarks/results/cuda_hopper_bwd_h200.md), 2 the next tile's
+// products overlapped (slower there), 3 dQ accumulated inside the dK/dV kernel (fp32 bulk reductions
+// into a workspace, no dQ kernel; not with deterministic=True, which keeps 1), 4 schedule 1
+// warp-specialised: a producer warpgroup loads. The default is 4 at d = 128 (the backward 3-5% faster
+// than 1 on an H200) and 1 at d = 64 (3% faster than 4 there): benchmarks/results/
+// attention_h200_ws_default.md. 0 asks for mma.sync. Returns the schedule that runs:
+// 0 (mma.sync), 1 .. 4 (1 for any wgmma choice at 192 / 256, which have one).
 int use_sm90_backward(const Tensor& q, int head_dim) {
-  const int choice = kernel_choice("DUALKV_CUDA_WGMMA_BWD", '4');
+  const int choice = kernel_choice("DUALKV_CUDA_WGMMA_BWD", '4', head_dim == 128 ? 4 : 1);
   if (choice == 0 || !sm90_bwd_supports(head_dim) || !hopper_kernels_usable(q)) return 0;
   return sm90_bwd_schedules(head_dim) ? choice : 1;
 }

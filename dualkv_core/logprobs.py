@@ -20,7 +20,8 @@ import os
 
 import torch
 
-__all__ = ["gather_logprobs", "response_logprobs_from_logits", "logprobs_from_logits", "linear_logprobs", "LOGPROB_IMPLS"]
+__all__ = ["gather_logprobs", "response_logprobs_from_logits", "logprobs_from_logits", "linear_logprobs", "LOGPROB_IMPLS",
+           "resolve_logprobs_impl"]
 
 # Rows per chunk so that one fp32 (chunk, V) temporary stays near 256 MiB.
 _CHUNK_ELEMENTS = 1 << 26
@@ -181,19 +182,27 @@ def _check_lean_inputs(hidden, weight, targets, temperature, softcap, chunk_size
         raise ValueError(f"chunk_size: expected None or an int >= 1, got {chunk_size!r}")
 
 
-LOGPROB_IMPLS = ("torch", "triton")
+LOGPROB_IMPLS = ("auto", "torch", "triton")
 
 
-def _resolve_impl(impl: str | None, hidden: torch.Tensor) -> str:
-    """The ``impl`` argument (or ``DUALKV_LOGPROBS_IMPL``), checked against what can run ``hidden``."""
+def resolve_logprobs_impl(impl: str | None, hidden: torch.Tensor) -> str:
+    """What reduces the log-prob head's chunks of logits for ``hidden``: ``"torch"`` or ``"triton"``.
+
+    ``impl`` None reads ``DUALKV_LOGPROBS_IMPL`` (default ``"auto"``). ``"auto"`` takes Triton for fp16 /
+    bf16 hidden states on a CUDA device where Triton runs (1.4-1.7x the PyTorch ops' forward + backward
+    on an H200, benchmarks/results/logprobs_h200.md), else PyTorch. ``"triton"`` asked for where it
+    cannot run is an error naming the argument (or the variable)."""
     source = "impl"
     if impl is None:
-        impl, source = os.environ.get("DUALKV_LOGPROBS_IMPL", "torch"), "DUALKV_LOGPROBS_IMPL"
+        impl, source = os.environ.get("DUALKV_LOGPROBS_IMPL", "auto"), "DUALKV_LOGPROBS_IMPL"
     if impl not in LOGPROB_IMPLS:
         raise ValueError(f"{source}: expected one of {LOGPROB_IMPLS}, got {impl!r}")
-    if impl == "triton":
-        from .backends import triton as triton_backend
+    from .backends import triton as triton_backend
 
+    if impl == "auto":
+        fast = hidden.is_cuda and hidden.dtype in (torch.float16, torch.bfloat16)
+        return "triton" if fast and triton_backend.is_available() else "torch"
+    if impl == "triton":
         if not triton_backend.is_available():
             raise ValueError(f"{source}: 'triton' cannot run here: {triton_backend.unavailable_reason()}")
         triton_backend.check_tensor("hidden", hidden, "the triton log-prob kernels")
@@ -221,17 +230,18 @@ def linear_logprobs(
         softcap: final-logit softcap ``cap * tanh(l / cap)`` or None.
         return_entropy: also return the entropy of each row's distribution.
         chunk_size: rows per chunk; default keeps one fp32 (chunk, V) block near 256 MiB.
-        impl: how each chunk's logits are reduced: ``"torch"`` (PyTorch ops on an fp32 copy) or
+        impl: how each chunk's logits are reduced: ``"torch"`` (PyTorch ops on an fp32 copy),
             ``"triton"`` (one Triton kernel per direction over the logits in the weights' dtype,
             keeping each row's log-sum-exp and mean logit for backward; fp16 / bf16 / fp32 on CUDA,
-            fp16 / fp32 under ``TRITON_INTERPRET=1``). None reads ``DUALKV_LOGPROBS_IMPL``
-            (default ``"torch"``).
+            fp16 / fp32 under ``TRITON_INTERPRET=1``) or ``"auto"`` (Triton for fp16 / bf16 on CUDA,
+            else PyTorch: ``resolve_logprobs_impl``). None reads ``DUALKV_LOGPROBS_IMPL`` (default
+            ``"auto"``).
     Returns ``(logprobs (n,), entropy (n,) or None)``, float32 (float64 for float64 inputs),
     differentiable with respect to hidden and weight (the weight gradient is accumulated over the
     chunks in one fp32 (V, D) buffer and cast once).
     """
     _check_lean_inputs(hidden, weight, targets, temperature, softcap, chunk_size)
-    impl = _resolve_impl(impl, hidden)
+    impl = resolve_logprobs_impl(impl, hidden)
     chunk = chunk_size or max(1, _CHUNK_ELEMENTS // weight.shape[0])
     if hidden.shape[0] == 0:
         # no rows (e.g. a sequence-parallel rank whose slice predicts no response token): keep the graph

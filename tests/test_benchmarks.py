@@ -263,21 +263,25 @@ def test_merge_prefers_measured_rows(tmp_path):
 # ------------------------------------------------------------------------ end to end, reference
 def test_cuda_kernel_variants_set_their_environment(monkeypatch):
     """The CUDA variants select kernel paths through the binding's environment variables, set before
-    each forward (None unsets); on a machine without CUDA they answer unsupported."""
+    each forward (None unsets; the other DualKV providers unset both, so none inherits the variant
+    timed before it); on a machine without CUDA the CUDA ones answer unsupported."""
     from benchmarks import harness
 
     cfg = bench_attention.AttnConfig.parse("N=2,P=40,R=9,H=4,H_kv=2,d=32,dtype=float32")
     layout = cfg.layout(CPU)
-    expect = {"dualkv-cuda": (None, None), "dualkv-cuda-mma": ("0", "0"), "dualkv-cuda-mma-bwd": (None, "0"),
+    expect = {"dualkv-auto": (None, None), "dualkv-triton": (None, None), "reference": (None, None),
+              "dualkv-cuda": (None, None), "dualkv-cuda-mma": ("0", "0"), "dualkv-cuda-mma-bwd": (None, "0"),
               "dualkv-cuda-ws": ("2", None),
               "dualkv-cuda-wgmma-bwd": (None, "1"),
               "dualkv-cuda-wgmma-bwd-overlap": (None, "2"), "dualkv-cuda-fused-dq": (None, "3"),
-              "dualkv-pair-fused-dq": (None, "3"), "dualkv-cuda-ws-bwd": (None, "4"), "dualkv-pair-ws-bwd": (None, "4")}
+              "dualkv-pair-fused-dq": (None, "3"), "dualkv-cuda-ws-bwd": (None, "4"), "dualkv-pair-ws-bwd": (None, "4"),
+              "dualkv-pair-in-turn-bwd": (None, "1")}
     q, k, v = harness._random_qkv(cfg, CPU, 0)
     for name, (fwd, bwd) in expect.items():
         cls = harness.get_provider(name)
-        assert cls.backend == ("triton+cuda" if "pair" in name else "cuda") and name in report.PROVIDER_ORDER
-        if not torch.cuda.is_available():
+        backend = "triton+cuda" if "pair" in name else name.removeprefix("dualkv-").split("-")[0]
+        assert cls.backend == backend and name in report.PROVIDER_ORDER
+        if not torch.cuda.is_available() and "cuda" in backend:
             assert "CUDA device" in cls.unsupported(cfg, CPU)
         monkeypatch.setenv("DUALKV_CUDA_WGMMA", "stale")
         monkeypatch.setenv("DUALKV_CUDA_WGMMA_BWD", "stale")

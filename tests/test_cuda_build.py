@@ -133,7 +133,7 @@ def test_backend_cuda_on_cpu_says_not_built():
 
 def test_auto_follows_the_measured_table_per_head_dim(monkeypatch):
     """On CUDA tensors "auto" takes, in fp16 / bf16 where the CUDA extension runs the wgmma kernels,
-    the CUDA backend at head dim 256 and Triton's forward with the CUDA backward at 128; the usual
+    the CUDA backend at head dim 256 and Triton's forward with the CUDA backward at 128 / 64; the usual
     order everywhere else; it never starts a build."""
     from dualkv.core import backends
     from dualkv.core.backends import resolve_backend
@@ -150,11 +150,13 @@ def test_auto_follows_the_measured_table_per_head_dim(monkeypatch):
     # the pair only where Triton runs (on this CPU machine: under TRITON_INTERPRET=1)
     assert resolve_backend("auto", "cuda", head_dim=128, dtype=torch.bfloat16) == (
         "triton+cuda" if usual == "triton" else usual)
-    assert resolve_backend("auto", "cuda", head_dim=64, dtype=torch.bfloat16) == usual  # not measured
+    assert resolve_backend("auto", "cuda", head_dim=64, dtype=torch.bfloat16) == (
+        "triton+cuda" if usual == "triton" else usual)
+    assert resolve_backend("auto", "cuda", head_dim=96, dtype=torch.bfloat16) == usual  # not measured
     assert resolve_backend("auto", "cpu", head_dim=256, dtype=torch.bfloat16) == "reference"
     assert resolve_backend("triton" if usual == "triton" else "reference", "cuda", head_dim=256,
                            dtype=torch.bfloat16) != "cuda"  # an explicit choice is kept
-    assert asked == [256, 256, 128]
+    assert asked == [256, 256, 128, 64]
     monkeypatch.setattr(cuda, "runs_wgmma", lambda head_dim, device=None: False)
     assert resolve_backend("auto", "cuda", head_dim=256, dtype=torch.bfloat16) == usual
 

@@ -207,6 +207,18 @@ def test_triton_kernels_equal_torch_path(small_blocks, dtype, temperature, softc
         assert err <= 2 * ref_err + (1e-6 if dtype == torch.float32 else 1e-3), (name, err.item(), ref_err.item())
 
 
+def test_auto_impl_takes_torch_off_cuda(monkeypatch):
+    """The default (auto) reduces CPU and fp32 chunks with PyTorch ops; the variable can ask for it too."""
+    from dualkv.core.logprobs import resolve_logprobs_impl
+
+    h, w, t = inputs()
+    monkeypatch.delenv("DUALKV_LOGPROBS_IMPL", raising=False)
+    assert resolve_logprobs_impl(None, h) == resolve_logprobs_impl("auto", h.half()) == "torch"
+    monkeypatch.setenv("DUALKV_LOGPROBS_IMPL", "auto")
+    assert resolve_logprobs_impl(None, h) == "torch"
+    torch.testing.assert_close(linear_logprobs(h, w, t)[0], linear_logprobs(h, w, t, impl="torch")[0], rtol=0, atol=0)
+
+
 def test_triton_impl_from_environment_and_errors(small_blocks, monkeypatch):
     h, w, t = inputs()
     monkeypatch.setenv("DUALKV_LOGPROBS_IMPL", "triton")

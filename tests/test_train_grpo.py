@@ -149,7 +149,7 @@ def test_bad_arguments_and_rollout_files_are_rejected(tmp_path):
     with pytest.raises(ValueError, match=r"attention_backend: expected one of \['auto', 'reference', 'triton', 'cuda'\] or a forward\+backward "
                        r"pair of kernel backends \(e.g. 'triton\+cuda'\), got 'fast'"):
         ParallelConfig(attention_backend="fast")
-    with pytest.raises(ValueError, match=r"logprobs_impl: expected None or one of \('torch', 'triton'\), got 'fused'"):
+    with pytest.raises(ValueError, match=r"logprobs_impl: expected None or one of \('auto', 'torch', 'triton'\), got 'fused'"):
         ParallelConfig(logprobs_impl="fused")
     with pytest.raises(ValueError, match="checkpoint_keep_attention: needs activation_checkpointing"):
         config_from_args(parse(["--checkpoint-keep-attention"]))

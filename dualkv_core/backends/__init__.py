@@ -38,8 +38,9 @@ AUTO_ORDER_CUDA = ("triton",)
 # built and runs the Hopper wgmma kernels at that head dim (benchmarks/results/attention_h200_auto_pair.md,
 # one H200 run of every config): at d = 256 the CUDA backend is ahead forward and backward (1.37x
 # Triton forward+backward); at d = 128 Triton's forward is ahead (by 4-15%) and the CUDA backward (by
-# 4-10%), so "auto" pairs them. Other head dims are not measured: Triton.
-AUTO_WGMMA_CHOICE = {256: "cuda", 128: "triton+cuda"}
+# 4-10%), so "auto" pairs them; at d = 64 the pair too (its backward 1.5x Triton's, fwd+bwd 1.3-1.4x:
+# benchmarks/results/attention_h200_ws_default.md). Other head dims are not measured: Triton.
+AUTO_WGMMA_CHOICE = {256: "cuda", 128: "triton+cuda", 64: "triton+cuda"}
 
 
 # Names a command line offers for --attention-backend / --backend.

@@ -175,21 +175,22 @@ def test_wgmma_forward_matches_reference(cuda_backend, case, dtype, mode, monkey
     assert any("dkv_fwd_sm90_kernel" in name for name in kernels), f"the wgmma forward did not run: {sorted(kernels)}"
 
 
-@pytest.mark.parametrize("mode", [None, "2", "3", "4"], ids=["default", "overlap", "fused-dq", "ws"])
+@pytest.mark.parametrize("mode", [None, "1", "2", "3", "4"], ids=["default", "in-turn", "overlap", "fused-dq", "ws"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", [c for c in GRID if c[4] in (64, 128)], ids=lambda c: _ids(c))
 def test_wgmma_backward_matches_reference(cuda_backend, case, dtype, deterministic, mode, monkeypatch):
     """The Hopper wgmma dQ and dK/dV kernels (csrc/dkv_bwd_sm90.cuh; d = 64 / 128): the default on sm_90
-    (the products of a tile in turn), DUALKV_CUDA_WGMMA_BWD=2 (overlapped), =3 (dQ accumulated in
-    the dK/dV kernel, no dQ kernel; deterministic=True keeps the default) and =4 (the dK/dV kernel
-    warp-specialised), on the grid against the fp32 reference, in both accumulation modes, and the
-    profiler shows which kernels ran."""
+    (=4 at 128, the dK/dV kernel warp-specialised; =1 at 64), DUALKV_CUDA_WGMMA_BWD=1 (the products of
+    a tile in turn), =4 by name, =2 (overlapped) and =3 (dQ accumulated in the dK/dV kernel, no dQ
+    kernel; deterministic=True keeps schedule 1), on the grid against the fp32 reference, in both
+    accumulation modes, and the profiler shows which kernels ran."""
     _choose_hopper_kernels(monkeypatch, "DUALKV_CUDA_WGMMA_BWD", mode, "the wgmma backward")
     r, kernels = _kernels_of(case, dtype, deterministic)
     _check_against_reference(case, dtype, r)
     fused = mode == "3" and not deterministic
-    dkdv = "dkv_dkdv_sm90_ws_kernel" if mode == "4" else "dkv_dkdv_sm90_kernel"
+    ws = mode == "4" or (mode is None and case[4] == 128)  # the default: warp-specialised at 128 only
+    dkdv = "dkv_dkdv_sm90_ws_kernel" if ws else "dkv_dkdv_sm90_kernel"
     assert any(dkdv in name for name in kernels), f"the dK/dV kernel did not run: {sorted(kernels)}"
     assert any("dkv_dq_sm90_kernel" in name for name in kernels) != fused, sorted(kernels)
 
@@ -211,14 +212,15 @@ def test_wgmma_split_backward_matches_reference(cuda_backend, case, dtype, deter
 
 def test_auto_takes_cuda_where_it_measured_faster(cuda_backend, monkeypatch):
     """backend="auto" on sm_90 with the wgmma kernels: the CUDA backend at head dim 256 (bf16), Triton's
-    forward with the CUDA backward at 128 (the profiler shows which kernels ran; the result matches
+    forward with the CUDA backward at 128 and 64 (the profiler shows which kernels ran; the result matches
     the reference); with DUALKV_CUDA_WGMMA_BWD=0 (no wgmma backward) Triton at both."""
     from dualkv.core.backends import resolve_backend
 
     hopper = torch.cuda.get_device_capability()[0] == 9
-    q256, q128 = (torch.empty(4, 2, d, device="cuda", dtype=torch.bfloat16) for d in (256, 128))
+    q256, q128, q64 = (torch.empty(4, 2, d, device="cuda", dtype=torch.bfloat16) for d in (256, 128, 64))
     assert (resolve_backend("auto", q256) == "cuda") == hopper
     assert (resolve_backend("auto", q128) == "triton+cuda") == hopper
+    assert (resolve_backend("auto", q64) == "triton+cuda") == hopper
     if hopper:
         for d in (256, 128):
             case = next(c for c in GRID if c[4] == d)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dualkv.core.logprobs import linear_logprobs
+from dualkv.core.logprobs import linear_logprobs, resolve_logprobs_impl
 
 pytestmark = pytest.mark.gpu
 
@@ -33,6 +33,13 @@ def test_triton_head_bf16_matches_torch_path(vocab, temperature, softcap):
         err, ref_err = ((results[k][i].double() - exact).abs().max() / scale for k in ("triton", "torch"))
         bound = (2 if i < 2 else 3) * ref_err + 1e-4
         assert err <= bound, (name, err.item(), ref_err.item())
+
+
+def test_auto_takes_triton_for_half_precision_on_cuda(monkeypatch):
+    monkeypatch.delenv("DUALKV_LOGPROBS_IMPL", raising=False)
+    for dtype, impl in ((torch.bfloat16, "triton"), (torch.float16, "triton"), (torch.float32, "torch")):
+        assert resolve_logprobs_impl(None, torch.empty(0, device="cuda", dtype=dtype)) == impl, dtype
+    assert resolve_logprobs_impl("auto", torch.empty(0, dtype=torch.bfloat16)) == "torch"  # CPU
 
 
 def test_triton_head_bitwise_stable():
