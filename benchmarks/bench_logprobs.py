@@ -29,7 +29,7 @@ if __package__ in (None, ""):
 
 import torch
 
-from benchmarks.harness import Timer, _free, _is_oom
+from benchmarks.harness import Timer, _free, _is_oom, _sync
 from benchmarks.report import ResultWriter, environment, pyplot, save_figure
 from dualkv.core.logprobs import LOGPROB_IMPLS, linear_logprobs
 
@@ -75,6 +75,8 @@ def measure(impl: str, pt: dict, dtype, device, timer: Timer, seed: int, ref=Non
     row = dict(point=f"n={pt['n']},D={pt['D']},V={pt['V']}", **pt, impl=impl)
     h, w, t, coef = make_inputs(pt, dtype, device, seed)
     try:
+        torch.autograd.grad(head(impl, h, w, t, coef)[1], (h, w))  # warm-up: compilation, autotuning, cuBLAS
+        _sync(device)
         with torch.no_grad():
             row["fwd_ms"] = timer.measure(lambda: head(impl, h, w, t, coef)).median_ms
         row["fwdbwd_ms"] = timer.measure(lambda: torch.autograd.grad(head(impl, h, w, t, coef)[1], (h, w))).median_ms

@@ -322,7 +322,7 @@ def parse_args(argv=None):
                          "tensors; a+b: a's forward, b's backward)")
     ap.add_argument("--logprobs-impl", choices=LOGPROB_IMPLS, default=None,
                     help="log-prob head's reduction of each chunk of logits, both packings (default: "
-                         "$DUALKV_LOGPROBS_IMPL, else torch)")
+                         "$DUALKV_LOGPROBS_IMPL, else auto: triton for bf16 on CUDA); the report names the one that ran")
     ap.add_argument("--keep-attention", action="store_true",
                     help="checkpointed layers keep their attention outputs (no attention forward in the recompute)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps per configuration")
@@ -388,7 +388,7 @@ def _run(args, argv) -> Path:
                 activation_checkpointing=args.activation_checkpointing, compile=args.compile,
                 keep_attention=args.keep_attention, warmup=args.warmup, steps=args.steps, seed=args.seed,
                 world_size=_world(), sp=args.sp, attention_backend=args.attention_backend,
-                logprobs_impl=args.logprobs_impl or os.environ.get("DUALKV_LOGPROBS_IMPL", "torch"))
+                logprobs_impl=_logprobs_impl_run(args, device))
     card = meta["card"]["name"].split()[-1].lower() if device.type == "cuda" else "cpu"
     stem = args.stem or f"policy_step_{card}_{datetime.now(timezone.utc):%Y%m%d-%H%M}"
     main_rank = _rank() == 0
@@ -403,6 +403,14 @@ def _run(args, argv) -> Path:
         if writer is not None:
             writer.add(row)
     return write_report(writer) if writer is not None else None
+
+
+def _logprobs_impl_run(args, device) -> str:
+    """The log-prob head's reduction the run takes ("torch" / "triton"), for the model's compute dtype."""
+    from dualkv.core.logprobs import resolve_logprobs_impl
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return resolve_logprobs_impl(args.logprobs_impl, torch.empty(0, device=device, dtype=dtype))
 
 
 SETTINGS = ("preset", "P", "response_range", "responses_per_step", "algorithm", "kl_beta", "activation_checkpointing",

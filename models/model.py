@@ -120,9 +120,10 @@ class CausalLM(nn.Module):
     ``moe.aux_loss_coef``); tokens are weighted by their replication count so both equal what
     transformers computes on the N-replicated batch. ``None`` for dense models.
 
-    ``logprobs_impl`` (None, ``"torch"`` or ``"triton"``) is how the log-prob head reduces each chunk
-    of logits (``dualkv.core.logprobs.linear_logprobs``'s ``impl``; None reads
-    ``DUALKV_LOGPROBS_IMPL``); the trainer sets it from ``ParallelConfig.logprobs_impl``.
+    ``logprobs_impl`` (None, ``"auto"``, ``"torch"`` or ``"triton"``) is how the log-prob head reduces
+    each chunk of logits (``dualkv.core.logprobs.linear_logprobs``'s ``impl``; None reads
+    ``DUALKV_LOGPROBS_IMPL``, default auto: Triton for fp16 / bf16 on CUDA); the trainer sets it from
+    ``ParallelConfig.logprobs_impl``.
     """
 
     def __init__(self, cfg: ModelConfig):

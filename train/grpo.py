@@ -107,8 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bit-identical attention gradients run to run (the CUDA backward, which auto takes at head "
                         "dims 128 / 256 on Hopper, otherwise adds the prompt's gradients with fp32 atomics)")
     d.add_argument("--logprobs-impl", choices=LOGPROB_IMPLS, default=None,
-                   help="how the log-prob head reduces each chunk of logits: PyTorch ops on an fp32 copy (torch) or one "
-                        "Triton kernel per direction (triton); default: $DUALKV_LOGPROBS_IMPL, else torch")
+                   help="how the log-prob head reduces each chunk of logits: PyTorch ops on an fp32 copy (torch), one "
+                        "Triton kernel per direction (triton), or triton for fp16 / bf16 on CUDA and torch otherwise "
+                        "(auto); default: $DUALKV_LOGPROBS_IMPL, else auto")
     d.add_argument("--cpu-threads", type=int, default=None,
                    help="intra-op threads of a CPU run (default: $OMP_NUM_THREADS, else 1: small models run fastest "
                         "on one thread)")
