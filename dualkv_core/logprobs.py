@@ -189,7 +189,7 @@ def resolve_logprobs_impl(impl: str | None, hidden: torch.Tensor) -> str:
     """What reduces the log-prob head's chunks of logits for ``hidden``: ``"torch"`` or ``"triton"``.
 
     ``impl`` None reads ``DUALKV_LOGPROBS_IMPL`` (default ``"auto"``). ``"auto"`` takes Triton for fp16 /
-    bf16 hidden states on a CUDA device where Triton runs (1.4-1.7x the PyTorch ops' forward + backward
+    bf16 hidden states on a CUDA device where Triton runs (1.33-1.86x the PyTorch ops' forward + backward
     on an H200, benchmarks/results/logprobs_h200.md), else PyTorch. ``"triton"`` asked for where it
     cannot run is an error naming the argument (or the variable)."""
     source = "impl"
