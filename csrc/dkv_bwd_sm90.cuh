@@ -24,13 +24,12 @@
 // warpgroup computes S = Q K^T and dP = dO V^T (wgmma SS), dS = P (dP - D) in registers, and
 // dQ (64 x d) += dS K (wgmma RS, K as an MN-major operand).
 //
-// DUALKV_CUDA_WGMMA_BWD=3 runs the dK/dV kernel with dQ accumulated in it (DkdvSm90::kDq) and no dQ
-// kernel; =4 runs the dK/dV kernel warp-specialised (dkv_dkdv_sm90_ws_kernel: a producer warpgroup
-// loads, the two compute warpgroups never meet at a barrier) with the default dQ kernel.
-//
 // Both kernels have two schedules (DUALKV_CUDA_WGMMA_BWD=1: the products of a tile in turn; =2: the
 // next tile's shared-memory products issued before this tile's register-operand ones, and the
-// element-wise step under them). On an H200 the first is 2-4% faster and is the default.
+// element-wise step under them; on an H200 the first is 2-4% faster). =3 runs the in-turn dK/dV
+// kernel with dQ accumulated in it (DkdvSm90::kDq) and no dQ kernel; =4 runs the dK/dV kernel
+// warp-specialised (dkv_dkdv_sm90_ws_kernel: a producer warpgroup loads, the two compute warpgroups
+// never meet at a barrier) with the in-turn dQ kernel. The default: 4 at d = 128, 1 at d = 64.
 #pragma once
 
 #include "dkv_bwd.cuh"
