@@ -361,6 +361,14 @@ class DualKVPairWsBwd(DualKVCudaWsBwd):
     backend = "triton+cuda"
 
 
+@register("dualkv-pair-ws-both-bwd")
+class DualKVPairWsBothBwd(DualKVCuda):
+    """Triton's forward with both backward kernels warp-specialised (dQ and dK/dV; d 64 / 128; opt-in)."""
+
+    backend = "triton+cuda"
+    env = {"DUALKV_CUDA_WGMMA": None, "DUALKV_CUDA_WGMMA_BWD": "5"}
+
+
 @register("dualkv-pair-in-turn-bwd")
 class DualKVPairInTurnBwd(DualKVCudaWgmmaBwd):
     """Triton's forward with the in-turn wgmma backward (what ``auto`` took at d = 128 before the ws kernel)."""

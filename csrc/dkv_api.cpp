@@ -208,12 +208,13 @@ int use_sm90_forward(const Tensor& q, int head_dim) {
 // mma.sync backward on an H200, benchmarks/results/cuda_hopper_bwd_h200.md), 2 the next tile's
 // products overlapped (slower there), 3 dQ accumulated inside the dK/dV kernel (fp32 bulk reductions
 // into a workspace, no dQ kernel; not with deterministic=True, which keeps 1), 4 schedule 1
-// warp-specialised: a producer warpgroup loads. The default is 4 at d = 128 (the backward 3-5% faster
+// warp-specialised: a producer warpgroup loads, 5 the dQ kernel warp-specialised too (not yet measured).
+// The default is 4 at d = 128 (the backward 3-5% faster
 // than 1 on an H200) and 1 at d = 64 (3% faster than 4 there): benchmarks/results/
 // attention_h200_ws_default.md. 0 asks for mma.sync. Returns the schedule that runs:
-// 0 (mma.sync), 1 .. 4 (1 for any wgmma choice at 192 / 256, which have one).
+// 0 (mma.sync), 1 .. 5 (1 for any wgmma choice at 192 / 256, which have one).
 int use_sm90_backward(const Tensor& q, int head_dim) {
-  const int choice = kernel_choice("DUALKV_CUDA_WGMMA_BWD", '4', head_dim == 128 ? 4 : 1);
+  const int choice = kernel_choice("DUALKV_CUDA_WGMMA_BWD", '5', head_dim == 128 ? 4 : 1);
   if (choice == 0 || !sm90_bwd_supports(head_dim) || !hopper_kernels_usable(q)) return 0;
   return sm90_bwd_schedules(head_dim) ? choice : 1;
 }
@@ -395,9 +396,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
   const bool bf16 = q.scalar_type() == at::kBFloat16;
   check_launch(bf16 ? run_bwd_prep<Bf16>(p, st) : run_bwd_prep<Fp16>(p, st), "backward preprocessing kernel");
   if (sm90) {
-    const bool overlap = sm90 == 2;
     if (sm90 != 3) {
-      check_launch(bf16 ? run_dq_sm90<Bf16>(p, st, overlap) : run_dq_sm90<Fp16>(p, st, overlap), "dq kernel (sm90 wgmma)");
+      check_launch(bf16 ? run_dq_sm90<Bf16>(p, st, sm90) : run_dq_sm90<Fp16>(p, st, sm90), "dq kernel (sm90 wgmma)");
     }
     check_launch(bf16 ? run_dkdv_sm90<Bf16>(p, st, sm90) : run_dkdv_sm90<Fp16>(p, st, sm90), "dk/dv kernel (sm90 wgmma)");
     if (sm90 == 3) {  // dQ = scale * sum of dS K, cast once

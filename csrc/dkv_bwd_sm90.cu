@@ -2,8 +2,9 @@
 // two schedules (overlap = false / true); at 192 and 256 both kernels with the warpgroups' roles split
 // (one schedule, no dQ inside the dK/dV kernel). The kernels trap unless the unit is built for sm_90a; the
 // binding only calls them on an sm_90 device whose code has wgmma (sm90_kernels_built): by default
-// (schedule 1), unless DUALKV_CUDA_WGMMA_BWD=0 asks for mma.sync; =2 and =3 select the overlapped
-// schedule and the dK/dV kernel that also accumulates dQ.
+// (schedule 4 at d = 128, 1 at 64), unless DUALKV_CUDA_WGMMA_BWD=0 asks for mma.sync; =2 and =3
+// select the overlapped schedule and the dK/dV kernel that also accumulates dQ, =4 the warp-specialised
+// dK/dV kernel, =5 both kernels warp-specialised.
 #include "dkv_bwd_sm90.cuh"
 #include "dkv_launch_impl.cuh"
 
@@ -38,25 +39,36 @@ cudaError_t launch_dkdv_sm90_split(const BwdParams& p, cudaStream_t stream) {
   return launch_persistent<K, &dkv_dkdv_sm90_split_kernel<E, D>>(p, stream);
 }
 
+// schedule: 2 (overlapped), 5 (warp-specialised: a producer warpgroup loads), else in turn.
+template <class E, int D>
+cudaError_t launch_dq_sm90_schedule(const BwdParams& p, cudaStream_t stream, int schedule) {
+  switch (schedule) {
+    case 2: return launch_dq_sm90<E, D, true>(p, stream);
+    case 5: return launch_tiles<DqSm90Ws<D>, &dkv_dq_sm90_ws_kernel<E, D>>(p, stream);
+    default: return launch_dq_sm90<E, D, false>(p, stream);
+  }
+}
+
 template <class E>
-cudaError_t run_dq_sm90(const BwdParams& p, cudaStream_t stream, bool overlap) {
+cudaError_t run_dq_sm90(const BwdParams& p, cudaStream_t stream, int schedule) {
   switch (p.head_dim) {
-    case 64: return overlap ? launch_dq_sm90<E, 64, true>(p, stream) : launch_dq_sm90<E, 64, false>(p, stream);
-    case 128: return overlap ? launch_dq_sm90<E, 128, true>(p, stream) : launch_dq_sm90<E, 128, false>(p, stream);
+    case 64: return launch_dq_sm90_schedule<E, 64>(p, stream, schedule);
+    case 128: return launch_dq_sm90_schedule<E, 128>(p, stream, schedule);
     case 192: return launch_dq_sm90_split<E, 192>(p, stream);  // one schedule
     case 256: return launch_dq_sm90_split<E, 256>(p, stream);
     default: return static_cast<cudaError_t>(1);  // cudaErrorInvalidValue: the binding never asks for it
   }
 }
 
-// schedule: 1 (in turn), 2 (overlapped), 3 (in turn, dQ accumulated here into p.dq_accum), 4 (in
+// schedule: 1 (in turn), 2 (overlapped), 3 (in turn, dQ accumulated here into p.dq_accum), 4 and 5 (in
 // turn, warp-specialised: a producer warpgroup loads).
 template <class E, int D>
 cudaError_t launch_dkdv_sm90_schedule(const BwdParams& p, cudaStream_t stream, int schedule) {
   switch (schedule) {
     case 2: return launch_dkdv_sm90<E, D, true>(p, stream);
     case 3: return launch_dkdv_sm90<E, D, false, true>(p, stream);
-    case 4: return launch_persistent<DkdvSm90Ws<D>, &dkv_dkdv_sm90_ws_kernel<E, D>>(p, stream);
+    case 4:
+    case 5: return launch_persistent<DkdvSm90Ws<D>, &dkv_dkdv_sm90_ws_kernel<E, D>>(p, stream);
     default: return launch_dkdv_sm90<E, D, false>(p, stream);
   }
 }
@@ -72,8 +84,8 @@ cudaError_t run_dkdv_sm90(const BwdParams& p, cudaStream_t stream, int schedule)
   }
 }
 
-template cudaError_t run_dq_sm90<Fp16>(const BwdParams&, cudaStream_t, bool);
-template cudaError_t run_dq_sm90<Bf16>(const BwdParams&, cudaStream_t, bool);
+template cudaError_t run_dq_sm90<Fp16>(const BwdParams&, cudaStream_t, int);
+template cudaError_t run_dq_sm90<Bf16>(const BwdParams&, cudaStream_t, int);
 template cudaError_t run_dkdv_sm90<Fp16>(const BwdParams&, cudaStream_t, int);
 template cudaError_t run_dkdv_sm90<Bf16>(const BwdParams&, cudaStream_t, int);
 

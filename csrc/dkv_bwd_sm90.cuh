@@ -86,6 +86,61 @@ DKV_DEV void row_probabilities(const float (&s)[32], const KvTile& kt, int qpos_
   });
 }
 
+// One warpgroup's products in the dQ kernels (the in-turn and overlapped one and the warp-specialised
+// one): its 64 query rows start 64 rows (8 KB) into every 128-row part of Q and dO; the key tile in
+// ring buffer b sits at b * kKvTile of the K and V rings.
+template <class E, int D, int kBlockM, int kBlockN>
+struct DqProducts {
+  static constexpr int kParts = D / 64;
+  static constexpr uint32_t kKvTileBytes = kBlockN * D * 2;
+  uint64_t q, dout, k, v, k_mn;
+
+  DKV_DEV DqProducts(const uint16_t* sQ, const uint16_t* sdO, const uint16_t* sK0, const uint16_t* sV0, int wg)
+      : q(sm90::smem_desc_sw128(reinterpret_cast<const char*>(sQ) + wg * 64 * 128)),
+        dout(sm90::smem_desc_sw128(reinterpret_cast<const char*>(sdO) + wg * 64 * 128)),
+        k(sm90::smem_desc_sw128(sK0)),
+        v(sm90::smem_desc_sw128(sV0)),
+        k_mn(sm90::smem_desc_sw128_mn64(sK0)) {}
+
+  // S = Q K^T and dP = dO V^T with the key tile in buffer b (D / 16 k16 steps each).
+  DKV_DEV void issue_ss(float (&s)[32], float (&dp)[32], int b) const {
+    const uint32_t buf = b * kKvTileBytes;
+    const uint64_t dq0 = sm90::desc_here(q), ddo0 = sm90::desc_here(dout);
+    const uint64_t dk0 = sm90::desc_advance(k, buf), dv0 = sm90::desc_advance(v, buf);
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {  // part kk / 4, 32 bytes per k16 step inside it
+      const uint32_t q_off = (kk / 4) * kBlockM * 128 + (kk % 4) * 32, kv_off = (kk / 4) * kBlockN * 128 + (kk % 4) * 32;
+      sm90::wgmma_m64n64k16_ss<E, 0>(s, sm90::desc_advance(dq0, q_off), sm90::desc_advance(dk0, kv_off), kk > 0);
+      sm90::wgmma_m64n64k16_ss<E, 0>(dp, sm90::desc_advance(ddo0, q_off), sm90::desc_advance(dv0, kv_off), kk > 0);
+    }
+  }
+  // dQ += dS K with the key tile in buffer b: keys 16 kk .. 16 kk + 15 are rows 2048 bytes apart per step.
+  DKV_DEV void issue_rs(float (&dq)[kParts][32], const uint32_t (&dsa)[kBlockN / 16][4], int b) const {
+    const uint64_t dk_mn = sm90::desc_advance(sm90::desc_here(k_mn), b * kKvTileBytes);
+#pragma unroll
+    for (int part = 0; part < kParts; ++part)
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk)
+        sm90::wgmma_m64n64k16_rs<E, 1>(dq[part], dsa[kk], sm90::desc_advance(dk_mn, part * kBlockN * 128 + kk * 2048), true);
+  }
+};
+
+// The dQ kernels' end: each thread's two query rows of dQ (dq[part][4 j + i]: row row_in_tile[i / 2],
+// column 64 part + 8 j + 2 tq + i % 2), scaled, for the tile at packed row `row`.
+template <class E, int kParts>
+DKV_DEV void store_dq_rows(const BwdParams& p, int row, int h, int m_valid, const int (&row_in_tile)[2], int tq,
+                           const float (&dq)[kParts][32]) {
+  uint16_t* dq_ptr = static_cast<uint16_t*>(p.dq.ptr);
+  for (int r = 0; r < 2; ++r) {
+    if (row_in_tile[r] >= m_valid) continue;
+    uint16_t* dst = dq_ptr + p.dq.offset(row + row_in_tile[r], h) + 2 * tq;
+    for (int part = 0; part < kParts; ++part)
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        store_u32(dst + 64 * part + 8 * j, pack2<E>(dq[part][4 * j + 2 * r] * p.scale, dq[part][4 * j + 2 * r + 1] * p.scale));
+  }
+}
+
 // kOverlap = false: per key tile, S and dP, the element-wise step, then dQ += dS K, each waited for;
 // the K / V ring loads two tiles ahead. kOverlap = true: S and dP of key tile t are issued before
 // dQ += dS_{t-1} K_{t-1}, and the element-wise step of tile t runs while that product still runs;
@@ -139,13 +194,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dq_sm90_kernel(const DKV_GRID_CONSTAN
   float lse2[2], dsum[2];
   load_row_stats(p, h, row0 + q0, row_in_tile, m_valid, lse2, dsum);
 
-  // This warpgroup's 64 query rows start 64 rows (8 KB) into every 128-row part of Q and dO.
-  const uint64_t desc_q = sm90::smem_desc_sw128(reinterpret_cast<const char*>(sQ) + wg * 64 * 128);
-  const uint64_t desc_do = sm90::smem_desc_sw128(reinterpret_cast<const char*>(sdO) + wg * 64 * 128);
-  const uint64_t desc_k = sm90::smem_desc_sw128(sK(0)), desc_v = sm90::smem_desc_sw128(sV(0));
-  const uint64_t desc_k_mn = sm90::smem_desc_sw128_mn64(sK(0));
-  constexpr uint32_t kKvTileBytes = K::kKvTile * 2;
-
+  const DqProducts<E, D, kBlockM, kBlockN> products(sQ, sdO, sK(0), sV(0), wg);
   const ScoreFn score = make_score_fn(p.scale, p.softcap);
   float dq[kParts][32];
   for (int part = 0; part < kParts; ++part)
@@ -153,27 +202,8 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dq_sm90_kernel(const DKV_GRID_CONSTAN
   float s[32], dp[32];
   uint32_t dsa[kBlockN / 16][4] = {};
 
-  // S = Q K^T and dP = dO V^T of key tile t.
-  auto issue_ss = [&](int t) {
-    const uint32_t buf = (t % kStages) * kKvTileBytes;
-    const uint64_t dq0 = sm90::desc_here(desc_q), ddo0 = sm90::desc_here(desc_do);
-    const uint64_t dk0 = sm90::desc_advance(desc_k, buf), dv0 = sm90::desc_advance(desc_v, buf);
-#pragma unroll
-    for (int k = 0; k < D / 16; ++k) {  // part k / 4, 32 bytes per k16 step inside it
-      const uint32_t q_off = (k / 4) * kBlockM * 128 + (k % 4) * 32, kv_off = (k / 4) * kBlockN * 128 + (k % 4) * 32;
-      sm90::wgmma_m64n64k16_ss<E, 0>(s, sm90::desc_advance(dq0, q_off), sm90::desc_advance(dk0, kv_off), k > 0);
-      sm90::wgmma_m64n64k16_ss<E, 0>(dp, sm90::desc_advance(ddo0, q_off), sm90::desc_advance(dv0, kv_off), k > 0);
-    }
-  };
-  // dQ += dS K with key tile t: keys 16 kk .. 16 kk + 15 are rows 2048 bytes apart per step.
-  auto issue_rs = [&](int t) {
-    const uint64_t dk_mn = sm90::desc_advance(sm90::desc_here(desc_k_mn), (t % kStages) * kKvTileBytes);
-#pragma unroll
-    for (int part = 0; part < kParts; ++part)
-#pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk)
-        sm90::wgmma_m64n64k16_rs<E, 1>(dq[part], dsa[kk], sm90::desc_advance(dk_mn, part * kBlockN * 128 + kk * 2048), true);
-  };
+  auto issue_ss = [&](int t) { products.issue_ss(s, dp, t % kStages); };  // key tile t
+  auto issue_rs = [&](int t) { products.issue_rs(dq, dsa, t % kStages); };
   // dS = P (dP - D) in place of dP (s[4 j + i]: row row_in_tile[i / 2], key 8 j + 2 tq + i % 2).
   auto elementwise = [&](int t) {
     row_probabilities<kBlockN>(s, walk.tile<kBlockN>(t), qpos_lo, qpos_hi, row_in_tile, lse2, tq, W, score,
@@ -231,17 +261,126 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dq_sm90_kernel(const DKV_GRID_CONSTAN
     pin_dq();
   }
   cp_async_wait<0>();
+  store_dq_rows<E, kParts>(p, row0 + q0, h, m_valid, row_in_tile, tq, dq);
+}
 
-  uint16_t* dq_ptr = static_cast<uint16_t*>(p.dq.ptr);
-  for (int r = 0; r < 2; ++r) {
-    const int row = row_in_tile[r];
-    if (row >= m_valid) continue;
-    uint16_t* dst = dq_ptr + p.dq.offset(row0 + q0 + row, h) + 2 * tq;
-    for (int part = 0; part < kParts; ++part)
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-        store_u32(dst + 64 * part + 8 * j, pack2<E>(dq[part][4 * j + 2 * r] * p.scale, dq[part][4 * j + 2 * r + 1] * p.scale));
+// The dQ kernel warp-specialised (DUALKV_CUDA_WGMMA_BWD=5, with the warp-specialised dK/dV kernel;
+// d = 64 / 128): warpgroup 0 only loads, warpgroups 1 and 2 compute as the in-turn kernel above (each
+// its 64 of the tile's 128 query rows). The producer loads Q and dO with key tile 0, then every key
+// tile of the walk into a ring of kStages K / V buffers; it publishes a tile (full) once the next
+// one's copies are issued and its own have landed, and refills a buffer once both consumers are done
+// with it (empty). So the consumers never meet at a block barrier, and the load addressing leaves
+// their registers (setmaxnreg).
+template <int kHeadDim_>
+struct DqSm90Ws {
+  static constexpr int kHeadDim = kHeadDim_, kBlockM = 128, kBlockN = 64, kThreads = 384, kStages = 4;
+  static constexpr int kParts = kHeadDim / 64;
+  static constexpr int kQTile = kBlockM * kHeadDim, kKvTile = kBlockN * kHeadDim;  // elements
+  // Shared memory, in bytes from the 1024-aligned base: Q, dO; the K ring, the V ring; the full and
+  // empty barriers; then the base's alignment slack.
+  static constexpr int kOffDo = kQTile * 2, kOffK = 2 * kQTile * 2, kOffV = kOffK + kStages * kKvTile * 2;
+  static constexpr int kOffBars = kOffV + kStages * kKvTile * 2;
+  static constexpr int kSmemBytes = kOffBars + 2 * kStages * 8 + 1024;
+  static_assert(kKvTile * 2 % 1024 == 0 && kOffK % 1024 == 0 && kOffV % 1024 == 0,
+                "128-byte-swizzled tiles start on 1024-byte boundaries");
+  static_assert(kOffBars % 8 == 0, "mbarriers 8-byte aligned");
+  static_assert(kHeadDim == 64 || kHeadDim == 128, "the warp-specialised dQ kernel: head dim 64 or 128");
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory of one H100 / H200 block");
+};
+
+template <class E, int D>
+DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dq_sm90_ws_kernel(const DKV_GRID_CONSTANT BwdParams p) {
+  using K = DqSm90Ws<D>;
+  constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kParts = K::kParts, kStages = K::kStages;
+  const QueryTile qt = query_tile<kBlockM>(p, p.q_tile_prefix);
+  if (qt.s < 0) return;
+  const int row0 = qt.row0, q0 = qt.q0, m_valid = qt.m_valid, h = qt.h, hk = qt.hk;
+  const int W = p.window;
+
+  char* smem = reinterpret_cast<char*>(sm90::dynamic_smem_1024());
+  uint16_t* sQ = reinterpret_cast<uint16_t*>(smem);
+  uint16_t* sdO = reinterpret_cast<uint16_t*>(smem + K::kOffDo);
+  auto sK = [&](int b) { return reinterpret_cast<uint16_t*>(smem + K::kOffK) + b * K::kKvTile; };
+  auto sV = [&](int b) { return reinterpret_cast<uint16_t*>(smem + K::kOffV) + b * K::kKvTile; };
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + K::kOffBars);
+  uint64_t* empty = full + kStages;
+
+  const TwoRegionWalk walk = make_walk<kBlockN>(q0, m_valid, qt.ctx_len, qt.ctx_row0, row0, W);
+  const int n_tiles = walk.n_ctx_tiles + walk.n_own_tiles;  // >= 1: a query always sees its own key
+  const int qpos_lo = qt.ctx_len + q0, qpos_hi = qpos_lo + m_valid - 1;
+
+  if (thread_idx() == 0) {
+    for (int st = 0; st < kStages; ++st) {
+      sm90::mbar_init(&full[st], 128);
+      sm90::mbar_init(&empty[st], 256);
+    }
   }
+  block_sync();
+
+  if (thread_idx() < 128) {  // the producer: one cp.async group a key tile (the first with Q and dO)
+    sm90::setmaxnreg_dec<40>();
+    const int pt = thread_idx();
+    auto publish = [&](int t) {  // tile t's copies (this thread's) have landed: visible to wgmma
+      sm90::fence_smem_to_async_proxy();
+      sm90::mbar_arrive(&full[t % kStages]);
+    };
+    sm90::load_tile_sw128_async<D, 128, kBlockM>(sQ, p.q, row0 + q0, h, m_valid, pt);
+    sm90::load_tile_sw128_async<D, 128, kBlockM>(sdO, p.dout, row0 + q0, h, m_valid, pt);
+    for (int t = 0; t < n_tiles; ++t) {
+      const int b = t % kStages;
+      if (t >= kStages) sm90::mbar_wait(&empty[b], (t / kStages - 1) & 1);  // tile t - kStages is read
+      load_kv_tile<D, 128, kBlockN>(p, walk, t, sK(b), sV(b), hk, pt);
+      cp_async_commit();
+      if (t > 0) {
+        cp_async_wait<1>();
+        publish(t - 1);
+      }
+    }
+    cp_async_wait<0>();
+    publish(n_tiles - 1);
+    return;
+  }
+
+  sm90::setmaxnreg_inc<232>();
+  const int tid = thread_idx() - 128, lane = tid & 31, warp = (tid >> 5) & 3, wg = tid >> 7;  // wg: consumer 0 / 1
+  const int g = lane >> 2, tq = lane & 3;
+  const int row_in_tile[2] = {64 * wg + 16 * warp + g, 64 * wg + 16 * warp + g + 8};
+  float lse2[2], dsum[2];
+  load_row_stats(p, h, row0 + q0, row_in_tile, m_valid, lse2, dsum);
+
+  const DqProducts<E, D, kBlockM, kBlockN> products(sQ, sdO, sK(0), sV(0), wg);
+  const ScoreFn score = make_score_fn(p.scale, p.softcap);
+  float dq[kParts][32];
+  for (int part = 0; part < kParts; ++part)
+    for (int i = 0; i < 32; ++i) dq[part][i] = 0.f;
+  float s[32], dp[32];
+  uint32_t dsa[kBlockN / 16][4] = {};
+
+  for (int t = 0; t < n_tiles; ++t) {
+    const int b = t % kStages;
+    sm90::mbar_wait(&full[b], (t / kStages) & 1);
+    // S = Q K^T and dP = dO V^T (as dkv_dq_sm90_kernel), then dS in place of dP and dQ += dS K.
+    sm90::wgmma_fence();
+    products.issue_ss(s, dp, b);
+    sm90::wgmma_commit();
+    sm90::wgmma_wait<0>();
+    sm90::fence_operand<32>(s);
+    sm90::fence_operand<32>(dp);
+    row_probabilities<kBlockN>(s, walk.tile<kBlockN>(t), qpos_lo, qpos_hi, row_in_tile, lse2, tq, W, score,
+                               [&](int e, int r, bool masked, float pr, float dtanh) {
+                                 const float ds = pr * (dp[e] - dsum[r]) * dtanh;
+                                 dp[e] = masked ? 0.f : ds;
+                               });
+    c_to_a<E, kBlockN>(dsa, reinterpret_cast<const float(&)[kBlockN / 8][4]>(dp));
+    sm90::wgmma_fence();
+    products.issue_rs(dq, dsa, b);
+    sm90::wgmma_commit();
+    sm90::wgmma_wait<0>();
+    sm90::fence_operand(dsa);
+    for (int part = 0; part < kParts; ++part) sm90::fence_operand<32>(dq[part]);
+    sm90::mbar_arrive(&empty[b]);  // this warpgroup is done with key tile t's buffer
+  }
+  store_dq_rows<E, kParts>(p, row0 + q0, h, m_valid, row_in_tile, tq, dq);
 }
 
 // The dK/dV kernels' loads of one reader query tile (cp.async, not committed): Q and dO rows into the

@@ -28,11 +28,11 @@ constexpr int kSm90BlockM = 128;
 // sm90_dq_block_m rows, dK/dV on key tiles of sm90_dkdv_block_n (128 at head dims 64 / 128, 64 at
 // 192 / 256, where there is one schedule and no dQ inside the dK/dV kernel).
 template <class E>
-cudaError_t run_dq_sm90(const BwdParams& p, cudaStream_t stream, bool overlap);
+cudaError_t run_dq_sm90(const BwdParams& p, cudaStream_t stream, int schedule);  // 1 .. 5 (3: none runs)
 template <class E>
-cudaError_t run_dkdv_sm90(const BwdParams& p, cudaStream_t stream, int schedule);  // 1, 2 or 3 (fused dQ)
+cudaError_t run_dkdv_sm90(const BwdParams& p, cudaStream_t stream, int schedule);  // 1 .. 5 (3: fused dQ)
 bool sm90_bwd_supports(int head_dim);
-bool sm90_bwd_schedules(int head_dim);  // schedules 2 and 3 exist (head dims 64 / 128)
+bool sm90_bwd_schedules(int head_dim);  // schedules 2 .. 5 exist (head dims 64 / 128)
 int sm90_dq_block_m(int head_dim);
 int sm90_dkdv_block_n(int head_dim);
 // Backward: dq kernel and dkdv kernel for one head dim.

@@ -9,7 +9,7 @@ per CUDA thread): keep the shapes tiny.
     python csrc/emulation/emulate.py --quick    # two cases
     python csrc/emulation/emulate.py --wgmma    # the wgmma building blocks (csrc/dkv_wgmma.cuh) only
     python csrc/emulation/emulate.py --sm90     # the wgmma forward (DUALKV_CUDA_WGMMA=1, 2)
-    python csrc/emulation/emulate.py --sm90-bwd # the wgmma dQ and dK/dV kernels (DUALKV_CUDA_WGMMA_BWD=1 .. 4)
+    python csrc/emulation/emulate.py --sm90-bwd # the wgmma dQ and dK/dV kernels (DUALKV_CUDA_WGMMA_BWD=1 .. 5)
 """
 
 from __future__ import annotations
@@ -151,7 +151,8 @@ SM90_CASES = [
 ]
 
 
-# The wgmma backward's cases (DUALKV_CUDA_WGMMA_BWD=1, 2, 3 (dQ in the dK/dV kernel) and 4 (warp-specialised dK/dV); d = 64, 128; dQ on 128-row query tiles with
+# The wgmma backward's cases (DUALKV_CUDA_WGMMA_BWD=1, 2, 3 (dQ in the dK/dV kernel), 4 (warp-specialised dK/dV) and 5 (both
+# kernels warp-specialised); d = 64, 128; dQ on 128-row query tiles with
 # 64-key tiles, dK/dV on 128-key tiles with 64-row query tiles; d = 192, 256: the split dK/dV kernel, run by every mode): prompt tiles summed over several
 # readers (atomic and deterministic), ragged ends, GQA, several groups, window, softcap, separate context.
 SM90_BWD_CASES = [
@@ -173,7 +174,7 @@ SM90_BWD_CASES = [
 def check_bad_kernel_choices() -> bool:
     """An unknown value of a kernel-choice variable is an error naming it, not a silent default."""
     ok = True
-    for name, bad, top in (("DUALKV_CUDA_WGMMA", "3", "2"), ("DUALKV_CUDA_WGMMA_BWD", "5", "4")):
+    for name, bad, top in (("DUALKV_CUDA_WGMMA", "3", "2"), ("DUALKV_CUDA_WGMMA_BWD", "6", "5")):
         saved = os.environ.get(name)
         os.environ[name] = bad
         try:
@@ -238,7 +239,7 @@ def main():
     ap.add_argument("--wgmma", action="store_true", help="only the wgmma building blocks")
     ap.add_argument("--sm90", action="store_true", help="the wgmma forward kernels' cases (DUALKV_CUDA_WGMMA=1, 2)")
     ap.add_argument("--sm90-bwd", action="store_true",
-                    help="the wgmma backward's cases (DUALKV_CUDA_WGMMA_BWD=1 .. 4, with the wgmma forward)")
+                    help="the wgmma backward's cases (DUALKV_CUDA_WGMMA_BWD=1 .. 5, with the wgmma forward)")
     ap.add_argument("--forward-only", action="store_true", help="with --sm90: skip the backward")
     args = ap.parse_args()
     listed = SM90_BWD_CASES if args.sm90_bwd else CASES
@@ -264,9 +265,10 @@ def main():
         os.environ["DUALKV_CUDA_WGMMA"] = "1"
         # --quick: for the fused dQ (3), prompt tiles read by several responses at d = 128 and d = 64
         # and for the split dK/dV kernel (d = 192 / 256) one prompt read by several responses
-        quick = {"1": (3, 4, 6, 7), "2": (3, 4, 6), "3": (0, 4, 5), "4": (0, 1, 2)}
+        # and for the warp-specialised dQ (5) key walks longer than its ring (prompt tiles wrap it)
+        quick = {"1": (3, 4, 6, 7), "2": (3, 4, 6), "3": (0, 4, 5), "4": (0, 1, 2), "5": (0, 1)}
         ok = check_wgmma_path()
-        for mode in ("1", "2", "3", "4"):  # dK/dV in turn, overlapped, with dQ accumulated there, warp-specialised
+        for mode in ("1", "2", "3", "4", "5"):  # dK/dV in turn, overlapped, with dQ there, warp-specialised, both ws
             os.environ["DUALKV_CUDA_WGMMA_BWD"] = mode
             print(f"DUALKV_CUDA_WGMMA_BWD={mode}", flush=True)
             cases = [SM90_BWD_CASES[i] for i in quick[mode]] if args.quick else SM90_BWD_CASES

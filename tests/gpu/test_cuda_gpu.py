@@ -175,24 +175,25 @@ def test_wgmma_forward_matches_reference(cuda_backend, case, dtype, mode, monkey
     assert any("dkv_fwd_sm90_kernel" in name for name in kernels), f"the wgmma forward did not run: {sorted(kernels)}"
 
 
-@pytest.mark.parametrize("mode", [None, "1", "2", "3", "4"], ids=["default", "in-turn", "overlap", "fused-dq", "ws"])
+@pytest.mark.parametrize("mode", [None, "1", "2", "3", "4", "5"], ids=["default", "in-turn", "overlap", "fused-dq", "ws", "ws-both"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", [c for c in GRID if c[4] in (64, 128)], ids=lambda c: _ids(c))
 def test_wgmma_backward_matches_reference(cuda_backend, case, dtype, deterministic, mode, monkeypatch):
     """The Hopper wgmma dQ and dK/dV kernels (csrc/dkv_bwd_sm90.cuh; d = 64 / 128): the default on sm_90
     (=4 at 128, the dK/dV kernel warp-specialised; =1 at 64), DUALKV_CUDA_WGMMA_BWD=1 (the products of
-    a tile in turn), =4 by name, =2 (overlapped) and =3 (dQ accumulated in the dK/dV kernel, no dQ
+    a tile in turn), =4 by name, =5 (the dQ kernel warp-specialised too), =2 (overlapped) and =3 (dQ accumulated in the dK/dV kernel, no dQ
     kernel; deterministic=True keeps schedule 1), on the grid against the fp32 reference, in both
     accumulation modes, and the profiler shows which kernels ran."""
     _choose_hopper_kernels(monkeypatch, "DUALKV_CUDA_WGMMA_BWD", mode, "the wgmma backward")
     r, kernels = _kernels_of(case, dtype, deterministic)
     _check_against_reference(case, dtype, r)
     fused = mode == "3" and not deterministic
-    ws = mode == "4" or (mode is None and case[4] == 128)  # the default: warp-specialised at 128 only
+    ws = mode in ("4", "5") or (mode is None and case[4] == 128)  # the default: warp-specialised at 128 only
     dkdv = "dkv_dkdv_sm90_ws_kernel" if ws else "dkv_dkdv_sm90_kernel"
+    dq = "dkv_dq_sm90_ws_kernel" if mode == "5" else "dkv_dq_sm90_kernel"
     assert any(dkdv in name for name in kernels), f"the dK/dV kernel did not run: {sorted(kernels)}"
-    assert any("dkv_dq_sm90_kernel" in name for name in kernels) != fused, sorted(kernels)
+    assert any(dq in name for name in kernels) != fused, sorted(kernels)
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
@@ -366,6 +367,7 @@ def _sanitizer():
 # sm_90 GPU.
 SANITIZER_PATHS = {"default": {}, "hopper-opt-in": {"DUALKV_CUDA_WGMMA": "2", "DUALKV_CUDA_WGMMA_BWD": "2"},
                    "fused-dq": {"DUALKV_CUDA_WGMMA_BWD": "3"}, "ws-dkdv": {"DUALKV_CUDA_WGMMA_BWD": "4"},
+                   "ws-both": {"DUALKV_CUDA_WGMMA_BWD": "5"},
                    "mma-sync": {"DUALKV_CUDA_WGMMA": "0", "DUALKV_CUDA_WGMMA_BWD": "0"}}
 
 
