@@ -349,21 +349,21 @@ class DualKVCudaFusedDq(DualKVCuda):
 
 @register("dualkv-cuda-ws-bwd")
 class DualKVCudaWsBwd(DualKVCuda):
-    """The warp-specialised wgmma dK/dV kernel asked for by name (a producer warpgroup loads; d 64 / 128; the default on sm_90)."""
+    """The warp-specialised wgmma dK/dV kernel with the in-turn dQ kernel (a producer warpgroup loads; d 64 / 128)."""
 
     env = {"DUALKV_CUDA_WGMMA": None, "DUALKV_CUDA_WGMMA_BWD": "4"}
 
 
 @register("dualkv-pair-ws-bwd")
 class DualKVPairWsBwd(DualKVCudaWsBwd):
-    """Triton's forward with the warp-specialised dK/dV backward (the pair ``auto`` takes at d = 128)."""
+    """Triton's forward with the warp-specialised dK/dV kernel and the in-turn dQ kernel (d 64 / 128)."""
 
     backend = "triton+cuda"
 
 
 @register("dualkv-pair-ws-both-bwd")
 class DualKVPairWsBothBwd(DualKVCuda):
-    """Triton's forward with both backward kernels warp-specialised (dQ and dK/dV; d 64 / 128; opt-in)."""
+    """Triton's forward with both backward kernels warp-specialised (the pair ``auto`` takes at d = 128)."""
 
     backend = "triton+cuda"
     env = {"DUALKV_CUDA_WGMMA": None, "DUALKV_CUDA_WGMMA_BWD": "5"}

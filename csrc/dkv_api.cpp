@@ -208,13 +208,14 @@ int use_sm90_forward(const Tensor& q, int head_dim) {
 // mma.sync backward on an H200, benchmarks/results/cuda_hopper_bwd_h200.md), 2 the next tile's
 // products overlapped (slower there), 3 dQ accumulated inside the dK/dV kernel (fp32 bulk reductions
 // into a workspace, no dQ kernel; not with deterministic=True, which keeps 1), 4 schedule 1
-// warp-specialised: a producer warpgroup loads, 5 the dQ kernel warp-specialised too (not yet measured).
-// The default is 4 at d = 128 (the backward 3-5% faster
-// than 1 on an H200) and 1 at d = 64 (3% faster than 4 there): benchmarks/results/
-// attention_h200_ws_default.md. 0 asks for mma.sync. Returns the schedule that runs:
+// warp-specialised: a producer warpgroup loads (the backward 3-5% faster than 1 at d = 128 on an H200,
+// 3% slower at d = 64: benchmarks/results/attention_h200_ws_vs_in_turn.md), 5 the dQ kernel
+// warp-specialised too (its dQ kernel 16-19% faster, the backward 3-6% faster than 4 at d = 128:
+// benchmarks/results/attention_h200_ws_dq.md). The default is 5 at d = 128 and 1 at d = 64 (where 5
+// is not measured). 0 asks for mma.sync. Returns the schedule that runs:
 // 0 (mma.sync), 1 .. 5 (1 for any wgmma choice at 192 / 256, which have one).
 int use_sm90_backward(const Tensor& q, int head_dim) {
-  const int choice = kernel_choice("DUALKV_CUDA_WGMMA_BWD", '5', head_dim == 128 ? 4 : 1);
+  const int choice = kernel_choice("DUALKV_CUDA_WGMMA_BWD", '5', head_dim == 128 ? 5 : 1);
   if (choice == 0 || !sm90_bwd_supports(head_dim) || !hopper_kernels_usable(q)) return 0;
   return sm90_bwd_schedules(head_dim) ? choice : 1;
 }

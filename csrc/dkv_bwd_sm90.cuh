@@ -29,7 +29,8 @@
 // element-wise step under them; on an H200 the first is 2-4% faster). =3 runs the in-turn dK/dV
 // kernel with dQ accumulated in it (DkdvSm90::kDq) and no dQ kernel; =4 runs the dK/dV kernel
 // warp-specialised (dkv_dkdv_sm90_ws_kernel: a producer warpgroup loads, the two compute warpgroups
-// never meet at a barrier) with the in-turn dQ kernel. The default: 4 at d = 128, 1 at d = 64.
+// never meet at a barrier) with the in-turn dQ kernel; =5 both kernels warp-specialised
+// (dkv_dq_sm90_ws_kernel). The default: 5 at d = 128, 1 at d = 64.
 #pragma once
 
 #include "dkv_bwd.cuh"

@@ -181,17 +181,17 @@ def test_wgmma_forward_matches_reference(cuda_backend, case, dtype, mode, monkey
 @pytest.mark.parametrize("case", [c for c in GRID if c[4] in (64, 128)], ids=lambda c: _ids(c))
 def test_wgmma_backward_matches_reference(cuda_backend, case, dtype, deterministic, mode, monkeypatch):
     """The Hopper wgmma dQ and dK/dV kernels (csrc/dkv_bwd_sm90.cuh; d = 64 / 128): the default on sm_90
-    (=4 at 128, the dK/dV kernel warp-specialised; =1 at 64), DUALKV_CUDA_WGMMA_BWD=1 (the products of
-    a tile in turn), =4 by name, =5 (the dQ kernel warp-specialised too), =2 (overlapped) and =3 (dQ accumulated in the dK/dV kernel, no dQ
+    (=5 at 128, both kernels warp-specialised; =1 at 64), DUALKV_CUDA_WGMMA_BWD=1 (the products of
+    a tile in turn), =4 (the dK/dV kernel warp-specialised), =5 by name, =2 (overlapped) and =3 (dQ accumulated in the dK/dV kernel, no dQ
     kernel; deterministic=True keeps schedule 1), on the grid against the fp32 reference, in both
     accumulation modes, and the profiler shows which kernels ran."""
     _choose_hopper_kernels(monkeypatch, "DUALKV_CUDA_WGMMA_BWD", mode, "the wgmma backward")
     r, kernels = _kernels_of(case, dtype, deterministic)
     _check_against_reference(case, dtype, r)
     fused = mode == "3" and not deterministic
-    ws = mode in ("4", "5") or (mode is None and case[4] == 128)  # the default: warp-specialised at 128 only
-    dkdv = "dkv_dkdv_sm90_ws_kernel" if ws else "dkv_dkdv_sm90_kernel"
-    dq = "dkv_dq_sm90_ws_kernel" if mode == "5" else "dkv_dq_sm90_kernel"
+    default_ws = mode is None and case[4] == 128  # the default: both kernels warp-specialised at 128 only
+    dkdv = "dkv_dkdv_sm90_ws_kernel" if mode in ("4", "5") or default_ws else "dkv_dkdv_sm90_kernel"
+    dq = "dkv_dq_sm90_ws_kernel" if mode == "5" or default_ws else "dkv_dq_sm90_kernel"
     assert any(dkdv in name for name in kernels), f"the dK/dV kernel did not run: {sorted(kernels)}"
     assert any(dq in name for name in kernels) != fused, sorted(kernels)
 
@@ -230,7 +230,7 @@ def test_auto_takes_cuda_where_it_measured_faster(cuda_backend, monkeypatch):
             kernels = sorted({e.name for e in prof.events() if "kernel" in e.name})
             cuda_fwd = any("dkv_fwd_sm90_kernel" in n for n in kernels)
             triton_fwd = any(n.startswith("fwd_kernel") for n in kernels)  # Triton names its kernels bare
-            bwd = "dkv_dq_sm90_split_kernel" if d == 256 else "dkv_dq_sm90_kernel"
+            bwd = "dkv_dq_sm90_split_kernel" if d == 256 else "dkv_dq_sm90_ws_kernel"
             assert (cuda_fwd, triton_fwd) == ((True, False) if d == 256 else (False, True)), kernels
             assert any(bwd in n for n in kernels), kernels
             _check_against_reference(case, torch.bfloat16, r)
@@ -247,7 +247,7 @@ def test_mma_sync_on_request(cuda_backend, case, deterministic, monkeypatch):
     monkeypatch.setenv("DUALKV_CUDA_WGMMA_BWD", "0")
     r, kernels = _kernels_of(case, torch.bfloat16, deterministic)
     _check_against_reference(case, torch.bfloat16, r)
-    assert not any("_sm90_kernel" in name for name in kernels), sorted(kernels)
+    assert not any("_sm90_" in name for name in kernels), sorted(kernels)
     for kernel in ("dkv_fwd_kernel", "dkv_dq_kernel", "dkv_dkdv_kernel"):
         assert any(kernel in name for name in kernels), f"{kernel} did not run: {sorted(kernels)}"
 
