@@ -142,6 +142,44 @@ DKV_DEV void store_dq_rows(const BwdParams& p, int row, int h, int m_valid, cons
   }
 }
 
+// One warpgroup's state in the dQ kernels: a thread's two query rows of the tile (row_in_tile) with
+// their lse_log2 and dsum, its dQ accumulators, S and dP of the key tile, and dS as a register operand.
+template <class E, int D, int kBlockN>
+struct DqWarpgroup {
+  static constexpr int kParts = D / 64;
+  int row_in_tile[2];
+  float lse2[2], dsum[2];
+  float dq[kParts][32];
+  float s[32], dp[32];
+  uint32_t dsa[kBlockN / 16][4] = {};
+
+  // wg: the warpgroup's 64 rows of the 128-row tile at packed row `row` of head h.
+  DKV_DEV DqWarpgroup(const BwdParams& p, int h, int row, int m_valid, int wg, int warp, int g)
+      : row_in_tile{64 * wg + 16 * warp + g, 64 * wg + 16 * warp + g + 8} {
+    load_row_stats(p, h, row, row_in_tile, m_valid, lse2, dsum);
+    for (int part = 0; part < kParts; ++part)
+      for (int i = 0; i < 32; ++i) dq[part][i] = 0.f;
+  }
+  // dS = P (dP - D) in place of dP for key tile kt (s[4 j + i]: row row_in_tile[i / 2], key 8 j + 2 tq + i % 2).
+  DKV_DEV void tile_ds(const KvTile& kt, int qpos_lo, int qpos_hi, int tq, int W, const ScoreFn& score) {
+    row_probabilities<kBlockN>(s, kt, qpos_lo, qpos_hi, row_in_tile, lse2, tq, W, score,
+                               [&](int e, int r, bool masked, float pr, float dtanh) {
+                                 const float ds = pr * (dp[e] - dsum[r]) * dtanh;
+                                 dp[e] = masked ? 0.f : ds;
+                               });
+  }
+  DKV_DEV void pack_ds() { c_to_a<E, kBlockN>(dsa, reinterpret_cast<const float(&)[kBlockN / 8][4]>(dp)); }
+  // After the waits that end S / dP and dQ += dS K: their operands pinned (sm90::fence_operand).
+  DKV_DEV void pin_ss() {
+    sm90::fence_operand<32>(s);
+    sm90::fence_operand<32>(dp);
+  }
+  DKV_DEV void pin_dq() {
+    sm90::fence_operand(dsa);
+    for (int part = 0; part < kParts; ++part) sm90::fence_operand<32>(dq[part]);
+  }
+};
+
 // kOverlap = false: per key tile, S and dP, the element-wise step, then dQ += dS K, each waited for;
 // the K / V ring loads two tiles ahead. kOverlap = true: S and dP of key tile t are issued before
 // dQ += dS_{t-1} K_{t-1}, and the element-wise step of tile t runs while that product still runs;
@@ -191,33 +229,12 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dq_sm90_kernel(const DKV_GRID_CONSTAN
     cp_async_commit();
   }
 
-  const int row_in_tile[2] = {64 * wg + 16 * warp + g, 64 * wg + 16 * warp + g + 8};
-  float lse2[2], dsum[2];
-  load_row_stats(p, h, row0 + q0, row_in_tile, m_valid, lse2, dsum);
-
+  DqWarpgroup<E, D, kBlockN> w(p, h, row0 + q0, m_valid, wg, warp, g);
   const DqProducts<E, D, kBlockM, kBlockN> products(sQ, sdO, sK(0), sV(0), wg);
   const ScoreFn score = make_score_fn(p.scale, p.softcap);
-  float dq[kParts][32];
-  for (int part = 0; part < kParts; ++part)
-    for (int i = 0; i < 32; ++i) dq[part][i] = 0.f;
-  float s[32], dp[32];
-  uint32_t dsa[kBlockN / 16][4] = {};
-
-  auto issue_ss = [&](int t) { products.issue_ss(s, dp, t % kStages); };  // key tile t
-  auto issue_rs = [&](int t) { products.issue_rs(dq, dsa, t % kStages); };
-  // dS = P (dP - D) in place of dP (s[4 j + i]: row row_in_tile[i / 2], key 8 j + 2 tq + i % 2).
-  auto elementwise = [&](int t) {
-    row_probabilities<kBlockN>(s, walk.tile<kBlockN>(t), qpos_lo, qpos_hi, row_in_tile, lse2, tq, W, score,
-                               [&](int e, int r, bool masked, float pr, float dtanh) {
-                                 const float ds = pr * (dp[e] - dsum[r]) * dtanh;
-                                 dp[e] = masked ? 0.f : ds;
-                               });
-  };
-  // After the wait that ends dQ += dS K: its operands pinned (sm90::fence_operand).
-  auto pin_dq = [&] {
-    sm90::fence_operand(dsa);
-    for (int part = 0; part < kParts; ++part) sm90::fence_operand<32>(dq[part]);
-  };
+  auto issue_ss = [&](int t) { products.issue_ss(w.s, w.dp, t % kStages); };  // key tile t
+  auto issue_rs = [&](int t) { products.issue_rs(w.dq, w.dsa, t % kStages); };
+  auto elementwise = [&](int t) { w.tile_ds(walk.tile<kBlockN>(t), qpos_lo, qpos_hi, tq, W, score); };
 
   for (int t = 0; t < n_tiles; ++t) {
     // Tile t (group t) has landed, and every warpgroup is done with the products that read the
@@ -238,20 +255,19 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dq_sm90_kernel(const DKV_GRID_CONSTAN
     } else {
       sm90::wgmma_wait<0>();
     }
-    sm90::fence_operand<32>(s);
-    sm90::fence_operand<32>(dp);
+    w.pin_ss();
     elementwise(t);
     if constexpr (kOverlap) {
       sm90::wgmma_wait<0>();
-      pin_dq();
-      c_to_a<E, kBlockN>(dsa, reinterpret_cast<const float(&)[kBlockN / 8][4]>(dp));
+      w.pin_dq();
+      w.pack_ds();
     } else {
-      c_to_a<E, kBlockN>(dsa, reinterpret_cast<const float(&)[kBlockN / 8][4]>(dp));
+      w.pack_ds();
       sm90::wgmma_fence();
       issue_rs(t);
       sm90::wgmma_commit();
       sm90::wgmma_wait<0>();
-      pin_dq();
+      w.pin_dq();
     }
   }
   if constexpr (kOverlap) {  // the last tile's dQ product; its K is still in its buffer
@@ -259,10 +275,10 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dq_sm90_kernel(const DKV_GRID_CONSTAN
     issue_rs(n_tiles - 1);
     sm90::wgmma_commit();
     sm90::wgmma_wait<0>();
-    pin_dq();
+    w.pin_dq();
   }
   cp_async_wait<0>();
-  store_dq_rows<E, kParts>(p, row0 + q0, h, m_valid, row_in_tile, tq, dq);
+  store_dq_rows<E, kParts>(p, row0 + q0, h, m_valid, w.row_in_tile, tq, w.dq);
 }
 
 // The dQ kernel warp-specialised (DUALKV_CUDA_WGMMA_BWD=5, with the warp-specialised dK/dV kernel;
@@ -345,43 +361,29 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dq_sm90_ws_kernel(const DKV_GRID_CONS
   sm90::setmaxnreg_inc<232>();
   const int tid = thread_idx() - 128, lane = tid & 31, warp = (tid >> 5) & 3, wg = tid >> 7;  // wg: consumer 0 / 1
   const int g = lane >> 2, tq = lane & 3;
-  const int row_in_tile[2] = {64 * wg + 16 * warp + g, 64 * wg + 16 * warp + g + 8};
-  float lse2[2], dsum[2];
-  load_row_stats(p, h, row0 + q0, row_in_tile, m_valid, lse2, dsum);
-
+  DqWarpgroup<E, D, kBlockN> w(p, h, row0 + q0, m_valid, wg, warp, g);
   const DqProducts<E, D, kBlockM, kBlockN> products(sQ, sdO, sK(0), sV(0), wg);
   const ScoreFn score = make_score_fn(p.scale, p.softcap);
-  float dq[kParts][32];
-  for (int part = 0; part < kParts; ++part)
-    for (int i = 0; i < 32; ++i) dq[part][i] = 0.f;
-  float s[32], dp[32];
-  uint32_t dsa[kBlockN / 16][4] = {};
 
   for (int t = 0; t < n_tiles; ++t) {
     const int b = t % kStages;
     sm90::mbar_wait(&full[b], (t / kStages) & 1);
     // S = Q K^T and dP = dO V^T (as dkv_dq_sm90_kernel), then dS in place of dP and dQ += dS K.
     sm90::wgmma_fence();
-    products.issue_ss(s, dp, b);
+    products.issue_ss(w.s, w.dp, b);
     sm90::wgmma_commit();
     sm90::wgmma_wait<0>();
-    sm90::fence_operand<32>(s);
-    sm90::fence_operand<32>(dp);
-    row_probabilities<kBlockN>(s, walk.tile<kBlockN>(t), qpos_lo, qpos_hi, row_in_tile, lse2, tq, W, score,
-                               [&](int e, int r, bool masked, float pr, float dtanh) {
-                                 const float ds = pr * (dp[e] - dsum[r]) * dtanh;
-                                 dp[e] = masked ? 0.f : ds;
-                               });
-    c_to_a<E, kBlockN>(dsa, reinterpret_cast<const float(&)[kBlockN / 8][4]>(dp));
+    w.pin_ss();
+    w.tile_ds(walk.tile<kBlockN>(t), qpos_lo, qpos_hi, tq, W, score);
+    w.pack_ds();
     sm90::wgmma_fence();
-    products.issue_rs(dq, dsa, b);
+    products.issue_rs(w.dq, w.dsa, b);
     sm90::wgmma_commit();
     sm90::wgmma_wait<0>();
-    sm90::fence_operand(dsa);
-    for (int part = 0; part < kParts; ++part) sm90::fence_operand<32>(dq[part]);
+    w.pin_dq();
     sm90::mbar_arrive(&empty[b]);  // this warpgroup is done with key tile t's buffer
   }
-  store_dq_rows<E, kParts>(p, row0 + q0, h, m_valid, row_in_tile, tq, dq);
+  store_dq_rows<E, kParts>(p, row0 + q0, h, m_valid, w.row_in_tile, tq, w.dq);
 }
 
 // The dK/dV kernels' loads of one reader query tile (cp.async, not committed): Q and dO rows into the
