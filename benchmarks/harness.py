@@ -354,6 +354,15 @@ class DualKVCudaWsBwd(DualKVCuda):
     env = {"DUALKV_CUDA_WGMMA": None, "DUALKV_CUDA_WGMMA_BWD": "4"}
 
 
+@register("dualkv-cuda-ws-both-bwd")
+class DualKVCudaWsBothBwd(DualKVCuda):
+    """Both wgmma backward kernels warp-specialised (dQ and dK/dV; d 64 / 128; the default at d = 128)."""
+
+    env = {"DUALKV_CUDA_WGMMA": None, "DUALKV_CUDA_WGMMA_BWD": "5"}
+
+
+# Triton's forward with one of the CUDA backward variants above (the pair "auto" takes at d = 64 / 128):
+# each inherits its variant's kernel-choice variables.
 @register("dualkv-pair-ws-bwd")
 class DualKVPairWsBwd(DualKVCudaWsBwd):
     """Triton's forward with the warp-specialised dK/dV kernel and the in-turn dQ kernel (d 64 / 128)."""
@@ -362,23 +371,22 @@ class DualKVPairWsBwd(DualKVCudaWsBwd):
 
 
 @register("dualkv-pair-ws-both-bwd")
-class DualKVPairWsBothBwd(DualKVCuda):
-    """Triton's forward with both backward kernels warp-specialised (the pair ``auto`` takes at d = 128)."""
+class DualKVPairWsBothBwd(DualKVCudaWsBothBwd):
+    """Triton's forward with both backward kernels warp-specialised (what ``auto`` runs at d = 128)."""
 
     backend = "triton+cuda"
-    env = {"DUALKV_CUDA_WGMMA": None, "DUALKV_CUDA_WGMMA_BWD": "5"}
 
 
 @register("dualkv-pair-in-turn-bwd")
 class DualKVPairInTurnBwd(DualKVCudaWgmmaBwd):
-    """Triton's forward with the in-turn wgmma backward (what ``auto`` took at d = 128 before the ws kernel)."""
+    """Triton's forward with the in-turn wgmma backward (what ``auto`` runs at d = 64)."""
 
     backend = "triton+cuda"
 
 
 @register("dualkv-pair-fused-dq")
 class DualKVPairFusedDq(DualKVCudaFusedDq):
-    """Triton's forward with the fused-dQ CUDA backward (the pair ``auto`` takes at d = 128, fused)."""
+    """Triton's forward with the opt-in fused-dQ CUDA backward."""
 
     backend = "triton+cuda"
 
