@@ -71,7 +71,7 @@ def head(impl: str, h, w, t, coef):
     return lp, (coef[0] * lp).sum() + (coef[1] * ent).sum()
 
 
-def measure(impl: str, pt: dict, dtype, device, timer: Timer, seed: int, ref=None) -> dict:
+def measure(impl: str, pt: dict, dtype, device, timer: Timer, seed: int, ref=None) -> tuple[dict, tuple | None]:
     row = dict(point=f"n={pt['n']},D={pt['D']},V={pt['V']}", **pt, impl=impl)
     h, w, t, coef = make_inputs(pt, dtype, device, seed)
     try:
@@ -150,11 +150,14 @@ def plot(rows: list[dict], path: Path, title: str) -> Path | None:
     return save_figure(fig, path)
 
 
+IMPLS = LOGPROB_IMPLS + ("matmul-only",)  # what --impls may name (matmul-only: the LM-head matmuls alone)
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--points", default=DEFAULT_POINTS, help="';'-separated 'n=..,D=..,V=..' points")
     ap.add_argument("--impls", default="torch,triton,matmul-only",
-                    help=f"comma-separated, from {LOGPROB_IMPLS + ('matmul-only',)}; differences are against the first")
+                    help=f"comma-separated, from {IMPLS}; differences are against the first")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--budget-ms", type=float, default=400.0)
     ap.add_argument("--max-reps", type=int, default=20)
@@ -167,9 +170,9 @@ def parse_args(argv=None):
     except ValueError as err:
         ap.error(str(err))
     args.impls = [i.strip() for i in args.impls.split(",") if i.strip()]
-    bad = [i for i in args.impls if i not in LOGPROB_IMPLS + ("matmul-only",)]
+    bad = [i for i in args.impls if i not in IMPLS]
     if bad or not args.impls:
-        ap.error(f"--impls: expected names from {LOGPROB_IMPLS + ('matmul-only',)}, got {bad or args.impls}")
+        ap.error(f"--impls: expected names from {IMPLS}, got {bad or args.impls}")
     return args
 
 

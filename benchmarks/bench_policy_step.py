@@ -409,7 +409,7 @@ def _logprobs_impl_run(args, device) -> str:
     """The log-prob head's reduction the run takes ("torch" / "triton"), for the model's compute dtype."""
     from dualkv.core.logprobs import resolve_logprobs_impl
 
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = train_config(args, args.packings[0], args.mbs[0]).parallel.dtype
     return resolve_logprobs_impl(args.logprobs_impl, torch.empty(0, device=device, dtype=dtype))
 
 

@@ -249,15 +249,18 @@ def get_provider(name: str) -> type[Provider]:
     return PROVIDERS[name]
 
 
+KERNEL_CHOICE_VARS = ("DUALKV_CUDA_WGMMA", "DUALKV_CUDA_WGMMA_BWD")
+
+
 class _DualKV(Provider):
     """DualKV through its public op ``dualkv.core.dualkv_attention`` (custom op + autograd)."""
 
     backend = "reference"
-    # Kernel choices of the CUDA backend, read by its binding at every call: set before each forward
-    # (the backward of that forward follows it), None = unset (the default). Every DualKV provider sets
-    # both, so none inherits the choice of the variant timed before it; the CUDA variants below time
-    # the backend's kernel paths against each other in one run.
-    env: dict[str, str | None] = {"DUALKV_CUDA_WGMMA": None, "DUALKV_CUDA_WGMMA_BWD": None}
+    # Kernel choices of the CUDA backend (KERNEL_CHOICE_VARS), read by its binding at every call: set
+    # before each forward (the backward of that forward follows it); a variable this dict does not
+    # name is unset (the default), so no provider inherits the choice of the variant timed before it.
+    # The CUDA variants below time the backend's kernel paths against each other in one run.
+    env: dict[str, str] = {}
 
     @classmethod
     def unsupported(cls, cfg, device):
@@ -277,11 +280,11 @@ class _DualKV(Provider):
         return None
 
     def forward(self, q, k, v):
-        for key, value in self.env.items():
-            if value is None:
-                os.environ.pop(key, None)
+        for key in KERNEL_CHOICE_VARS:
+            if key in self.env:
+                os.environ[key] = self.env[key]
             else:
-                os.environ[key] = value
+                os.environ.pop(key, None)
         return dualkv_attention(q, k, v, self.layout, softmax_scale=self.scale, backend=self.backend)
 
 
@@ -302,7 +305,6 @@ class DualKVCuda(_DualKV):
     """The CUDA backend's defaults: on sm_90 the wgmma forward and (d 64 - 256) the wgmma backward."""
 
     backend = "cuda"
-    env = {"DUALKV_CUDA_WGMMA": None, "DUALKV_CUDA_WGMMA_BWD": None}
 
 
 @register("dualkv-cuda-mma")
@@ -316,49 +318,49 @@ class DualKVCudaMma(DualKVCuda):
 class DualKVCudaMmaBwd(DualKVCuda):
     """The default forward with the mma.sync backward (the default before the wgmma backward)."""
 
-    env = {"DUALKV_CUDA_WGMMA": None, "DUALKV_CUDA_WGMMA_BWD": "0"}
+    env = {"DUALKV_CUDA_WGMMA_BWD": "0"}
 
 
 @register("dualkv-cuda-ws")
 class DualKVCudaWs(DualKVCuda):
     """The opt-in warp-specialised wgmma forward (a producer warpgroup, mbarrier hand-over)."""
 
-    env = {"DUALKV_CUDA_WGMMA": "2", "DUALKV_CUDA_WGMMA_BWD": None}
+    env = {"DUALKV_CUDA_WGMMA": "2"}
 
 
 @register("dualkv-cuda-wgmma-bwd")
 class DualKVCudaWgmmaBwd(DualKVCuda):
-    """The wgmma backward's in-turn schedule (d 64 / 128; the products of a tile in turn; the default before 4)."""
+    """The wgmma backward's in-turn schedule (d 64 / 128; the products of a tile in turn; the default at d = 64)."""
 
-    env = {"DUALKV_CUDA_WGMMA": None, "DUALKV_CUDA_WGMMA_BWD": "1"}
+    env = {"DUALKV_CUDA_WGMMA_BWD": "1"}
 
 
 @register("dualkv-cuda-wgmma-bwd-overlap")
 class DualKVCudaWgmmaBwdOverlap(DualKVCuda):
     """The opt-in wgmma backward with the next tile's products overlapping (d 64 / 128)."""
 
-    env = {"DUALKV_CUDA_WGMMA": None, "DUALKV_CUDA_WGMMA_BWD": "2"}
+    env = {"DUALKV_CUDA_WGMMA_BWD": "2"}
 
 
 @register("dualkv-cuda-fused-dq")
 class DualKVCudaFusedDq(DualKVCuda):
     """The opt-in wgmma dK/dV kernel that also accumulates dQ (fp32 atomics; no dQ kernel; d 64 / 128)."""
 
-    env = {"DUALKV_CUDA_WGMMA": None, "DUALKV_CUDA_WGMMA_BWD": "3"}
+    env = {"DUALKV_CUDA_WGMMA_BWD": "3"}
 
 
 @register("dualkv-cuda-ws-bwd")
 class DualKVCudaWsBwd(DualKVCuda):
     """The warp-specialised wgmma dK/dV kernel with the in-turn dQ kernel (a producer warpgroup loads; d 64 / 128)."""
 
-    env = {"DUALKV_CUDA_WGMMA": None, "DUALKV_CUDA_WGMMA_BWD": "4"}
+    env = {"DUALKV_CUDA_WGMMA_BWD": "4"}
 
 
 @register("dualkv-cuda-ws-both-bwd")
 class DualKVCudaWsBothBwd(DualKVCuda):
     """Both wgmma backward kernels warp-specialised (dQ and dK/dV; d 64 / 128; the default at d = 128)."""
 
-    env = {"DUALKV_CUDA_WGMMA": None, "DUALKV_CUDA_WGMMA_BWD": "5"}
+    env = {"DUALKV_CUDA_WGMMA_BWD": "5"}
 
 
 # Triton's forward with one of the CUDA backward variants above (the pair "auto" takes at d = 64 / 128):

@@ -4,9 +4,10 @@ The first token of every response is predicted by its group's LAST PROMPT token;
 previous response token (``PackedLayout.logprob_index``). Results come back as (B, R_max) rows.
 
 ``linear_logprobs`` fuses the LM head with the log-softmax: logits are formed ``chunk_size`` rows at
-a time (LM-head matmul in the weights' dtype, then fp32), reduced to the target log-prob, the
-log-sum-exp and optionally the entropy, and dropped; backward recomputes each chunk. Peak memory is
-O(chunk_size * V) fp32 instead of O(n * V). Per row, with l = h W^T, c = cap * tanh(l / cap) (or
+a time (LM-head matmul in the weights' dtype; ``impl="torch"`` then reduces an fp32 copy, the Triton
+kernels read them in that dtype), reduced to the target log-prob, the log-sum-exp and optionally the
+entropy, and dropped; backward recomputes each chunk. Peak memory is O(chunk_size * V) instead of
+O(n * V). Per row, with l = h W^T, c = cap * tanh(l / cap) (or
 c = l without a cap), z = c / temperature and p = softmax(z)::
 
     logprob = z[target] - logsumexp(z)           d/dz = onehot(target) - p
@@ -23,7 +24,7 @@ import torch
 __all__ = ["gather_logprobs", "response_logprobs_from_logits", "logprobs_from_logits", "linear_logprobs", "LOGPROB_IMPLS",
            "resolve_logprobs_impl"]
 
-# Rows per chunk so that one fp32 (chunk, V) temporary stays near 256 MiB.
+# Rows per chunk so that one fp32 (chunk, V) temporary (impl="torch") stays near 256 MiB.
 _CHUNK_ELEMENTS = 1 << 26
 
 
@@ -115,14 +116,18 @@ class _LinearLogProbs(torch.autograd.Function):
         grad_w = torch.zeros(weight_VD.shape, dtype=acc, device=weight_VD.device) if need_w else None
         if stats is not None:
             from .backends.triton import logprob_kernel
+
+            # the kernel reads fp32 rows; a sum's gradient arrives expanded (stride 0): one copy, not one a chunk
+            g_lp = None if g_lp is None else g_lp.float().contiguous()
+            g_ent = None if g_ent is None else g_ent.float().contiguous()
         for s in range(0, hidden_nD.shape[0], chunk):
             h_cD = hidden_nD[s:s + chunk]
             if stats is not None:
                 rows = slice(s, s + chunk)
                 dl = logprob_kernel.backward_(
                     torch.nn.functional.linear(h_cD, weight_VD), targets_n[rows],
-                    None if g_lp is None else g_lp[rows].float().contiguous(),
-                    None if g_ent is None else g_ent[rows].float().contiguous(),
+                    None if g_lp is None else g_lp[rows],
+                    None if g_ent is None else g_ent[rows],
                     stats[0, rows], stats[1, rows], temperature, softcap)
             else:
                 z, t = _scaled_logits(h_cD, weight_VD, temperature, softcap)
@@ -197,15 +202,16 @@ def resolve_logprobs_impl(impl: str | None, hidden: torch.Tensor) -> str:
         impl, source = os.environ.get("DUALKV_LOGPROBS_IMPL", "auto"), "DUALKV_LOGPROBS_IMPL"
     if impl not in LOGPROB_IMPLS:
         raise ValueError(f"{source}: expected one of {LOGPROB_IMPLS}, got {impl!r}")
+    if impl == "torch":
+        return impl
     from .backends import triton as triton_backend
 
     if impl == "auto":
         fast = hidden.is_cuda and hidden.dtype in (torch.float16, torch.bfloat16)
         return "triton" if fast and triton_backend.is_available() else "torch"
-    if impl == "triton":
-        if not triton_backend.is_available():
-            raise ValueError(f"{source}: 'triton' cannot run here: {triton_backend.unavailable_reason()}")
-        triton_backend.check_tensor("hidden", hidden, "the triton log-prob kernels")
+    if not triton_backend.is_available():
+        raise ValueError(f"{source}: 'triton' cannot run here: {triton_backend.unavailable_reason()}")
+    triton_backend.check_tensor("hidden", hidden, "the triton log-prob kernels")
     return impl
 
 
@@ -229,7 +235,8 @@ def linear_logprobs(
         temperature: logits are divided by it after the softcap.
         softcap: final-logit softcap ``cap * tanh(l / cap)`` or None.
         return_entropy: also return the entropy of each row's distribution.
-        chunk_size: rows per chunk; default keeps one fp32 (chunk, V) block near 256 MiB.
+        chunk_size: rows per chunk; default keeps one fp32 (chunk, V) block near 256 MiB
+            (``impl="torch"``; the Triton kernels' logits stay in the weights' dtype, half that in bf16).
         impl: how each chunk's logits are reduced: ``"torch"`` (PyTorch ops on an fp32 copy),
             ``"triton"`` (one Triton kernel per direction over the logits in the weights' dtype,
             keeping each row's log-sum-exp and mean logit for backward; fp16 / bf16 / fp32 on CUDA,

@@ -263,8 +263,8 @@ def test_merge_prefers_measured_rows(tmp_path):
 # ------------------------------------------------------------------------ end to end, reference
 def test_cuda_kernel_variants_set_their_environment(monkeypatch):
     """The CUDA variants select kernel paths through the binding's environment variables, set before
-    each forward (None unsets; the other DualKV providers unset both, so none inherits the variant
-    timed before it); on a machine without CUDA the CUDA ones answer unsupported."""
+    each forward (a variable a provider does not set is unset, so none inherits the variant timed
+    before it); on a machine without CUDA the CUDA ones answer unsupported."""
     from benchmarks import harness
 
     cfg = bench_attention.AttnConfig.parse("N=2,P=40,R=9,H=4,H_kv=2,d=32,dtype=float32")
