@@ -174,12 +174,9 @@ int kernel_choice(const char* name, char max_choice = '2', int device_default = 
   TORCH_CHECK(choice.empty() || (choice.size() == 1 && choice[0] >= '0' && choice[0] <= max_choice), kOps, ": ", name,
               ": expected 0 .. ", max_choice, " (or unset), got '", choice, "'");
 #ifdef DKV_EMULATE
-  (void)device_default;
-  const int kDefault = 0;
-#else
-  const int kDefault = device_default;
+  device_default = 0;
 #endif
-  return choice.empty() ? kDefault : choice[0] - '0';
+  return choice.empty() ? device_default : choice[0] - '0';
 }
 
 // The wgmma kernels can run: an sm_90 device whose extension code has wgmma (built for sm_90a), or the
@@ -204,10 +201,10 @@ int use_sm90_forward(const Tensor& q, int head_dim) {
 
 // The wgmma backward kernels (dkv_bwd_sm90.cuh: dQ and dK/dV), head dims 64 / 128 / 192 / 256 (at 192 /
 // 256 with the warpgroups' roles split, in one schedule), on the same devices. DUALKV_CUDA_WGMMA_BWD
-// picks the dK/dV kernel's schedule at 64 / 128: 1 the products of a tile one after the other (1.5x the
+// picks the backward's schedule at 64 / 128: 1 the products of a tile one after the other (1.5x the
 // mma.sync backward on an H200, benchmarks/results/cuda_hopper_bwd_h200.md), 2 the next tile's
 // products overlapped (slower there), 3 dQ accumulated inside the dK/dV kernel (fp32 bulk reductions
-// into a workspace, no dQ kernel; not with deterministic=True, which keeps 1), 4 schedule 1
+// into a workspace, no dQ kernel; with deterministic=True it falls back to 1), 4 schedule 1
 // warp-specialised: a producer warpgroup loads (the backward 3-5% faster than 1 at d = 128 on an H200,
 // 3% slower at d = 64: benchmarks/results/attention_h200_ws_vs_in_turn.md), 5 the dQ kernel
 // warp-specialised too (its dQ kernel 16-19% faster, the backward 3-6% faster than 4 at d = 128:
@@ -402,8 +399,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
     }
     check_launch(bf16 ? run_dkdv_sm90<Bf16>(p, st, sm90) : run_dkdv_sm90<Fp16>(p, st, sm90), "dk/dv kernel (sm90 wgmma)");
     if (sm90 == 3) {  // dQ = scale * sum of dS K, cast once
-      const Tensor rows = dq_accum.narrow(3, 0, 64).permute({2, 0, 1, 3});  // (T, H, d / 64, 64)
-      dq.view({T, args.nheads, args.head_dim / 64, 64}).copy_(rows.mul(args.scale));
+      const Tensor rows = dq_accum.mul_(args.scale).narrow(3, 0, 64).permute({2, 0, 1, 3});  // (T, H, d / 64, 64)
+      dq.view({T, args.nheads, args.head_dim / 64, 64}).copy_(rows);
     }
   } else {
     check_launch(bf16 ? dispatch_dq<Bf16>(p, st) : dispatch_dq<Fp16>(p, st), "dq kernel");

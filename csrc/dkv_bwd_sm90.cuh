@@ -769,7 +769,8 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
   if constexpr (kDq) sm90::bulk_wait<0>();  // the dQ rows this thread added (shared memory stays valid)
 }
 
-// The dK/dV kernel warp-specialised (DUALKV_CUDA_WGMMA_BWD=4; d = 64 / 128): warpgroup 0 only loads,
+// The dK/dV kernel warp-specialised (DUALKV_CUDA_WGMMA_BWD=4 and 5, the default at d = 128; d = 64 /
+// 128): warpgroup 0 only loads,
 // warpgroups 1 and 2 compute as the in-turn kernel above (each its 64 keys of the 128-key tile). The
 // producer fetches the items, loads an item's K / V once the consumers are done with the previous
 // item's (kv_empty), then its reader query tiles into a ring of kStages buffers, each with a slot

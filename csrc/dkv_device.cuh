@@ -72,6 +72,7 @@ DKV_DEV void atomic_add_f32x2(float* p, float a, float b) {
 }
 DKV_DEV int atomic_add_i32(int* p, int v) { return std::atomic_ref<int>(*p).fetch_add(v); }
 DKV_DEV void store_f32x2(float* p, float a, float b) {
+  dkv_emu::require_aligned(p, 8, "8-byte store");
   p[0] = a;
   p[1] = b;
 }

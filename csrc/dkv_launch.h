@@ -28,7 +28,7 @@ constexpr int kSm90BlockM = 128;
 // sm90_dq_block_m rows, dK/dV on key tiles of sm90_dkdv_block_n (128 at head dims 64 / 128, 64 at
 // 192 / 256, where there is one schedule and no dQ inside the dK/dV kernel).
 template <class E>
-cudaError_t run_dq_sm90(const BwdParams& p, cudaStream_t stream, int schedule);  // 1 .. 5 (3: none runs)
+cudaError_t run_dq_sm90(const BwdParams& p, cudaStream_t stream, int schedule);  // 1 .. 5 (not called at 3)
 template <class E>
 cudaError_t run_dkdv_sm90(const BwdParams& p, cudaStream_t stream, int schedule);  // 1 .. 5 (3: fused dQ)
 bool sm90_bwd_supports(int head_dim);
