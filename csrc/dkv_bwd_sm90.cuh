@@ -488,6 +488,50 @@ struct DkdvProducts {
   }
 };
 
+// One warpgroup's state in the dK/dV kernels: a thread's two key rows of the tile (key_in_tile), its
+// dK / dV accumulators, S^T and dP^T of the query tile, and P^T / dS^T as register operands.
+template <class E, int D, int kBlockM, int kBlockN>
+struct DkdvWarpgroup {
+  static constexpr int kParts = D / 64;
+  int key_in_tile[2];
+  float dv[kParts][32], dk[kParts][32];  // this order keeps the kernels' register assignment as measured
+  float st[32], dpt[32];
+  uint32_t pa[kBlockM / 16][4] = {}, dsa[kBlockM / 16][4] = {};
+
+  DKV_DEV DkdvWarpgroup(int wg, int warp, int g) : key_in_tile{64 * wg + 16 * warp + g, 64 * wg + 16 * warp + g + 8} {}
+  DKV_DEV void zero_dkdv() {
+    for (int part = 0; part < kParts; ++part)
+      for (int i = 0; i < 32; ++i) dk[part][i] = dv[part][i] = 0.f;
+  }
+  // P^T and dS^T in place of S^T and dP^T for the query tile `desc`, its lse_log2 in sL and dsum in sD
+  // (st[4 j + i]: key key_in_tile[i / 2], query 8 j + 2 tq + i % 2).
+  DKV_DEV void tile_ds(const QTileDesc& desc, const float* sL, const float* sD, int tq, int W, const ScoreFn& score) {
+    transposed_probabilities<kBlockM, kBlockN>(st, desc, sL, key_in_tile, tq, W, score,
+                                               [&](int e, int col, bool masked, float pr, float dtanh) {
+                                                 const float ds = pr * (dpt[e] - sD[col]) * dtanh;
+                                                 st[e] = masked ? 0.f : pr;
+                                                 dpt[e] = masked ? 0.f : ds;
+                                               });
+  }
+  DKV_DEV void pack() {
+    c_to_a<E, kBlockM>(pa, reinterpret_cast<const float(&)[kBlockM / 8][4]>(st));
+    c_to_a<E, kBlockM>(dsa, reinterpret_cast<const float(&)[kBlockM / 8][4]>(dpt));
+  }
+  // After the waits that end the shared-memory / register-operand products: their operands pinned.
+  DKV_DEV void pin_ss() {
+    sm90::fence_operand<32>(st);
+    sm90::fence_operand<32>(dpt);
+  }
+  DKV_DEV void pin_rs() {
+    sm90::fence_operand(pa);
+    sm90::fence_operand(dsa);
+    for (int part = 0; part < kParts; ++part) {
+      sm90::fence_operand<32>(dk[part]);
+      sm90::fence_operand<32>(dv[part]);
+    }
+  }
+};
+
 // The dK/dV kernels' end of an item: each thread's two key rows of dK and dV (dk[part][4 j + i]: key
 // key_in_tile[i / 2], column 64 part + 8 j + 2 tq + i % 2) to their destinations.
 template <class E, int kParts>
@@ -561,41 +605,17 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
 
   const DkdvProducts<E, D, kBlockM, kBlockN> products(sK, sV, sQ0, sdO0, wg);
   const ScoreFn score = make_score_fn(p.scale, p.softcap);
-  const int key_in_tile[2] = {64 * wg + 16 * warp + g, 64 * wg + 16 * warp + g + 8};
+  DkdvWarpgroup<E, D, kBlockM, kBlockN> w(wg, warp, g);
+  const int(&key_in_tile)[2] = w.key_in_tile;
 
-  float dk[kParts][32], dv[kParts][32];
-  float st[32], dpt[32];
-  uint32_t pa[kBlockM / 16][4] = {}, dsa[kBlockM / 16][4] = {};
-
-  auto issue_ss = [&](int b) { products.issue_ss(st, dpt, b); };
-  auto issue_rs = [&](int b) { products.issue_rs(dk, dv, pa, dsa, b); };
-  // P^T and dS^T in place of S^T and dP^T (st[4 j + i]: key key_in_tile[i / 2], query 8 j + 2 tq + i % 2).
+  auto issue_ss = [&](int b) { products.issue_ss(w.st, w.dpt, b); };
+  auto issue_rs = [&](int b) { products.issue_rs(w.dk, w.dv, w.pa, w.dsa, b); };
   auto elementwise = [&](const QTileDesc& desc, int b) {
-    const float* sD = sD0 + b * kBlockM;
-    transposed_probabilities<kBlockM, kBlockN>(st, desc, sL0 + b * kBlockM, key_in_tile, tq, W, score,
-                                               [&](int e, int col, bool masked, float pr, float dtanh) {
-                                                 const float ds = pr * (dpt[e] - sD[col]) * dtanh;
-                                                 st[e] = masked ? 0.f : pr;
-                                                 dpt[e] = masked ? 0.f : ds;
-                                               });
+    w.tile_ds(desc, sL0 + b * kBlockM, sD0 + b * kBlockM, tq, W, score);
   };
-  auto pack = [&] {
-    c_to_a<E, kBlockM>(pa, reinterpret_cast<const float(&)[kBlockM / 8][4]>(st));
-    c_to_a<E, kBlockM>(dsa, reinterpret_cast<const float(&)[kBlockM / 8][4]>(dpt));
-  };
-  // After the waits that end the shared-memory / register-operand products: their operands pinned.
-  auto pin_ss = [&] {
-    sm90::fence_operand<32>(st);
-    sm90::fence_operand<32>(dpt);
-  };
-  auto pin_rs = [&] {
-    sm90::fence_operand(pa);
-    sm90::fence_operand(dsa);
-    for (int part = 0; part < kParts; ++part) {
-      sm90::fence_operand<32>(dk[part]);
-      sm90::fence_operand<32>(dv[part]);
-    }
-  };
+  auto pack = [&] { w.pack(); };
+  auto pin_ss = [&] { w.pin_ss(); };
+  auto pin_rs = [&] { w.pin_rs(); };
 
   // (kDq) dS^T (dpt: key key_in_tile[i / 2], query 8 j + 2 tq + i % 2) as dS: query rows, this
   // warpgroup's keys in part wg (K-major for the A operand of dQ = dS K).
@@ -604,7 +624,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
 #pragma unroll
     for (int e = 0; e < 32; ++e) {
       const int query = 8 * (e / 4) + 2 * tq + (e % 2), key = 16 * warp + g + 8 * ((e / 2) % 2);
-      part[sm90::sw128_offset(query, key) / 2] = from_float<E>(dpt[e]);
+      part[sm90::sw128_offset(query, key) / 2] = from_float<E>(w.dpt[e]);
     }
   };
   // (kDq) dQ_part = dS K for this warpgroup's columns (or keys, at d = 64), issued behind the block
@@ -662,8 +682,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
     };
     auto issue_q = [&](const ReaderCursor<kBlockM>& cur, int b) -> QTileDesc { return issue_tile(cur, b).desc; };
 
-    for (int part = 0; part < kParts; ++part)
-      for (int i = 0; i < 32; ++i) dk[part][i] = dv[part][i] = 0.f;
+    w.zero_dkdv();
 
     ReaderCursor<kBlockM> cur;
     bool have = cur.begin(p, it);
@@ -763,7 +782,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
       }
     }
     cp_async_wait<0>();  // an item with no reader still has its K/V load in flight
-    store_dkdv_rows<E, kParts>(p, it, key_in_tile, tq, dk, dv);
+    store_dkdv_rows<E, kParts>(p, it, key_in_tile, tq, w.dk, w.dv);
     block_sync();  // shared K/V are reloaded by the next item
   }
   if constexpr (kDq) sm90::bulk_wait<0>();  // the dQ rows this thread added (shared memory stays valid)
@@ -888,15 +907,10 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
   const int g = lane >> 2, tq = lane & 3;
   const DkdvProducts<E, D, kBlockM, kBlockN> products(sK, sV, sQ0, sdO0, wg);
   const ScoreFn score = make_score_fn(p.scale, p.softcap);
-  const int key_in_tile[2] = {64 * wg + 16 * warp + g, 64 * wg + 16 * warp + g + 8};
-
-  float dk[kParts][32], dv[kParts][32];
-  float st[32], dpt[32];
-  uint32_t pa[kBlockM / 16][4] = {}, dsa[kBlockM / 16][4] = {};
+  DkdvWarpgroup<E, D, kBlockM, kBlockN> w(wg, warp, g);
 
   for (int n_slots = 0;;) {  // one item a pass
-    for (int part = 0; part < kParts; ++part)
-      for (int i = 0; i < 32; ++i) dk[part][i] = dv[part][i] = 0.f;
+    w.zero_dkdv();
     Slot slot;
     for (;;) {  // its slots
       const int b = n_slots % kStages;
@@ -905,30 +919,17 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
       if (slot.flags & K::kTile) {
         // S^T = K Q^T and dP^T = V dO^T, then dV += P^T dO and dK += dS^T Q (as dkv_dkdv_sm90_kernel).
         sm90::wgmma_fence();
-        products.issue_ss(st, dpt, b);
+        products.issue_ss(w.st, w.dpt, b);
         sm90::wgmma_commit();
         sm90::wgmma_wait<0>();
-        sm90::fence_operand<32>(st);
-        sm90::fence_operand<32>(dpt);
-        const float* sD = sD0 + b * kBlockM;
-        transposed_probabilities<kBlockM, kBlockN>(st, slot.desc, sL0 + b * kBlockM, key_in_tile, tq, W, score,
-                                                   [&](int e, int col, bool masked, float pr, float dtanh) {
-                                                     const float ds = pr * (dpt[e] - sD[col]) * dtanh;
-                                                     st[e] = masked ? 0.f : pr;
-                                                     dpt[e] = masked ? 0.f : ds;
-                                                   });
-        c_to_a<E, kBlockM>(pa, reinterpret_cast<const float(&)[kBlockM / 8][4]>(st));
-        c_to_a<E, kBlockM>(dsa, reinterpret_cast<const float(&)[kBlockM / 8][4]>(dpt));
+        w.pin_ss();
+        w.tile_ds(slot.desc, sL0 + b * kBlockM, sD0 + b * kBlockM, tq, W, score);
+        w.pack();
         sm90::wgmma_fence();
-        products.issue_rs(dk, dv, pa, dsa, b);
+        products.issue_rs(w.dk, w.dv, w.pa, w.dsa, b);
         sm90::wgmma_commit();
         sm90::wgmma_wait<0>();
-        sm90::fence_operand(pa);
-        sm90::fence_operand(dsa);
-        for (int part = 0; part < kParts; ++part) {
-          sm90::fence_operand<32>(dk[part]);
-          sm90::fence_operand<32>(dv[part]);
-        }
+        w.pin_rs();
       }
       if (!(slot.flags & K::kDone)) sm90::mbar_arrive(&empty[b]);
       ++n_slots;
@@ -936,7 +937,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
     }
     if (slot.flags & K::kDone) break;
     sm90::mbar_arrive(kv_empty);  // K / V are read: the producer may load the next item's
-    store_dkdv_rows<E, kParts>(p, decode_item<kBlockN>(p, slot.item), key_in_tile, tq, dk, dv);
+    store_dkdv_rows<E, kParts>(p, decode_item<kBlockN>(p, slot.item), w.key_in_tile, tq, w.dk, w.dv);
   }
 }
 
