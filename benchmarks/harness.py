@@ -330,7 +330,7 @@ class DualKVCudaWs(DualKVCuda):
 
 @register("dualkv-cuda-wgmma-bwd")
 class DualKVCudaWgmmaBwd(DualKVCuda):
-    """The wgmma backward's in-turn schedule (d 64 / 128; the products of a tile in turn; the default at d = 64)."""
+    """The wgmma backward's in-turn schedule (d 64 / 128; the products of a tile in turn)."""
 
     env = {"DUALKV_CUDA_WGMMA_BWD": "1"}
 
@@ -358,7 +358,7 @@ class DualKVCudaWsBwd(DualKVCuda):
 
 @register("dualkv-cuda-ws-both-bwd")
 class DualKVCudaWsBothBwd(DualKVCuda):
-    """Both wgmma backward kernels warp-specialised (dQ and dK/dV; d 64 / 128; the default at d = 128)."""
+    """Both wgmma backward kernels warp-specialised (dQ and dK/dV; d 64 / 128; the default)."""
 
     env = {"DUALKV_CUDA_WGMMA_BWD": "5"}
 
@@ -374,14 +374,14 @@ class DualKVPairWsBwd(DualKVCudaWsBwd):
 
 @register("dualkv-pair-ws-both-bwd")
 class DualKVPairWsBothBwd(DualKVCudaWsBothBwd):
-    """Triton's forward with both backward kernels warp-specialised (what ``auto`` runs at d = 128)."""
+    """Triton's forward with both backward kernels warp-specialised (what ``auto`` runs at d = 64 / 128)."""
 
     backend = "triton+cuda"
 
 
 @register("dualkv-pair-in-turn-bwd")
 class DualKVPairInTurnBwd(DualKVCudaWgmmaBwd):
-    """Triton's forward with the in-turn wgmma backward (what ``auto`` runs at d = 64)."""
+    """Triton's forward with the in-turn wgmma backward."""
 
     backend = "triton+cuda"
 

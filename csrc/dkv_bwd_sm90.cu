@@ -2,7 +2,7 @@
 // schedules 1 .. 5 (launch_dq_sm90_schedule, launch_dkdv_sm90_schedule); at 192 and 256 both kernels with the warpgroups' roles split
 // (one schedule, no dQ inside the dK/dV kernel). The kernels trap unless the unit is built for sm_90a; the
 // binding only calls them on an sm_90 device whose code has wgmma (sm90_kernels_built): by default
-// (schedule 5 at d = 128, 1 at 64), unless DUALKV_CUDA_WGMMA_BWD=0 asks for mma.sync; =2 and =3
+// (schedule 5), unless DUALKV_CUDA_WGMMA_BWD=0 asks for mma.sync; =2 and =3
 // select the overlapped schedule and the dK/dV kernel that also accumulates dQ, =4 the warp-specialised
 // dK/dV kernel, =5 both kernels warp-specialised.
 #include "dkv_bwd_sm90.cuh"

@@ -30,7 +30,7 @@
 // kernel with dQ accumulated in it (DkdvSm90::kDq) and no dQ kernel; =4 runs the dK/dV kernel
 // warp-specialised (dkv_dkdv_sm90_ws_kernel: a producer warpgroup loads, the two compute warpgroups
 // never meet at a barrier) with the in-turn dQ kernel; =5 both kernels warp-specialised
-// (dkv_dq_sm90_ws_kernel). The default: 5 at d = 128, 1 at d = 64.
+// (dkv_dq_sm90_ws_kernel). The default: 5.
 #pragma once
 
 #include "dkv_bwd.cuh"

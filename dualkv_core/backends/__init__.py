@@ -39,7 +39,8 @@ AUTO_ORDER_CUDA = ("triton",)
 # one H200 run of every config): at d = 256 the CUDA backend is ahead forward and backward (1.37x
 # Triton forward+backward); at d = 128 Triton's forward is ahead (by 4-15%) and the CUDA backward (by
 # 4-10%), so "auto" pairs them; at d = 64 the pair too (its backward 1.5x Triton's, fwd+bwd 1.3-1.4x:
-# benchmarks/results/attention_h200_ws_default.md). Other head dims are not measured: Triton.
+# benchmarks/results/attention_h200_ws_default.md, with the in-turn backward that 5-8% slower than
+# today's default: benchmarks/results/attention_h200_d64_ws_both.md). Other head dims are not measured: Triton.
 AUTO_WGMMA_CHOICE = {256: "cuda", 128: "triton+cuda", 64: "triton+cuda"}
 
 

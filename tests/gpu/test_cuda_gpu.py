@@ -181,17 +181,17 @@ def test_wgmma_forward_matches_reference(cuda_backend, case, dtype, mode, monkey
 @pytest.mark.parametrize("case", [c for c in GRID if c[4] in (64, 128)], ids=lambda c: _ids(c))
 def test_wgmma_backward_matches_reference(cuda_backend, case, dtype, deterministic, mode, monkeypatch):
     """The Hopper wgmma dQ and dK/dV kernels (csrc/dkv_bwd_sm90.cuh; d = 64 / 128): the default on sm_90
-    (=5 at 128, both kernels warp-specialised; =1 at 64), DUALKV_CUDA_WGMMA_BWD=1 (the products of
-    a tile in turn), =4 (the dK/dV kernel warp-specialised), =5 by name, =2 (overlapped) and =3 (dQ accumulated in the dK/dV kernel, no dQ
-    kernel; deterministic=True keeps schedule 1), on the grid against the fp32 reference, in both
-    accumulation modes, and the profiler shows which kernels ran."""
+    (=5, both kernels warp-specialised), DUALKV_CUDA_WGMMA_BWD=1 (the products of a tile in turn), =4
+    (the dK/dV kernel warp-specialised), =5 by name, =2 (overlapped) and =3 (dQ accumulated in the
+    dK/dV kernel, no dQ kernel; deterministic=True falls back to the default), on the grid against the
+    fp32 reference, in both accumulation modes, and the profiler shows which kernels ran."""
     _choose_hopper_kernels(monkeypatch, "DUALKV_CUDA_WGMMA_BWD", mode, "the wgmma backward")
     r, kernels = _kernels_of(case, dtype, deterministic)
     _check_against_reference(case, dtype, r)
     fused = mode == "3" and not deterministic
-    default_ws = mode is None and case[4] == 128  # the default: both kernels warp-specialised at 128 only
-    dkdv = "dkv_dkdv_sm90_ws_kernel" if mode in ("4", "5") or default_ws else "dkv_dkdv_sm90_kernel"
-    dq = "dkv_dq_sm90_ws_kernel" if mode == "5" or default_ws else "dkv_dq_sm90_kernel"
+    runs = "5" if mode is None or (mode == "3" and deterministic) else mode  # the schedule that runs
+    dkdv = "dkv_dkdv_sm90_ws_kernel" if runs in ("4", "5") else "dkv_dkdv_sm90_kernel"
+    dq = "dkv_dq_sm90_ws_kernel" if runs == "5" else "dkv_dq_sm90_kernel"
     assert any(dkdv in name for name in kernels), f"the dK/dV kernel did not run: {sorted(kernels)}"
     assert any(dq in name for name in kernels) != fused, sorted(kernels)
 
@@ -223,7 +223,7 @@ def test_auto_takes_cuda_where_it_measured_faster(cuda_backend, monkeypatch):
     assert (resolve_backend("auto", q128) == "triton+cuda") == hopper
     assert (resolve_backend("auto", q64) == "triton+cuda") == hopper
     if hopper:
-        for d in (256, 128):
+        for d in (256, 128, 64):
             case = next(c for c in GRID if c[4] == d)
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 r = _run_packed(case, torch.bfloat16, deterministic=False, backend="auto")
