@@ -363,14 +363,6 @@ class DualKVCudaWsBothBwd(DualKVCuda):
     env = {"DUALKV_CUDA_WGMMA_BWD": "5"}
 
 
-@register("dualkv-cuda-pipe-bwd")
-class DualKVCudaPipeBwd(DualKVCuda):
-    """Both wgmma backward kernels warp-specialised, each product waited for only when its result is
-    needed (d 64 / 128; opt-in)."""
-
-    env = {"DUALKV_CUDA_WGMMA_BWD": "6"}
-
-
 # Triton's forward with one of the CUDA backward variants above (the pair "auto" takes at d = 64 / 128):
 # each inherits its variant's kernel-choice variables.
 @register("dualkv-pair-ws-bwd")
@@ -383,13 +375,6 @@ class DualKVPairWsBwd(DualKVCudaWsBwd):
 @register("dualkv-pair-ws-both-bwd")
 class DualKVPairWsBothBwd(DualKVCudaWsBothBwd):
     """Triton's forward with both backward kernels warp-specialised (what ``auto`` runs at d = 64 / 128)."""
-
-    backend = "triton+cuda"
-
-
-@register("dualkv-pair-pipe-bwd")
-class DualKVPairPipeBwd(DualKVCudaPipeBwd):
-    """Triton's forward with the pipelined warp-specialised backward (opt-in)."""
 
     backend = "triton+cuda"
 

@@ -209,13 +209,11 @@ int use_sm90_forward(const Tensor& q, int head_dim) {
 // 3% slower at d = 64: benchmarks/results/attention_h200_ws_vs_in_turn.md), 5 the dQ kernel
 // warp-specialised too (its dQ kernel 16-19% faster, the backward 3-6% faster than 4 at d = 128:
 // benchmarks/results/attention_h200_ws_dq.md; at d = 64 the backward 5-8% faster than 1:
-// benchmarks/results/attention_h200_d64_ws_both.md), 6 both warp-specialised kernels waiting for
-// each product only when its result is needed (P under dP, dV under dS, the last tile's register-
-// operand products under the next tile's shared-memory ones). The default is 5 at both. 0 asks for
-// mma.sync. Returns the schedule that runs: 0 (mma.sync), 1 .. 6 (1 for any wgmma choice at 192 /
-// 256, which have one).
+// benchmarks/results/attention_h200_d64_ws_both.md). The default is 5 at both. 0 asks for mma.sync.
+// Returns the schedule that runs: 0 (mma.sync), 1 .. 5 (1 for any wgmma choice at 192 / 256, which
+// have one).
 int use_sm90_backward(const Tensor& q, int head_dim) {
-  const int choice = kernel_choice("DUALKV_CUDA_WGMMA_BWD", '6', 5);
+  const int choice = kernel_choice("DUALKV_CUDA_WGMMA_BWD", '5', 5);
   if (choice == 0 || !sm90_bwd_supports(head_dim) || !hopper_kernels_usable(q)) return 0;
   return sm90_bwd_schedules(head_dim) ? choice : 1;
 }

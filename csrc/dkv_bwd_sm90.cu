@@ -39,14 +39,12 @@ cudaError_t launch_dkdv_sm90_split(const BwdParams& p, cudaStream_t stream) {
   return launch_persistent<K, &dkv_dkdv_sm90_split_kernel<E, D>>(p, stream);
 }
 
-// schedule: 2 (overlapped), 5 (warp-specialised: a producer warpgroup loads), 6 (warp-specialised,
-// each product waited for only when its result is needed), else in turn.
+// schedule: 2 (overlapped), 5 (warp-specialised: a producer warpgroup loads), else in turn.
 template <class E, int D>
 cudaError_t launch_dq_sm90_schedule(const BwdParams& p, cudaStream_t stream, int schedule) {
   switch (schedule) {
     case 2: return launch_dq_sm90<E, D, true>(p, stream);
-    case 5: return launch_tiles<DqSm90Ws<D>, &dkv_dq_sm90_ws_kernel<E, D, false>>(p, stream);
-    case 6: return launch_tiles<DqSm90Ws<D>, &dkv_dq_sm90_ws_kernel<E, D, true>>(p, stream);
+    case 5: return launch_tiles<DqSm90Ws<D>, &dkv_dq_sm90_ws_kernel<E, D>>(p, stream);
     default: return launch_dq_sm90<E, D, false>(p, stream);
   }
 }
@@ -63,16 +61,14 @@ cudaError_t run_dq_sm90(const BwdParams& p, cudaStream_t stream, int schedule) {
 }
 
 // schedule: 1 (in turn), 2 (overlapped), 3 (in turn, dQ accumulated here into p.dq_accum), 4 and 5 (in
-// turn, warp-specialised: a producer warpgroup loads), 6 (warp-specialised, each product waited for
-// only when its result is needed).
+// turn, warp-specialised: a producer warpgroup loads).
 template <class E, int D>
 cudaError_t launch_dkdv_sm90_schedule(const BwdParams& p, cudaStream_t stream, int schedule) {
   switch (schedule) {
     case 2: return launch_dkdv_sm90<E, D, true>(p, stream);
     case 3: return launch_dkdv_sm90<E, D, false, true>(p, stream);
     case 4:
-    case 5: return launch_persistent<DkdvSm90Ws<D>, &dkv_dkdv_sm90_ws_kernel<E, D, false>>(p, stream);
-    case 6: return launch_persistent<DkdvSm90Ws<D>, &dkv_dkdv_sm90_ws_kernel<E, D, true>>(p, stream);
+    case 5: return launch_persistent<DkdvSm90Ws<D>, &dkv_dkdv_sm90_ws_kernel<E, D>>(p, stream);
     default: return launch_dkdv_sm90<E, D, false>(p, stream);
   }
 }

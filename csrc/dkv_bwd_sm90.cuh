@@ -115,17 +115,6 @@ struct DqProducts {
       sm90::wgmma_m64n64k16_ss<E, 0>(dp, sm90::desc_advance(ddo0, q_off), sm90::desc_advance(dv0, kv_off), kk > 0);
     }
   }
-  // S = Q K^T (kWhich = 0) or dP = dO V^T (1) alone (the pipelined schedule waits for them one at a time).
-  template <int kWhich>
-  DKV_DEV void issue_ss_one(float (&acc)[32], int b) const {
-    const uint32_t buf = b * kKvTileBytes;
-    const uint64_t a0 = sm90::desc_here(kWhich == 0 ? q : dout), b0 = sm90::desc_advance(kWhich == 0 ? k : v, buf);
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const uint32_t q_off = (kk / 4) * kBlockM * 128 + (kk % 4) * 32, kv_off = (kk / 4) * kBlockN * 128 + (kk % 4) * 32;
-      sm90::wgmma_m64n64k16_ss<E, 0>(acc, sm90::desc_advance(a0, q_off), sm90::desc_advance(b0, kv_off), kk > 0);
-    }
-  }
   // dQ += dS K with the key tile in buffer b: keys 16 kk .. 16 kk + 15 are rows 2048 bytes apart per step.
   DKV_DEV void issue_rs(float (&dq)[kParts][32], const uint32_t (&dsa)[kBlockN / 16][4], int b) const {
     const uint64_t dk_mn = sm90::desc_advance(sm90::desc_here(k_mn), b * kKvTileBytes);
@@ -178,16 +167,6 @@ struct DqWarpgroup {
                                  const float ds = pr * (dp[e] - dsum[r]) * dtanh;
                                  dp[e] = masked ? 0.f : ds;
                                });
-  }
-  // The same in two steps (no softcap only: dS needs no tanh then), so that the first runs while dP
-  // is still in flight: P in place of S (0 where masked), then dS = P (dP - D) in place of dP.
-  DKV_DEV void tile_p(const KvTile& kt, int qpos_lo, int qpos_hi, int tq, int W, const ScoreFn& score) {
-    row_probabilities<kBlockN>(s, kt, qpos_lo, qpos_hi, row_in_tile, lse2, tq, W, score,
-                               [&](int e, int, bool masked, float pr, float) { s[e] = masked ? 0.f : pr; });
-  }
-  DKV_DEV void tile_ds_from_p() {
-#pragma unroll
-    for (int e = 0; e < 32; ++e) dp[e] = s[e] == 0.f ? 0.f : s[e] * (dp[e] - dsum[(e / 2) % 2]);
   }
   DKV_DEV void pack_ds() { c_to_a<E, kBlockN>(dsa, reinterpret_cast<const float(&)[kBlockN / 8][4]>(dp)); }
   // After the waits that end S / dP and dQ += dS K: their operands pinned (sm90::fence_operand).
@@ -309,11 +288,6 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dq_sm90_kernel(const DKV_GRID_CONSTAN
 // one's copies are issued and its own have landed, and refills a buffer once both consumers are done
 // with it (empty). So the consumers never meet at a block barrier, and the load addressing leaves
 // their registers (setmaxnreg).
-//
-// kPipe (DUALKV_CUDA_WGMMA_BWD=6): a consumer waits for each product only when it needs its result.
-// S and dP are committed one at a time; P is computed while dP still runs (without a softcap), and
-// dQ += dS K is left running while the next key tile's S and dP are issued behind it, its buffer
-// released once they have landed (the products of one warpgroup complete in the order issued).
 template <int kHeadDim_>
 struct DqSm90Ws {
   static constexpr int kHeadDim = kHeadDim_, kBlockM = 128, kBlockN = 64, kThreads = 384, kStages = 4;
@@ -331,7 +305,7 @@ struct DqSm90Ws {
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one H100 / H200 block");
 };
 
-template <class E, int D, bool kPipe>
+template <class E, int D>
 DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dq_sm90_ws_kernel(const DKV_GRID_CONSTANT BwdParams p) {
   using K = DqSm90Ws<D>;
   constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kParts = K::kParts, kStages = K::kStages;
@@ -395,55 +369,19 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dq_sm90_ws_kernel(const DKV_GRID_CONS
     const int b = t % kStages;
     sm90::mbar_wait(&full[b], (t / kStages) & 1);
     // S = Q K^T and dP = dO V^T (as dkv_dq_sm90_kernel), then dS in place of dP and dQ += dS K.
-    if constexpr (kPipe) {
-      // Tile t's S and dP, then tile t - 1's dQ product (an empty group at t = 0): P under dP, dS
-      // under the dQ product. Nothing runs across the loop's back edge (ptxas then serialises).
-      sm90::wgmma_fence();
-      products.template issue_ss_one<0>(w.s, b);
-      sm90::wgmma_commit();
-      products.template issue_ss_one<1>(w.dp, b);
-      sm90::wgmma_commit();
-      if (t > 0) products.issue_rs(w.dq, w.dsa, (t - 1) % kStages);
-      sm90::wgmma_commit();
-      const KvTile kt = walk.tile<kBlockN>(t);
-      if (!score.softcap) {
-        sm90::wgmma_wait<2>();  // S
-        sm90::fence_operand<32>(w.s);
-        w.tile_p(kt, qpos_lo, qpos_hi, tq, W, score);
-        sm90::wgmma_wait<1>();  // dP
-        sm90::fence_operand<32>(w.dp);
-        w.tile_ds_from_p();
-        sm90::wgmma_wait<0>();  // the dQ product
-      } else {
-        sm90::wgmma_wait<0>();
-        w.pin_ss();
-        w.tile_ds(kt, qpos_lo, qpos_hi, tq, W, score);
-      }
-      w.pin_dq();
-      if (t > 0) sm90::mbar_arrive(&empty[(t - 1) % kStages]);
-      w.pack_ds();
-    } else {
-      sm90::wgmma_fence();
-      products.issue_ss(w.s, w.dp, b);
-      sm90::wgmma_commit();
-      sm90::wgmma_wait<0>();
-      w.pin_ss();
-      w.tile_ds(walk.tile<kBlockN>(t), qpos_lo, qpos_hi, tq, W, score);
-      w.pack_ds();
-      sm90::wgmma_fence();
-      products.issue_rs(w.dq, w.dsa, b);
-      sm90::wgmma_commit();
-      sm90::wgmma_wait<0>();
-      w.pin_dq();
-      sm90::mbar_arrive(&empty[b]);  // this warpgroup is done with key tile t's buffer
-    }
-  }
-  if constexpr (kPipe) {  // the last tile's dQ product (the producer loads nothing more: no buffer to release)
     sm90::wgmma_fence();
-    products.issue_rs(w.dq, w.dsa, (n_tiles - 1) % kStages);
+    products.issue_ss(w.s, w.dp, b);
+    sm90::wgmma_commit();
+    sm90::wgmma_wait<0>();
+    w.pin_ss();
+    w.tile_ds(walk.tile<kBlockN>(t), qpos_lo, qpos_hi, tq, W, score);
+    w.pack_ds();
+    sm90::wgmma_fence();
+    products.issue_rs(w.dq, w.dsa, b);
     sm90::wgmma_commit();
     sm90::wgmma_wait<0>();
     w.pin_dq();
+    sm90::mbar_arrive(&empty[b]);  // this warpgroup is done with key tile t's buffer
   }
   store_dq_rows<E, kParts>(p, row0 + q0, h, m_valid, w.row_in_tile, tq, w.dq);
 }
@@ -534,27 +472,6 @@ struct DkdvProducts {
       sm90::wgmma_m64n64k16_ss<E, 0>(dpt, sm90::desc_advance(dv0, kv_off), sm90::desc_advance(ddo0, q_off), s > 0);
     }
   }
-  // S^T (kWhich = 0) or dP^T (1) alone (the pipelined schedule waits for them one at a time).
-  template <int kWhich>
-  DKV_DEV void issue_ss_one(float (&acc)[32], int b) const {
-    const uint32_t qb = b * kQTileBytes;
-    const uint64_t a0 = sm90::desc_here(kWhich == 0 ? k : v), b0 = sm90::desc_here(kWhich == 0 ? q : dout);
-#pragma unroll
-    for (int s = 0; s < D / 16; ++s) {
-      const uint32_t kv_off = (s / 4) * kBlockN * 128 + (s % 4) * 32, q_off = qb + (s / 4) * kBlockM * 128 + (s % 4) * 32;
-      sm90::wgmma_m64n64k16_ss<E, 0>(acc, sm90::desc_advance(a0, kv_off), sm90::desc_advance(b0, q_off), s > 0);
-    }
-  }
-  // dV += P^T dO (kWhich = 0) or dK += dS^T Q (1) alone.
-  template <int kWhich>
-  DKV_DEV void issue_rs_one(float (&acc)[kParts][32], const uint32_t (&a)[kBlockM / 16][4], int b) const {
-    const uint64_t b0 = sm90::desc_here(kWhich == 0 ? dout_mn : q_mn);
-#pragma unroll
-    for (int part = 0; part < kParts; ++part)
-#pragma unroll
-      for (int kq = 0; kq < kBlockM / 16; ++kq)
-        sm90::wgmma_m64n64k16_rs<E, 1>(acc[part], a[kq], sm90::desc_advance(b0, b * kQTileBytes + part * kBlockM * 128 + kq * 2048), true);
-  }
   // dV += P^T dO, dK += dS^T Q with the tile in buffer b: queries 16 kq .. 16 kq + 15 are rows 2048
   // bytes apart per step.
   DKV_DEV void issue_rs(float (&dk)[kParts][32], float (&dv)[kParts][32], const uint32_t (&pa)[kBlockM / 16][4],
@@ -596,21 +513,9 @@ struct DkdvWarpgroup {
                                                  dpt[e] = masked ? 0.f : ds;
                                                });
   }
-  // The same in two steps (no softcap only: dS^T needs no tanh then), so that the first runs while
-  // dP^T is still in flight: P^T in place of S^T (0 where masked), then dS^T = P^T (dP^T - D).
-  DKV_DEV void tile_p(const QTileDesc& desc, const float* sL, int tq, int W, const ScoreFn& score) {
-    transposed_probabilities<kBlockM, kBlockN>(st, desc, sL, key_in_tile, tq, W, score,
-                                               [&](int e, int, bool masked, float pr, float) { st[e] = masked ? 0.f : pr; });
-  }
-  DKV_DEV void tile_ds_from_p(const float* sD, int tq) {
-#pragma unroll
-    for (int e = 0; e < 32; ++e) dpt[e] = st[e] == 0.f ? 0.f : st[e] * (dpt[e] - sD[8 * (e / 4) + 2 * tq + (e % 2)]);
-  }
-  DKV_DEV void pack_p() { c_to_a<E, kBlockM>(pa, reinterpret_cast<const float(&)[kBlockM / 8][4]>(st)); }
-  DKV_DEV void pack_ds() { c_to_a<E, kBlockM>(dsa, reinterpret_cast<const float(&)[kBlockM / 8][4]>(dpt)); }
   DKV_DEV void pack() {
-    pack_p();
-    pack_ds();
+    c_to_a<E, kBlockM>(pa, reinterpret_cast<const float(&)[kBlockM / 8][4]>(st));
+    c_to_a<E, kBlockM>(dsa, reinterpret_cast<const float(&)[kBlockM / 8][4]>(dpt));
   }
   // After the waits that end the shared-memory / register-operand products: their operands pinned.
   DKV_DEV void pin_ss() {
@@ -891,13 +796,6 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
 // saying what it holds (full: landed, empty: both consumers are done with it). So the consumers
 // never meet at a block barrier: they drift apart, one's element-wise step under the other's
 // products, and the load addressing leaves their registers (setmaxnreg).
-//
-// kPipe (DUALKV_CUDA_WGMMA_BWD=6): a consumer waits for each product only when it needs its result.
-// S^T and dP^T are committed one at a time; without a softcap, P^T is computed while dP^T still
-// runs, dV += P^T dO is issued at once and dS^T computed under it; dV and dK are left running while
-// the next tile's S^T and dP^T are issued behind them, the tile's buffer released once the next
-// S^T has landed (one warpgroup's products complete in the order issued), and waited for at the
-// item's end.
 template <int kHeadDim_>
 struct DkdvSm90Ws {
   static constexpr int kHeadDim = kHeadDim_, kBlockN = 128, kBlockM = 64, kThreads = 384, kStages = 3;
@@ -925,7 +823,7 @@ struct DkdvSm90Ws {
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one H100 / H200 block");
 };
 
-template <class E, int D, bool kPipe>
+template <class E, int D>
 DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CONSTANT BwdParams p) {
   using K = DkdvSm90Ws<D>;
   using Slot = typename K::Slot;
@@ -1014,72 +912,28 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
   for (int n_slots = 0;;) {  // one item a pass
     w.zero_dkdv();
     Slot slot;
-    int held = -1;  // (kPipe) the buffer whose dV / dK products may still run
     for (;;) {  // its slots
       const int b = n_slots % kStages;
       sm90::mbar_wait(&full[b], (n_slots / kStages) & 1);
       slot = slots[b];
       if (slot.flags & K::kTile) {
-        if constexpr (kPipe) {
-          const float *sL = sL0 + b * kBlockM, *sD = sD0 + b * kBlockM;
-          sm90::wgmma_fence();
-          products.template issue_ss_one<0>(w.st, b);
-          sm90::wgmma_commit();
-          products.template issue_ss_one<1>(w.dpt, b);
-          sm90::wgmma_commit();
-          if (!score.softcap) {
-            sm90::wgmma_wait<1>();  // S^T, and the last tile's dV / dK before it
-            sm90::fence_operand<32>(w.st);
-            w.pin_rs();
-            if (held >= 0) sm90::mbar_arrive(&empty[held]);
-            w.tile_p(slot.desc, sL, tq, W, score);
-            w.pack_p();
-            sm90::wgmma_fence();
-            products.template issue_rs_one<0>(w.dv, w.pa, b);
-            sm90::wgmma_commit();
-            sm90::wgmma_wait<1>();  // dP^T (dV may still run)
-            sm90::fence_operand<32>(w.dpt);
-            w.tile_ds_from_p(sD, tq);
-            w.pack_ds();
-            sm90::wgmma_fence();
-            products.template issue_rs_one<1>(w.dk, w.dsa, b);
-            sm90::wgmma_commit();
-          } else {
-            sm90::wgmma_wait<0>();
-            w.pin_ss();
-            w.pin_rs();
-            if (held >= 0) sm90::mbar_arrive(&empty[held]);
-            w.tile_ds(slot.desc, sL, sD, tq, W, score);
-            w.pack();
-            sm90::wgmma_fence();
-            products.issue_rs(w.dk, w.dv, w.pa, w.dsa, b);
-            sm90::wgmma_commit();
-          }
-          held = b;  // released under the next tile's S^T, or at the item's end
-        } else {
-          // S^T = K Q^T and dP^T = V dO^T, then dV += P^T dO and dK += dS^T Q (as dkv_dkdv_sm90_kernel).
-          sm90::wgmma_fence();
-          products.issue_ss(w.st, w.dpt, b);
-          sm90::wgmma_commit();
-          sm90::wgmma_wait<0>();
-          w.pin_ss();
-          w.tile_ds(slot.desc, sL0 + b * kBlockM, sD0 + b * kBlockM, tq, W, score);
-          w.pack();
-          sm90::wgmma_fence();
-          products.issue_rs(w.dk, w.dv, w.pa, w.dsa, b);
-          sm90::wgmma_commit();
-          sm90::wgmma_wait<0>();
-          w.pin_rs();
-        }
+        // S^T = K Q^T and dP^T = V dO^T, then dV += P^T dO and dK += dS^T Q (as dkv_dkdv_sm90_kernel).
+        sm90::wgmma_fence();
+        products.issue_ss(w.st, w.dpt, b);
+        sm90::wgmma_commit();
+        sm90::wgmma_wait<0>();
+        w.pin_ss();
+        w.tile_ds(slot.desc, sL0 + b * kBlockM, sD0 + b * kBlockM, tq, W, score);
+        w.pack();
+        sm90::wgmma_fence();
+        products.issue_rs(w.dk, w.dv, w.pa, w.dsa, b);
+        sm90::wgmma_commit();
+        sm90::wgmma_wait<0>();
+        w.pin_rs();
       }
-      if (!(slot.flags & K::kDone) && !(kPipe && (slot.flags & K::kTile))) sm90::mbar_arrive(&empty[b]);
+      if (!(slot.flags & K::kDone)) sm90::mbar_arrive(&empty[b]);
       ++n_slots;
       if (slot.flags & (K::kLast | K::kDone)) break;
-    }
-    if (kPipe && held >= 0) {
-      sm90::wgmma_wait<0>();
-      w.pin_rs();
-      sm90::mbar_arrive(&empty[held]);
     }
     if (slot.flags & K::kDone) break;
     sm90::mbar_arrive(kv_empty);  // K / V are read: the producer may load the next item's

@@ -175,16 +175,14 @@ def test_wgmma_forward_matches_reference(cuda_backend, case, dtype, mode, monkey
     assert any("dkv_fwd_sm90_kernel" in name for name in kernels), f"the wgmma forward did not run: {sorted(kernels)}"
 
 
-@pytest.mark.parametrize("mode", [None, "1", "2", "3", "4", "5", "6"],
-                         ids=["default", "in-turn", "overlap", "fused-dq", "ws", "ws-both", "pipe"])
+@pytest.mark.parametrize("mode", [None, "1", "2", "3", "4", "5"], ids=["default", "in-turn", "overlap", "fused-dq", "ws", "ws-both"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", [c for c in GRID if c[4] in (64, 128)], ids=lambda c: _ids(c))
 def test_wgmma_backward_matches_reference(cuda_backend, case, dtype, deterministic, mode, monkeypatch):
     """The Hopper wgmma dQ and dK/dV kernels (csrc/dkv_bwd_sm90.cuh; d = 64 / 128): the default on sm_90
     (=5, both kernels warp-specialised), DUALKV_CUDA_WGMMA_BWD=1 (the products of a tile in turn), =4
-    (the dK/dV kernel warp-specialised), =5 by name, =6 (both warp-specialised, each product waited
-    for only when its result is needed), =2 (overlapped) and =3 (dQ accumulated in the
+    (the dK/dV kernel warp-specialised), =5 by name, =2 (overlapped) and =3 (dQ accumulated in the
     dK/dV kernel, no dQ kernel; deterministic=True falls back to the default), on the grid against the
     fp32 reference, in both accumulation modes, and the profiler shows which kernels ran."""
     _choose_hopper_kernels(monkeypatch, "DUALKV_CUDA_WGMMA_BWD", mode, "the wgmma backward")
@@ -192,8 +190,8 @@ def test_wgmma_backward_matches_reference(cuda_backend, case, dtype, determinist
     _check_against_reference(case, dtype, r)
     fused = mode == "3" and not deterministic
     runs = "5" if mode is None or (mode == "3" and deterministic) else mode  # the schedule that runs
-    dkdv = "dkv_dkdv_sm90_ws_kernel" if runs in ("4", "5", "6") else "dkv_dkdv_sm90_kernel"
-    dq = "dkv_dq_sm90_ws_kernel" if runs in ("5", "6") else "dkv_dq_sm90_kernel"
+    dkdv = "dkv_dkdv_sm90_ws_kernel" if runs in ("4", "5") else "dkv_dkdv_sm90_kernel"
+    dq = "dkv_dq_sm90_ws_kernel" if runs == "5" else "dkv_dq_sm90_kernel"
     assert any(dkdv in name for name in kernels), f"the dK/dV kernel did not run: {sorted(kernels)}"
     assert any(dq in name for name in kernels) != fused, sorted(kernels)
 
@@ -369,7 +367,7 @@ def _sanitizer():
 # sm_90 GPU.
 SANITIZER_PATHS = {"default": {}, "hopper-opt-in": {"DUALKV_CUDA_WGMMA": "2", "DUALKV_CUDA_WGMMA_BWD": "2"},
                    "fused-dq": {"DUALKV_CUDA_WGMMA_BWD": "3"}, "ws-dkdv": {"DUALKV_CUDA_WGMMA_BWD": "4"},
-                   "ws-both": {"DUALKV_CUDA_WGMMA_BWD": "5"}, "pipe": {"DUALKV_CUDA_WGMMA_BWD": "6"},
+                   "ws-both": {"DUALKV_CUDA_WGMMA_BWD": "5"},
                    "mma-sync": {"DUALKV_CUDA_WGMMA": "0", "DUALKV_CUDA_WGMMA_BWD": "0"}}
 
 
