@@ -10,6 +10,20 @@ import torch.nn.functional as F
 from dualkv.core import PackedLayout
 
 
+def count_calls(monkeypatch, owner, name: str) -> list:
+    """Wrap ``owner.<name>`` (for the test's duration) so that every call is recorded and still runs;
+    returns the list of recorded calls, one (args, kwargs) pair each."""
+    calls = []
+    real = getattr(owner, name)
+
+    def recording(*args, **kwargs):
+        calls.append((args, kwargs))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, recording)
+    return calls
+
+
 def random_lengths(rng: random.Random, groups=(1, 3), n=(1, 4), p=(1, 40), r=(1, 30)):
     G = rng.randint(*groups)
     prompt_lens = [rng.randint(*p) for _ in range(G)]

@@ -12,7 +12,7 @@ from dualkv.core.logprobs import (
     logprobs_from_logits,
     response_logprobs_from_logits,
 )
-from helpers import compile_for_hopper, record_triton_launches
+from helpers import compile_for_hopper, count_calls, record_triton_launches
 
 
 def inputs(n=13, D=24, V=97, dtype=torch.float32, seed=0):
@@ -224,9 +224,7 @@ def test_triton_impl_from_environment_and_errors(small_blocks, monkeypatch):
     monkeypatch.setenv("DUALKV_LOGPROBS_IMPL", "triton")
     from dualkv.core.backends.triton import logprob_kernel
 
-    calls = []
-    real = logprob_kernel.forward
-    monkeypatch.setattr(logprob_kernel, "forward", lambda *a: calls.append(1) or real(*a))
+    calls = count_calls(monkeypatch, logprob_kernel, "forward")
     lp, _ = linear_logprobs(h, w, t, chunk_size=5)
     assert len(calls) == 3  # 13 rows in chunks of 5
     torch.testing.assert_close(lp, linear_logprobs(h, w, t, impl="torch")[0], rtol=1e-5, atol=1e-5)

@@ -15,6 +15,7 @@ import torch
 import dualkv.models as M
 from dualkv.core import PackedLayout, dualkv_attention
 from dualkv.models.reference import hf_aux_loss, hf_model, hf_response_logprobs
+from helpers import count_calls
 
 LP_RTOL = 1e-5  # log-probs, relative
 GRAD_RTOL = 1e-4  # gradients, relative to each parameter's largest gradient entry (fp32 rounding)
@@ -182,9 +183,7 @@ def test_checkpointing_that_keeps_attention(preset, compile_backend, monkeypatch
     layers compiled. Gemma-4-e has KV-sharing layers (attention reads another layer's K/V)."""
     import dualkv.core.backends.reference as reference_backend
 
-    calls = []
-    real_forward = reference_backend.forward
-    monkeypatch.setattr(reference_backend, "forward", lambda *a, **k: calls.append(1) or real_forward(*a, **k))
+    calls = count_calls(monkeypatch, reference_backend, "forward")
     torch._dynamo.reset()
     model = M.build_model(preset, seed=3)
     if compile_backend:

@@ -22,6 +22,7 @@ from dualkv.parallel import (
     ulysses_attention,
 )
 from dualkv.parallel.groups import as_process_group
+from helpers import count_calls
 
 
 def _layout(prompts, responses):
@@ -200,9 +201,7 @@ def test_model_head_follows_the_models_logprobs_impl(monkeypatch):
     from dualkv.parallel.logprobs import model_head
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    calls = []
-    real = logprob_kernel.forward
-    monkeypatch.setattr(logprob_kernel, "forward", lambda *a: calls.append(1) or real(*a))
+    calls = count_calls(monkeypatch, logprob_kernel, "forward")
     model = M.build_model("tiny-qwen3", seed=0)
     hidden, targets = torch.randn(6, model.config.hidden_size), torch.randint(0, model.config.vocab_size, (6,))
     plain, _ = model_head(model)(hidden, targets, 1.0, False)
