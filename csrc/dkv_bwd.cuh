@@ -322,13 +322,18 @@ DKV_DEV ReaderTile reader_tile(const ReaderCursor<kBlockM>& cur, const KvItem& i
   return rt;
 }
 
-// The next work item of a persistent dK/dV block, the same for every thread (s_item: a shared slot).
-DKV_DEV int next_item(const BwdParams& p, int* s_item) {
+// The next work item of a persistent dK/dV block, the same for every thread that meets at `sync` (the
+// whole block by default; thread 0 fetches it; s_item: a shared slot).
+template <class Sync>
+DKV_DEV int next_item(const BwdParams& p, int* s_item, Sync&& sync) {
   if (thread_idx() == 0) *s_item = atomic_add_i32(p.work_counter, 1);
-  block_sync();
+  sync();
   const int item = *s_item;
-  block_sync();
+  sync();
   return item;
+}
+DKV_DEV int next_item(const BwdParams& p, int* s_item) {
+  return next_item(p, s_item, [] { block_sync(); });
 }
 
 DKV_DEV int segment_of_row(const BwdParams& p, int row) {

@@ -326,13 +326,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dq_sm90_ws_kernel(const DKV_GRID_CONS
   const int n_tiles = walk.n_ctx_tiles + walk.n_own_tiles;  // >= 1: a query always sees its own key
   const int qpos_lo = qt.ctx_len + q0, qpos_hi = qpos_lo + m_valid - 1;
 
-  if (thread_idx() == 0) {
-    for (int st = 0; st < kStages; ++st) {
-      sm90::mbar_init(&full[st], 128);
-      sm90::mbar_init(&empty[st], 256);
-    }
-  }
-  block_sync();
+  sm90::init_ring(full, empty, kStages);
 
   if (thread_idx() < 128) {  // the producer: one cp.async group a key tile (the first with Q and dO)
     sm90::setmaxnreg_dec<40>();
@@ -845,14 +839,8 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
   Slot* slots = reinterpret_cast<Slot*>(smem + K::kOffSlots);
   int* s_item = reinterpret_cast<int*>(smem + K::kOffItem);
 
-  if (thread_idx() == 0) {
-    for (int st = 0; st < kStages; ++st) {
-      sm90::mbar_init(&full[st], 128);
-      sm90::mbar_init(&empty[st], 256);
-    }
-    sm90::mbar_init(kv_empty, 256);
-  }
-  block_sync();
+  if (thread_idx() == 0) sm90::mbar_init(kv_empty, 256);
+  sm90::init_ring(full, empty, kStages);
 
   if (thread_idx() < 128) {  // the producer
     sm90::setmaxnreg_dec<40>();
@@ -871,10 +859,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
       ++n_slots;
     };
     for (int n_items = 0;; ++n_items) {
-      if (pt == 0) *s_item = atomic_add_i32(p.work_counter, 1);
-      sm90::warpgroup_sync(0);
-      const int item = *s_item;
-      sm90::warpgroup_sync(0);
+      const int item = next_item(p, s_item, [] { sm90::warpgroup_sync(0); });  // the producer warpgroup
       if (n_items > 0) sm90::mbar_wait(kv_empty, (n_items - 1) & 1);  // K / V of the last item are read
       if (item >= total_items) {
         publish(open_slot(), QTileDesc{}, item, K::kDone);

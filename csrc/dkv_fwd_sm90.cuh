@@ -79,13 +79,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs>::kThreads)) dkv_fwd_sm90_kern
     sm90::load_tile_sw128_async<D, kLoaders, kBlockN>(sV(t), kt.ctx ? p.v_ctx : p.v, kt.row, hk, kt.valid, lt);
   };
   if constexpr (kWs) {
-    if (thread_idx() == 0) {
-      for (int st = 0; st < kStages; ++st) {
-        sm90::mbar_init(&full[st], 128);
-        sm90::mbar_init(&empty[st], 256);
-      }
-    }
-    block_sync();
+    sm90::init_ring(full, empty, kStages);
     if (tid < 0) {  // the producer: Q with tile 0, then every tile into the ring once it is free
       sm90::setmaxnreg_dec<40>();
       const int lt = thread_idx();
