@@ -363,6 +363,13 @@ class DualKVCudaWsBothBwd(DualKVCuda):
     env = {"DUALKV_CUDA_WGMMA_BWD": "5"}
 
 
+@register("dualkv-cuda-ws-fused-dq")
+class DualKVCudaWsFusedDq(DualKVCuda):
+    """The warp-specialised wgmma dK/dV kernel that also accumulates dQ (no dQ kernel; d 64 / 128; opt-in)."""
+
+    env = {"DUALKV_CUDA_WGMMA_BWD": "6"}
+
+
 # Triton's forward with one of the CUDA backward variants above (the pair "auto" takes at d = 64 / 128):
 # each inherits its variant's kernel-choice variables.
 @register("dualkv-pair-ws-bwd")
@@ -375,6 +382,13 @@ class DualKVPairWsBwd(DualKVCudaWsBwd):
 @register("dualkv-pair-ws-both-bwd")
 class DualKVPairWsBothBwd(DualKVCudaWsBothBwd):
     """Triton's forward with both backward kernels warp-specialised (what ``auto`` runs at d = 64 / 128)."""
+
+    backend = "triton+cuda"
+
+
+@register("dualkv-pair-ws-fused-dq")
+class DualKVPairWsFusedDq(DualKVCudaWsFusedDq):
+    """Triton's forward with the warp-specialised fused-dQ CUDA backward (opt-in)."""
 
     backend = "triton+cuda"
 

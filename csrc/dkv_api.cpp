@@ -209,11 +209,12 @@ int use_sm90_forward(const Tensor& q, int head_dim) {
 // 3% slower at d = 64: benchmarks/results/attention_h200_ws_vs_in_turn.md), 5 the dQ kernel
 // warp-specialised too (its dQ kernel 16-19% faster, the backward 3-6% faster than 4 at d = 128:
 // benchmarks/results/attention_h200_ws_dq.md; at d = 64 the backward 5-8% faster than 1:
-// benchmarks/results/attention_h200_d64_ws_both.md). The default is 5 at both. 0 asks for mma.sync.
-// Returns the schedule that runs: 0 (mma.sync), 1 .. 5 (1 for any wgmma choice at 192 / 256, which
-// have one).
+// benchmarks/results/attention_h200_d64_ws_both.md), 6 dQ accumulated inside the warp-specialised
+// dK/dV kernel (as 3 does in the in-turn one; not yet measured on a GPU; with deterministic=True it
+// falls back to the default). The default is 5 at both. 0 asks for mma.sync. Returns the schedule
+// that runs: 0 (mma.sync), 1 .. 6 (1 for any wgmma choice at 192 / 256, which have one).
 int use_sm90_backward(const Tensor& q, int head_dim) {
-  const int choice = kernel_choice("DUALKV_CUDA_WGMMA_BWD", '5', 5);
+  const int choice = kernel_choice("DUALKV_CUDA_WGMMA_BWD", '6', 5);
   if (choice == 0 || !sm90_bwd_supports(head_dim) || !hopper_kernels_usable(q)) return 0;
   return sm90_bwd_schedules(head_dim) ? choice : 1;
 }
@@ -345,9 +346,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
   }
 
   int sm90 = use_sm90_backward(q, args.head_dim);
-  if (sm90 == 3 && deterministic) sm90 = 5;  // atomics on dQ are not bit-stable run to run: the default
+  bool fused_dq = sm90 == 3 || sm90 == 6;  // dQ accumulated in the dK/dV kernel, no dQ kernel
+  if (fused_dq && deterministic) {  // atomics on dQ are not bit-stable run to run: the default
+    sm90 = 5;
+    fused_dq = false;
+  }
   Tensor dq_accum;
-  if (sm90 == 3) dq_accum = at::zeros({args.nheads, args.head_dim / 64, T, kDqAccumPitch}, f32);
+  if (fused_dq) dq_accum = at::zeros({args.nheads, args.head_dim / 64, T, kDqAccumPitch}, f32);
   const int dq_block = sm90 ? sm90_dq_block_m(args.head_dim) : dq_config(args.head_dim).block_m;
   const int kv_block = sm90 ? sm90_dkdv_block_n(args.head_dim) : dkdv_config(args.head_dim).block_n;
   const Tensor seg_len = segment_lengths(cu_seqlens);
@@ -389,17 +394,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
   p.num_item_groups = static_cast<int>(groups.size(0));
   p.work_counter = work_counter.data_ptr<int>();
   p.deterministic = deterministic;
-  p.dq_accum = sm90 == 3 ? dq_accum.data_ptr<float>() : nullptr;
+  p.dq_accum = fused_dq ? dq_accum.data_ptr<float>() : nullptr;
 
   const cudaStream_t st = current_stream();
   const bool bf16 = q.scalar_type() == at::kBFloat16;
   check_launch(bf16 ? run_bwd_prep<Bf16>(p, st) : run_bwd_prep<Fp16>(p, st), "backward preprocessing kernel");
   if (sm90) {
-    if (sm90 != 3) {
+    if (!fused_dq) {
       check_launch(bf16 ? run_dq_sm90<Bf16>(p, st, sm90) : run_dq_sm90<Fp16>(p, st, sm90), "dq kernel (sm90 wgmma)");
     }
     check_launch(bf16 ? run_dkdv_sm90<Bf16>(p, st, sm90) : run_dkdv_sm90<Fp16>(p, st, sm90), "dk/dv kernel (sm90 wgmma)");
-    if (sm90 == 3) {  // dQ = scale * sum of dS K, cast once
+    if (fused_dq) {  // dQ = scale * sum of dS K, cast once
       const Tensor rows = dq_accum.mul_(args.scale).narrow(3, 0, 64).permute({2, 0, 1, 3});  // (T, H, d / 64, 64)
       dq.view({T, args.nheads, args.head_dim / 64, 64}).copy_(rows);
     }

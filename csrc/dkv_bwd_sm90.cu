@@ -1,10 +1,11 @@
 // dQ and dK/dV on Hopper warpgroup MMA (dkv_bwd_sm90.cuh): fp16 and bf16, head dims 64 and 128 in
-// schedules 1 .. 5 (launch_dq_sm90_schedule, launch_dkdv_sm90_schedule); at 192 and 256 both kernels with the warpgroups' roles split
+// schedules 1 .. 6 (launch_dq_sm90_schedule, launch_dkdv_sm90_schedule); at 192 and 256 both kernels with the warpgroups' roles split
 // (one schedule, no dQ inside the dK/dV kernel). The kernels trap unless the unit is built for sm_90a; the
 // binding only calls them on an sm_90 device whose code has wgmma (sm90_kernels_built): by default
 // (schedule 5), unless DUALKV_CUDA_WGMMA_BWD=0 asks for mma.sync; =2 and =3
 // select the overlapped schedule and the dK/dV kernel that also accumulates dQ, =4 the warp-specialised
-// dK/dV kernel, =5 both kernels warp-specialised.
+// dK/dV kernel, =5 both kernels warp-specialised, =6 the warp-specialised dK/dV kernel that also
+// accumulates dQ.
 #include "dkv_bwd_sm90.cuh"
 #include "dkv_launch_impl.cuh"
 
@@ -61,7 +62,7 @@ cudaError_t run_dq_sm90(const BwdParams& p, cudaStream_t stream, int schedule) {
 }
 
 // schedule: 1 (in turn), 2 (overlapped), 3 (in turn, dQ accumulated here into p.dq_accum), 4 and 5 (in
-// turn, warp-specialised: a producer warpgroup loads).
+// turn, warp-specialised: a producer warpgroup loads), 6 (warp-specialised, dQ accumulated here).
 template <class E, int D>
 cudaError_t launch_dkdv_sm90_schedule(const BwdParams& p, cudaStream_t stream, int schedule) {
   switch (schedule) {
@@ -69,6 +70,7 @@ cudaError_t launch_dkdv_sm90_schedule(const BwdParams& p, cudaStream_t stream, i
     case 3: return launch_dkdv_sm90<E, D, false, true>(p, stream);
     case 4:
     case 5: return launch_persistent<DkdvSm90Ws<D>, &dkv_dkdv_sm90_ws_kernel<E, D>>(p, stream);
+    case 6: return launch_persistent<DkdvSm90Ws<D, true>, &dkv_dkdv_sm90_ws_kernel<E, D, true>>(p, stream);
     default: return launch_dkdv_sm90<E, D, false>(p, stream);
   }
 }

@@ -30,7 +30,8 @@
 // kernel with dQ accumulated in it (DkdvSm90::kDq) and no dQ kernel; =4 runs the dK/dV kernel
 // warp-specialised (dkv_dkdv_sm90_ws_kernel: a producer warpgroup loads, the two compute warpgroups
 // never meet at a barrier) with the in-turn dQ kernel; =5 both kernels warp-specialised
-// (dkv_dq_sm90_ws_kernel). The default: 5.
+// (dkv_dq_sm90_ws_kernel); =6 the warp-specialised dK/dV kernel with dQ accumulated in it
+// (DkdvSm90Ws::kDq) and no dQ kernel. The default: 5.
 #pragma once
 
 #include "dkv_bwd.cuh"
@@ -544,6 +545,67 @@ DKV_DEV void store_dkdv_rows(const BwdParams& p, const KvItem& it, const int (&k
   }
 }
 
+// dQ accumulated inside a dK/dV kernel (schedules 3 and 6), one warpgroup's share. Each warpgroup
+// writes its dS (64 queries x its 64 keys) to shared memory; once both have (the caller's barrier),
+// dQ_part (64 queries x 64 head-dim columns) = dS K by wgmma SS (dS K-major, K MN-major; at d = 128
+// warpgroup w takes columns 64 w .. 64 w + 63 over all 128 keys, at d = 64 it takes its own 64 keys).
+// The warpgroup stages dQ_part in shared memory with the workspace's padded row pitch (kDqAccumPitch)
+// and one of its threads adds the tile's valid rows to the fp32 workspace, head-major so that they
+// are one contiguous run, with one bulk reduce-add (cp.reduce.async.bulk) that runs while the block
+// goes on.
+template <class E, int D, int kBlockM, int kBlockN>
+struct FusedDq {
+  static constexpr int kParts = D / 64;
+  float dq[32];  // dq[4 j + i]: query 16 warp + g + 8 (i / 2), column 64 col_part + 8 j + 2 tq + i % 2
+
+  // dS^T (dpt: key key_in_tile[i / 2], query 8 j + 2 tq + i % 2) as dS: query rows, this
+  // warpgroup's keys in part wg of sDs (K-major for the A operand of dQ = dS K).
+  DKV_DEV static void store_ds(uint16_t* sDs, const float (&dpt)[32], int wg, int warp, int g, int tq) {
+    uint16_t* part = sDs + wg * kBlockM * 64;
+#pragma unroll
+    for (int e = 0; e < 32; ++e) {
+      const int query = 8 * (e / 4) + 2 * tq + (e % 2), key = 16 * warp + g + 8 * ((e / 2) % 2);
+      part[sm90::sw128_offset(query, key) / 2] = from_float<E>(dpt[e]);
+    }
+  }
+  // dQ_part = dS K (not committed); both warpgroups' dS must be visible to the async proxy.
+  DKV_DEV void issue(const uint16_t* sDs, const uint16_t* sK, int wg) {
+    constexpr int kSteps = kParts == 2 ? kBlockN / 16 : 4;  // k16 steps over keys
+    const int col_part = kParts == 2 ? wg : 0, step0 = kParts == 2 ? 0 : 4 * wg;
+    const uint64_t da = sm90::smem_desc_sw128(sDs), db = sm90::smem_desc_sw128_mn64(sK);
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int s = 0; s < kSteps; ++s) {
+      const int k = step0 + s;  // keys 16 k .. 16 k + 15: part k / 4 of dS, rows 16 k of K
+      sm90::wgmma_m64n64k16_ss<E, 1>(dq, sm90::desc_advance(da, (k / 4) * kBlockM * 128 + (k % 4) * 32),
+                                     sm90::desc_advance(db, col_part * kBlockN * 128 + k * 2048), s > 0);
+    }
+  }
+  // After the product's wait: stage this warpgroup's rows (sStage: both warpgroups' staging) and add
+  // the tile's m_valid rows at packed row `row` of query head hq. hw_wg: the warpgroup's index in the
+  // block (its named barrier); the issuing thread's previous addition must have read its source first.
+  DKV_DEV void add(const BwdParams& p, float* sStage, int wg, int hw_wg, int warp, int g, int tq, bool issuer, int hq,
+                   int row, int m_valid) {
+    const int col_part = kParts == 2 ? wg : 0;
+    float* stage = sStage + wg * kBlockM * kDqAccumPitch;
+    if (issuer) sm90::bulk_wait_read<0>();  // the previous tile's rows have been read out
+    sm90::warpgroup_sync(hw_wg);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float* dst = stage + (16 * warp + g + 8 * r) * kDqAccumPitch + 2 * tq;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) store_f32x2(dst + 8 * j, dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]);
+    }
+    sm90::fence_smem_to_async_proxy();
+    sm90::warpgroup_sync(hw_wg);
+    if (issuer && m_valid > 0) {
+      const int64_t run = (static_cast<int64_t>(hq) * kParts + col_part) * p.total_q + row;
+      sm90::bulk_reduce_add_f32(p.dq_accum + run * kDqAccumPitch, stage, m_valid * kDqAccumPitch * 4);
+      sm90::bulk_commit();
+    }
+  }
+};
+
 // kOverlap = false: per query tile, the two shared-memory products, the element-wise step, then the
 // two register-operand products, each waited for; the next tile's loads are issued under the first
 // two, and one block barrier a tile (its arrival) also frees the previous tile's buffers (on an H200
@@ -552,14 +614,9 @@ DKV_DEV void store_dkdv_rows(const BwdParams& p, const KvItem& it, const int (&k
 // and the element-wise step of tile i + 1 runs while those still run (the forward's pattern);
 // Q / dO / lse / D then need three buffers instead of two.
 //
-// kDq = true (DUALKV_CUDA_WGMMA_BWD=3, with kOverlap = false): dQ is accumulated here too, so no dQ
-// kernel recomputes S and dP. Each warpgroup writes its dS (64 queries x its 64 keys) to shared
-// memory; after a block barrier, dQ_part (64 queries x 64 head-dim columns) = dS K by wgmma SS (dS
-// K-major, K MN-major; at d = 128 warpgroup w takes columns 64 w .. 64 w + 63 over all 128 keys, at
-// d = 64 it takes its own 64 keys), issued with dV / dK. The warpgroup stages dQ_part in shared
-// memory with the workspace's padded row pitch (kDqAccumPitch) and one of its threads adds the
-// tile's valid rows to the fp32 workspace, head-major so that they are one contiguous run, with one
-// bulk reduce-add (cp.reduce.async.bulk) that runs while the block goes on.
+// kDq = true (DUALKV_CUDA_WGMMA_BWD=3, with kOverlap = false): dQ is accumulated here too (FusedDq),
+// so no dQ kernel recomputes S and dP; the dQ product is issued with dV / dK, behind a block barrier
+// that makes both warpgroups' dS visible.
 template <int kHeadDim_, bool kOverlap_, bool kDq_ = false>
 struct DkdvSm90 {
   static constexpr int kHeadDim = kHeadDim_, kBlockN = 128, kBlockM = 64, kThreads = 256;
@@ -611,57 +668,8 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
   auto pin_ss = [&] { w.pin_ss(); };
   auto pin_rs = [&] { w.pin_rs(); };
 
-  // (kDq) dS^T (dpt: key key_in_tile[i / 2], query 8 j + 2 tq + i % 2) as dS: query rows, this
-  // warpgroup's keys in part wg (K-major for the A operand of dQ = dS K).
-  auto store_ds = [&] {
-    uint16_t* part = sDs + wg * kBlockM * 64;
-#pragma unroll
-    for (int e = 0; e < 32; ++e) {
-      const int query = 8 * (e / 4) + 2 * tq + (e % 2), key = 16 * warp + g + 8 * ((e / 2) % 2);
-      part[sm90::sw128_offset(query, key) / 2] = from_float<E>(w.dpt[e]);
-    }
-  };
-  // (kDq) dQ_part = dS K for this warpgroup's columns (or keys, at d = 64), issued behind the block
-  // barrier that makes both warpgroups' dS visible; waited for with the register-operand products.
-  float dq[32];
-  auto issue_dq = [&] {
-    constexpr int kSteps = kParts == 2 ? kBlockN / 16 : 4;  // k16 steps over keys
-    const int col_part = kParts == 2 ? wg : 0, step0 = kParts == 2 ? 0 : 4 * wg;
-    block_sync();  // both warpgroups' dS (each thread fenced its stores for the async proxy)
-    const uint64_t da = sm90::smem_desc_sw128(sDs), db = sm90::smem_desc_sw128_mn64(sK);
-    sm90::wgmma_fence();
-#pragma unroll
-    for (int s = 0; s < kSteps; ++s) {
-      const int k = step0 + s;  // keys 16 k .. 16 k + 15: part k / 4 of dS, rows 16 k of K
-      sm90::wgmma_m64n64k16_ss<E, 1>(dq, sm90::desc_advance(da, (k / 4) * kBlockM * 128 + (k % 4) * 32),
-                                     sm90::desc_advance(db, col_part * kBlockN * 128 + k * 2048), s > 0);
-    }
-  };
-  // (kDq) dq[4 j + i]: query 16 warp + g + 8 (i / 2), column 64 col_part + 8 j + 2 tq + i % 2. The
-  // warpgroup stages its rows in shared memory with the workspace's row pitch, so the tile's valid
-  // rows are one contiguous run there and in the workspace; one thread adds them with one bulk
-  // reduce-add, which runs while the block goes on (its source is reread only a tile later).
-  auto store_dq = [&](const ReaderTile& t) {
-    const int col_part = kParts == 2 ? wg : 0;
-    float* stage = sStage + wg * kBlockM * kDqAccumPitch;
-    const bool issuer = (tid & 127) == 0;
-    if (issuer) sm90::bulk_wait_read<0>();  // the previous tile's rows have been read out
-    sm90::warpgroup_sync(wg);
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float* row = stage + (16 * warp + g + 8 * r) * kDqAccumPitch + 2 * tq;
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-        store_f32x2(row + 8 * j, dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]);
-    }
-    sm90::fence_smem_to_async_proxy();
-    sm90::warpgroup_sync(wg);
-    if (issuer && t.desc.m_valid > 0) {
-      const int64_t run = (static_cast<int64_t>(t.hq) * kParts + col_part) * p.total_q + t.row;
-      sm90::bulk_reduce_add_f32(p.dq_accum + run * kDqAccumPitch, stage, t.desc.m_valid * kDqAccumPitch * 4);
-      sm90::bulk_commit();
-    }
-  };
+  FusedDq<E, D, kBlockM, kBlockN> fdq;  // (kDq)
+  const bool dq_issuer = (tid & 127) == 0;
 
   for (;;) {
     const int item = next_item(p, s_item);
@@ -699,19 +707,22 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
         pin_ss();
         elementwise(tile.desc, b);
         if constexpr (kDq) {
-          store_ds();
+          fdq.store_ds(sDs, w.dpt, wg, warp, g, tq);
           sm90::fence_smem_to_async_proxy();  // this thread's dS stores, for the other warpgroup's wgmma
         }
         pack();
         sm90::wgmma_fence();
         issue_rs(b);
-        if constexpr (kDq) issue_dq();  // its barrier waits while dV / dK run
+        if constexpr (kDq) {  // the barrier (both warpgroups' dS) waits while dV / dK run
+          block_sync();
+          fdq.issue(sDs, sK, wg);
+        }
         sm90::wgmma_commit();
         sm90::wgmma_wait<0>();
         pin_rs();
         if constexpr (kDq) {
-          sm90::fence_operand<32>(dq);
-          store_dq(tile);
+          sm90::fence_operand<32>(fdq.dq);
+          fdq.add(p, sStage, wg, wg, warp, g, tq, dq_issuer, tile.hq, tile.row, tile.desc.m_valid);
         }
 
         cur = nxt;
@@ -790,22 +801,38 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
 // saying what it holds (full: landed, empty: both consumers are done with it). So the consumers
 // never meet at a block barrier: they drift apart, one's element-wise step under the other's
 // products, and the load addressing leaves their registers (setmaxnreg).
-template <int kHeadDim_>
+//
+// kDq = true (DUALKV_CUDA_WGMMA_BWD=6): dQ is accumulated here too (FusedDq), as schedule 3 does in
+// the in-turn kernel, so no dQ kernel runs. Each consumer writes its dS into one of two buffers (the
+// tiles alternate), the two consumers meet at a named barrier (they alone: the producer goes on),
+// and each issues its dQ product with dV / dK; the tile's packed row and query head travel in its
+// slot. The ring has 2 buffers instead of 3 to make room for the dS tiles and the dQ staging.
+template <int kHeadDim_, bool kDq_ = false>
 struct DkdvSm90Ws {
-  static constexpr int kHeadDim = kHeadDim_, kBlockN = 128, kBlockM = 64, kThreads = 384, kStages = 3;
+  static constexpr bool kDq = kDq_;
+  static constexpr int kHeadDim = kHeadDim_, kBlockN = 128, kBlockM = 64, kThreads = 384, kStages = kDq ? 2 : 3;
   static constexpr int kParts = kHeadDim / 64;
   static constexpr int kKvTile = kBlockN * kHeadDim, kQTile = kBlockM * kHeadDim;  // elements
-  // What a ring buffer holds: a reader tile of `item` (kTile), the item's last (kLast), or the end.
-  struct alignas(16) Slot {
+  // What a ring buffer holds: a reader tile of `item` (kTile), the item's last (kLast), or the end;
+  // (kDq) the tile's first packed row and query head.
+  struct alignas(16) SlotPlain {
     QTileDesc desc;
     int item, flags;
   };
+  struct alignas(16) SlotWithRows {
+    QTileDesc desc;
+    int item, flags, row, hq;
+  };
+  using Slot = std::conditional_t<kDq, SlotWithRows, SlotPlain>;
   static constexpr int kTile = 1, kLast = 2, kDone = 4;
-  // Shared memory, in bytes from the 1024-aligned base: K, V; the Q and dO buffers; the lse_log2 and
-  // dsum buffers; the full, empty and kv_empty barriers (8-byte aligned); the slots (16-byte aligned);
-  // the producer's item; then the base's alignment slack.
+  // Shared memory, in bytes from the 1024-aligned base: K, V; the Q and dO buffers; (kDq) two dS tiles
+  // and both consumers' dQ staging; the lse_log2 and dsum buffers; the full, empty and kv_empty
+  // barriers (8-byte aligned); the slots (16-byte aligned); the producer's item; then the base's
+  // alignment slack.
   static constexpr int kOffQ = 2 * kKvTile * 2, kOffDo = kOffQ + kStages * kQTile * 2;
-  static constexpr int kOffL = kOffDo + kStages * kQTile * 2, kOffD = kOffL + kStages * kBlockM * 4;
+  static constexpr int kOffDs = kOffDo + kStages * kQTile * 2, kDsBytes = kDq ? 2 * kBlockM * kBlockN * 2 : 0;
+  static constexpr int kOffStage = kOffDs + kDsBytes, kStageBytes = kDq ? 2 * kBlockM * kDqAccumPitch * 4 : 0;
+  static constexpr int kOffL = kOffStage + kStageBytes, kOffD = kOffL + kStages * kBlockM * 4;
   static constexpr int kOffBars = kOffD + kStages * kBlockM * 4;
   static constexpr int kOffSlots = kOffBars + ((2 * kStages + 1) * 8 + 15) / 16 * 16;
   static constexpr int kOffItem = kOffSlots + kStages * static_cast<int>(sizeof(Slot));
@@ -813,13 +840,14 @@ struct DkdvSm90Ws {
   static_assert(kOffQ % 1024 == 0 && kOffDo % 1024 == 0 && kQTile * 2 % 1024 == 0,
                 "128-byte-swizzled tiles start on 1024-byte boundaries");
   static_assert(kOffBars % 8 == 0 && kOffSlots % 16 == 0, "mbarriers 8-byte, slots 16-byte aligned");
+  static_assert(kOffDs % 1024 == 0 && kOffStage % 16 == 0, "dS tiles 1024-byte, the staging 16-byte aligned");
   static_assert(kHeadDim == 64 || kHeadDim == 128, "the warp-specialised dK/dV kernel: head dim 64 or 128");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one H100 / H200 block");
 };
 
-template <class E, int D>
+template <class E, int D, bool kDq = false>
 DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CONSTANT BwdParams p) {
-  using K = DkdvSm90Ws<D>;
+  using K = DkdvSm90Ws<D, kDq>;
   using Slot = typename K::Slot;
   constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kParts = K::kParts, kStages = K::kStages;
   const int rep = p.nheads / p.nheads_kv;
@@ -831,6 +859,8 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
   uint16_t* sV = sK + K::kKvTile;
   uint16_t* sQ0 = reinterpret_cast<uint16_t*>(smem + K::kOffQ);    // buffer b at sQ0 + b * kQTile
   uint16_t* sdO0 = reinterpret_cast<uint16_t*>(smem + K::kOffDo);  // buffer b at sdO0 + b * kQTile
+  uint16_t* sDs0 = reinterpret_cast<uint16_t*>(smem + K::kOffDs);  // (kDq) tile t's dS at (t % 2) * 64 * 128
+  float* sStage = reinterpret_cast<float*>(smem + K::kOffStage);    // (kDq)
   float* sL0 = reinterpret_cast<float*>(smem + K::kOffL);
   float* sD0 = reinterpret_cast<float*>(smem + K::kOffD);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + K::kOffBars);
@@ -851,8 +881,13 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
       if (n_slots >= kStages) sm90::mbar_wait(&empty[b], (n_slots / kStages - 1) & 1);
       return b;
     };
-    auto publish = [&](int b, const QTileDesc& desc, int item, int flags) {
-      if (pt == 0) slots[b] = Slot{desc, item, flags};
+    auto publish = [&](int b, const ReaderTile& rt, int item, int flags) {
+      if (pt == 0) {
+        if constexpr (kDq)
+          slots[b] = Slot{rt.desc, item, flags, rt.row, rt.hq};
+        else
+          slots[b] = Slot{rt.desc, item, flags};
+      }
       cp_async_wait<0>();                 // this thread's copies (K / V and the tile) have landed
       sm90::fence_smem_to_async_proxy();  // for the wgmma that read them
       sm90::mbar_arrive(&full[b]);
@@ -862,14 +897,14 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
       const int item = next_item(p, s_item, [] { sm90::warpgroup_sync(0); });  // the producer warpgroup
       if (n_items > 0) sm90::mbar_wait(kv_empty, (n_items - 1) & 1);  // K / V of the last item are read
       if (item >= total_items) {
-        publish(open_slot(), QTileDesc{}, item, K::kDone);
+        publish(open_slot(), ReaderTile{}, item, K::kDone);
         break;
       }
       const KvItem it = decode_item<kBlockN>(p, item);
       ReaderCursor<kBlockM> cur;
       bool have = cur.begin(p, it);
       if (!have) {
-        publish(open_slot(), QTileDesc{}, item, K::kLast);  // no reader: the consumers store zeros
+        publish(open_slot(), ReaderTile{}, item, K::kLast);  // no reader: the consumers store zeros
         continue;
       }
       sm90::load_tile_sw128_async<D, 128, kBlockN>(sK, it.ctx_tensor ? p.k_ctx : p.k, it.key_row0, it.hk, it.nk, pt);
@@ -881,7 +916,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
                                                        sL0 + b * kBlockM, sD0 + b * kBlockM, pt);
         cp_async_commit();
         have = cur.advance(p, it, rep);
-        publish(b, rt.desc, item, K::kTile | (have ? 0 : K::kLast));
+        publish(b, rt, item, K::kTile | (have ? 0 : K::kLast));
       }
     }
     return;
@@ -893,6 +928,8 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
   const DkdvProducts<E, D, kBlockM, kBlockN> products(sK, sV, sQ0, sdO0, wg);
   const ScoreFn score = make_score_fn(p.scale, p.softcap);
   DkdvWarpgroup<E, D, kBlockM, kBlockN> w(wg, warp, g);
+  FusedDq<E, D, kBlockM, kBlockN> fdq;  // (kDq)
+  int n_tiles = 0;                      // (kDq) tiles computed: their dS alternate between two buffers
 
   for (int n_slots = 0;;) {  // one item a pass
     w.zero_dkdv();
@@ -909,14 +946,31 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
         sm90::wgmma_wait<0>();
         w.pin_ss();
         w.tile_ds(slot.desc, sL0 + b * kBlockM, sD0 + b * kBlockM, tq, W, score);
+        uint16_t* sDs = sDs0 + (n_tiles & 1) * kBlockM * kBlockN;
+        if constexpr (kDq) {
+          fdq.store_ds(sDs, w.dpt, wg, warp, g, tq);
+          sm90::fence_smem_to_async_proxy();  // this thread's dS stores, for the other consumer's wgmma
+        }
         w.pack();
         sm90::wgmma_fence();
         products.issue_rs(w.dk, w.dv, w.pa, w.dsa, b);
+        if constexpr (kDq) {  // both consumers' dS (a tile later the other buffer: its readers are done)
+          sm90::named_sync<256>(4);
+          fdq.issue(sDs, sK, wg);
+        }
         sm90::wgmma_commit();
         sm90::wgmma_wait<0>();
         w.pin_rs();
+        if constexpr (kDq) {
+          sm90::fence_operand<32>(fdq.dq);
+          ++n_tiles;
+        }
       }
       if (!(slot.flags & K::kDone)) sm90::mbar_arrive(&empty[b]);
+      if constexpr (kDq) {
+        if (slot.flags & K::kTile)
+          fdq.add(p, sStage, wg, wg + 1, warp, g, tq, (tid & 127) == 0, slot.hq, slot.row, slot.desc.m_valid);
+      }
       ++n_slots;
       if (slot.flags & (K::kLast | K::kDone)) break;
     }
@@ -924,6 +978,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
     sm90::mbar_arrive(kv_empty);  // K / V are read: the producer may load the next item's
     store_dkdv_rows<E, kParts>(p, decode_item<kBlockN>(p, slot.item), w.key_in_tile, tq, w.dk, w.dv);
   }
+  if constexpr (kDq) sm90::bulk_wait<0>();  // the dQ rows this thread added
 }
 
 // dQ at head dims 192 and 256, where the d = 128 kernel's shape does not fit (at d = 256 its 128-row Q /

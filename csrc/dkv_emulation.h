@@ -19,7 +19,9 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -49,6 +51,19 @@ struct WarpGroup {
   uint32_t a[128][4];
 };
 
+// The block's named barriers (bar.sync id, count): made at first use, each with its thread count.
+struct NamedBarriers {
+  std::mutex m;
+  std::map<int, std::pair<int, std::unique_ptr<std::barrier<>>>> bars;
+  std::barrier<>& get(int id, int count) {
+    std::lock_guard<std::mutex> lock(m);
+    auto& slot = bars[id];
+    if (!slot.second) slot = {count, std::make_unique<std::barrier<>>(count)};
+    if (slot.first != count) throw std::runtime_error("emulated named barrier: one id used with two thread counts");
+    return *slot.second;
+  }
+};
+
 struct PendingCopy {
   void* dst;
   const void* src;
@@ -69,6 +84,7 @@ struct Thread {
   Warp* warp = nullptr;
   WarpGroup* wg = nullptr;  // null when the block is not a multiple of 128 threads
   std::barrier<>* block_bar = nullptr;
+  NamedBarriers* named = nullptr;
   unsigned char* smem = nullptr;
   std::vector<std::vector<PendingCopy>> groups;  // committed groups, oldest first
   std::vector<PendingCopy> open;                 // copies not yet committed
@@ -318,6 +334,12 @@ inline void bulk_wait(int n) {
 }
 
 // bar.sync over the 128 threads of this thread's warpgroup.
+// bar.sync id, count (ids 1 .. 15; 0 is the block's barrier).
+inline void named_sync(int id, int count) {
+  if (id <= 0 || id > 15 || count % 32 != 0) throw std::runtime_error("emulated named barrier: bad id or count");
+  self.named->get(id, count).arrive_and_wait();
+}
+
 inline void warpgroup_sync() {
   if (self.wg == nullptr) throw std::runtime_error("emulated warpgroup barrier: the block is not made of whole warpgroups");
   self.wg->bar->arrive_and_wait();
@@ -344,6 +366,7 @@ inline void launch(dim3 grid, dim3 block, size_t smem_bytes, const std::function
         std::vector<unsigned char> smem(smem_bytes + 1024, 0xCD);  // garbage, as on the device
         unsigned char* smem_base = smem.data() + (1024 - reinterpret_cast<uintptr_t>(smem.data()) % 1024) % 1024;
         std::barrier<> block_bar(nthreads);
+        NamedBarriers named;
         std::vector<Warp> warps(nthreads / 32);
         for (auto& w : warps) w.bar = std::make_unique<std::barrier<>>(32);
         std::vector<WarpGroup> groups(nthreads % 128 == 0 ? nthreads / 128 : 0);
@@ -361,6 +384,7 @@ inline void launch(dim3 grid, dim3 block, size_t smem_bytes, const std::function
             self.warp = &warps[t / 32];
             self.wg = groups.empty() ? nullptr : &groups[t / 128];
             self.block_bar = &block_bar;
+            self.named = &named;
             self.smem = smem_base;
             body();
             cp_commit();

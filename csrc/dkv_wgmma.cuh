@@ -163,6 +163,19 @@ DKV_DEV void warpgroup_sync(int wg) {
 #endif
 }
 
+// A barrier over kThreads threads (a multiple of 32) at named barrier `id` (0 is the block's; the
+// warpgroups' are 1 .. 3).
+template <int kThreads>
+DKV_DEV void named_sync(int id) {
+#if defined(DKV_EMULATE)
+  dkv_emu::named_sync(id, kThreads);
+#elif DKV_HAS_WGMMA
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(kThreads) : "memory");
+#else
+  (void)id;
+#endif
+}
+
 // mbarrier (shared-memory arrival barrier with phases) for producer / consumer pipelines: init by one
 // thread before a block_sync; arrive (release); wait until the phase of the given parity completed
 // (acquire). Phase r of a barrier completes with its count-th arrival; its parity is r % 2.

@@ -175,22 +175,24 @@ def test_wgmma_forward_matches_reference(cuda_backend, case, dtype, mode, monkey
     assert any("dkv_fwd_sm90_kernel" in name for name in kernels), f"the wgmma forward did not run: {sorted(kernels)}"
 
 
-@pytest.mark.parametrize("mode", [None, "1", "2", "3", "4", "5"], ids=["default", "in-turn", "overlap", "fused-dq", "ws", "ws-both"])
+@pytest.mark.parametrize("mode", [None, "1", "2", "3", "4", "5", "6"],
+                         ids=["default", "in-turn", "overlap", "fused-dq", "ws", "ws-both", "ws-fused-dq"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", [c for c in GRID if c[4] in (64, 128)], ids=lambda c: _ids(c))
 def test_wgmma_backward_matches_reference(cuda_backend, case, dtype, deterministic, mode, monkeypatch):
     """The Hopper wgmma dQ and dK/dV kernels (csrc/dkv_bwd_sm90.cuh; d = 64 / 128): the default on sm_90
     (=5, both kernels warp-specialised), DUALKV_CUDA_WGMMA_BWD=1 (the products of a tile in turn), =4
-    (the dK/dV kernel warp-specialised), =5 by name, =2 (overlapped) and =3 (dQ accumulated in the
-    dK/dV kernel, no dQ kernel; deterministic=True falls back to the default), on the grid against the
-    fp32 reference, in both accumulation modes, and the profiler shows which kernels ran."""
+    (the dK/dV kernel warp-specialised), =5 by name, =2 (overlapped), =3 and =6 (dQ accumulated in the
+    in-turn / warp-specialised dK/dV kernel, no dQ kernel; deterministic=True falls back to the
+    default), on the grid against the fp32 reference, in both accumulation modes, and the profiler
+    shows which kernels ran."""
     _choose_hopper_kernels(monkeypatch, "DUALKV_CUDA_WGMMA_BWD", mode, "the wgmma backward")
     r, kernels = _kernels_of(case, dtype, deterministic)
     _check_against_reference(case, dtype, r)
-    fused = mode == "3" and not deterministic
-    runs = "5" if mode is None or (mode == "3" and deterministic) else mode  # the schedule that runs
-    dkdv = "dkv_dkdv_sm90_ws_kernel" if runs in ("4", "5") else "dkv_dkdv_sm90_kernel"
+    fused = mode in ("3", "6") and not deterministic
+    runs = "5" if mode is None or (mode in ("3", "6") and deterministic) else mode  # the schedule that runs
+    dkdv = "dkv_dkdv_sm90_ws_kernel" if runs in ("4", "5", "6") else "dkv_dkdv_sm90_kernel"
     dq = "dkv_dq_sm90_ws_kernel" if runs == "5" else "dkv_dq_sm90_kernel"
     assert any(dkdv in name for name in kernels), f"the dK/dV kernel did not run: {sorted(kernels)}"
     assert any(dq in name for name in kernels) != fused, sorted(kernels)
@@ -362,12 +364,13 @@ def _sanitizer():
 
 
 # Kernel paths under the sanitizer: the defaults (on sm_90 the wgmma forward and backward), the opt-in
-# Hopper forms (the warp-specialised forward with the overlapped wgmma backward; the dK/dV kernel that
-# also accumulates dQ; the warp-specialised dK/dV kernel) and the mma.sync kernels; all but the first differ from the defaults only on an
-# sm_90 GPU.
+# Hopper forms (the warp-specialised forward with the overlapped wgmma backward; the in-turn and the
+# warp-specialised dK/dV kernels that also accumulate dQ; the warp-specialised dK/dV kernel with the
+# in-turn dQ kernel; both warp-specialised) and the mma.sync kernels; all but the first differ from
+# the defaults only on an sm_90 GPU.
 SANITIZER_PATHS = {"default": {}, "hopper-opt-in": {"DUALKV_CUDA_WGMMA": "2", "DUALKV_CUDA_WGMMA_BWD": "2"},
                    "fused-dq": {"DUALKV_CUDA_WGMMA_BWD": "3"}, "ws-dkdv": {"DUALKV_CUDA_WGMMA_BWD": "4"},
-                   "ws-both": {"DUALKV_CUDA_WGMMA_BWD": "5"},
+                   "ws-both": {"DUALKV_CUDA_WGMMA_BWD": "5"}, "ws-fused-dq": {"DUALKV_CUDA_WGMMA_BWD": "6"},
                    "mma-sync": {"DUALKV_CUDA_WGMMA": "0", "DUALKV_CUDA_WGMMA_BWD": "0"}}
 
 
