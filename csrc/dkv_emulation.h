@@ -340,6 +340,12 @@ inline void named_sync(int id, int count) {
   self.named->get(id, count).arrive_and_wait();
 }
 
+// bar.arrive id, count: counts towards the barrier's current phase without waiting for it.
+inline void named_arrive(int id, int count) {
+  if (id <= 0 || id > 15 || count % 32 != 0) throw std::runtime_error("emulated named barrier: bad id or count");
+  (void)self.named->get(id, count).arrive();
+}
+
 inline void warpgroup_sync() {
   if (self.wg == nullptr) throw std::runtime_error("emulated warpgroup barrier: the block is not made of whole warpgroups");
   self.wg->bar->arrive_and_wait();

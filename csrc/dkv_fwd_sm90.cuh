@@ -23,9 +23,9 @@ namespace dkv {
 
 // kWs = false: every thread loads (cp.async) and computes, a block barrier per key tile. kWs = true
 // (warp-specialised): a third warpgroup only loads, into the same ring, handing tiles over through
-// mbarriers (full: landed, empty: both consumer warpgroups are done with it), so the two consumer
-// warpgroups never wait for each other and drift apart, one's softmax under the other's matmuls;
-// the producer gives registers back (setmaxnreg) for the consumers' accumulators.
+// mbarriers (full: landed, empty: both consumer warpgroups are done with it), and the two consumer
+// warpgroups take turns at issuing their matmuls (ping-pong, named barriers), one's softmax under the
+// other's matmuls; the producer gives registers back (setmaxnreg) for the consumers' accumulators.
 template <int kHeadDim_, bool kWs_ = false>
 struct FwdSm90 {
   static constexpr int kHeadDim = kHeadDim_, kWarpGroups = 2, kBlockM = 64 * kWarpGroups;
@@ -196,6 +196,23 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs>::kThreads)) dkv_fwd_sm90_kern
     });
   };
 
+  // (kWs) Ping-pong: the consumers take turns at issuing their products (named barrier 5 + wg: its
+  // 128 threads wait there until the other consumer's 128 have arrived), so that one's softmax runs
+  // under the other's matmuls instead of both softmaxes at once. Consumer 1 lets consumer 0 go first;
+  // each has n_tiles + 1 turns (the last issues the final P V), and consumer 1 skips its last
+  // arrival, which nobody would wait for.
+  auto my_turn = [&] {
+    if constexpr (kWs) sm90::named_sync<256>(5 + wg);
+  };
+  auto your_turn = [&](bool last) {
+    if constexpr (kWs) {
+      if (!(last && wg == 1)) sm90::named_arrive<256>(5 + (wg ^ 1));
+    }
+  };
+  if constexpr (kWs) {
+    if (wg == 1) sm90::named_arrive<256>(5);
+  }
+
   float s[kBlockN / 2];
   for (int t = 0; t < n_tiles; ++t) {
     // K_t and V_{t-1} (group t) have landed, and every warpgroup is done with K_{t-1} and V_{t-2},
@@ -211,14 +228,17 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs>::kThreads)) dkv_fwd_sm90_kern
       cp_async_commit();
     }
 
+    my_turn();
     sm90::wgmma_fence();
     issue_qk(s, t);
     sm90::wgmma_commit();
     if (t > 0) {
       issue_pv(t - 1);
       sm90::wgmma_commit();
+      your_turn(false);
       sm90::wgmma_wait<1>();  // S_t is ready; P_{t-1} V_{t-1} may still run
     } else {
+      your_turn(false);
       sm90::wgmma_wait<0>();
     }
     sm90::fence_operand<kBlockN / 2>(s);
@@ -251,9 +271,11 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs>::kThreads)) dkv_fwd_sm90_kern
     sm90::fence_smem_to_async_proxy();
     block_sync();
   }
+  my_turn();
   sm90::wgmma_fence();
   issue_pv(n_tiles - 1);
   sm90::wgmma_commit();
+  your_turn(true);
   sm90::wgmma_wait<0>();
   for (int part = 0; part < kParts; ++part) sm90::fence_operand<32>(o[part]);
 

@@ -176,6 +176,19 @@ DKV_DEV void named_sync(int id) {
 #endif
 }
 
+// Arrive at named barrier `id` (kThreads in all) without waiting: the other side's named_sync completes
+// once these threads and its own have arrived.
+template <int kThreads>
+DKV_DEV void named_arrive(int id) {
+#if defined(DKV_EMULATE)
+  dkv_emu::named_arrive(id, kThreads);
+#elif DKV_HAS_WGMMA
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "n"(kThreads) : "memory");
+#else
+  (void)id;
+#endif
+}
+
 // mbarrier (shared-memory arrival barrier with phases) for producer / consumer pipelines: init by one
 // thread before a block_sync; arrive (release); wait until the phase of the given parity completed
 // (acquire). Phase r of a barrier completes with its count-th arrival; its parity is r % 2.
