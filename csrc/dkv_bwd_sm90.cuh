@@ -582,11 +582,12 @@ struct FusedDq {
     }
   }
   // After the product's wait: stage this warpgroup's rows (sStage: both warpgroups' staging) and add
-  // the tile's m_valid rows at packed row `row` of query head hq. hw_wg: the warpgroup's index in the
-  // block (its named barrier); the issuing thread's previous addition must have read its source first.
-  DKV_DEV void add(const BwdParams& p, float* sStage, int wg, int hw_wg, int warp, int g, int tq, bool issuer, int hq,
-                   int row, int m_valid) {
+  // the tile's m_valid rows at packed row `row` of query head hq. The warpgroup's first thread issues
+  // the addition, once its previous one has read its source.
+  DKV_DEV void add(const BwdParams& p, float* sStage, int wg, int warp, int g, int tq, int hq, int row, int m_valid) {
     const int col_part = kParts == 2 ? wg : 0;
+    const int hw_wg = thread_idx() >> 7;  // the warpgroup in the block (a producer warpgroup counts): its barrier
+    const bool issuer = (thread_idx() & 127) == 0;
     float* stage = sStage + wg * kBlockM * kDqAccumPitch;
     if (issuer) sm90::bulk_wait_read<0>();  // the previous tile's rows have been read out
     sm90::warpgroup_sync(hw_wg);
@@ -669,7 +670,6 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
   auto pin_rs = [&] { w.pin_rs(); };
 
   FusedDq<E, D, kBlockM, kBlockN> fdq;  // (kDq)
-  const bool dq_issuer = (tid & 127) == 0;
 
   for (;;) {
     const int item = next_item(p, s_item);
@@ -722,7 +722,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
         pin_rs();
         if constexpr (kDq) {
           sm90::fence_operand<32>(fdq.dq);
-          fdq.add(p, sStage, wg, wg, warp, g, tq, dq_issuer, tile.hq, tile.row, tile.desc.m_valid);
+          fdq.add(p, sStage, wg, warp, g, tq, tile.hq, tile.row, tile.desc.m_valid);
         }
 
         cur = nxt;
@@ -969,7 +969,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
       if (!(slot.flags & K::kDone)) sm90::mbar_arrive(&empty[b]);
       if constexpr (kDq) {
         if (slot.flags & K::kTile)
-          fdq.add(p, sStage, wg, wg + 1, warp, g, tq, (tid & 127) == 0, slot.hq, slot.row, slot.desc.m_valid);
+          fdq.add(p, sStage, wg, warp, g, tq, slot.hq, slot.row, slot.desc.m_valid);
       }
       ++n_slots;
       if (slot.flags & (K::kLast | K::kDone)) break;

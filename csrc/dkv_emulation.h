@@ -56,6 +56,7 @@ struct NamedBarriers {
   std::mutex m;
   std::map<int, std::pair<int, std::unique_ptr<std::barrier<>>>> bars;
   std::barrier<>& get(int id, int count) {
+    if (id <= 0 || id > 15 || count % 32 != 0) throw std::runtime_error("emulated named barrier: bad id or count");
     std::lock_guard<std::mutex> lock(m);
     auto& slot = bars[id];
     if (!slot.second) slot = {count, std::make_unique<std::barrier<>>(count)};
@@ -336,13 +337,11 @@ inline void bulk_wait(int n) {
 // bar.sync over the 128 threads of this thread's warpgroup.
 // bar.sync id, count (ids 1 .. 15; 0 is the block's barrier).
 inline void named_sync(int id, int count) {
-  if (id <= 0 || id > 15 || count % 32 != 0) throw std::runtime_error("emulated named barrier: bad id or count");
   self.named->get(id, count).arrive_and_wait();
 }
 
 // bar.arrive id, count: counts towards the barrier's current phase without waiting for it.
 inline void named_arrive(int id, int count) {
-  if (id <= 0 || id > 15 || count % 32 != 0) throw std::runtime_error("emulated named barrier: bad id or count");
   (void)self.named->get(id, count).arrive();
 }
 
