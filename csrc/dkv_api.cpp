@@ -193,7 +193,7 @@ bool hopper_kernels_usable(const Tensor& q) {
 // The wgmma forward (dkv_fwd_sm90.cuh) runs on sm_90 devices for head dims 64 / 128 / 192 / 256, fp16
 // and bf16, when the extension was built for sm_90a (else the mma.sync forward runs);
 // DUALKV_CUDA_WGMMA=0 selects the mma.sync forward, =2 the warp-specialised wgmma forward (opt-in:
-// slower on an H200). Returns 0 (mma.sync), 1 or 2.
+// within 1% of 1 on an H200). Returns 0 (mma.sync), 1 or 2.
 int use_sm90_forward(const Tensor& q, int head_dim) {
   const int choice = kernel_choice("DUALKV_CUDA_WGMMA");
   return choice > 0 && sm90_forward_supports(head_dim) && hopper_kernels_usable(q) ? choice : 0;
@@ -210,7 +210,8 @@ int use_sm90_forward(const Tensor& q, int head_dim) {
 // warp-specialised too (its dQ kernel 16-19% faster, the backward 3-6% faster than 4 at d = 128:
 // benchmarks/results/attention_h200_ws_dq.md; at d = 64 the backward 5-8% faster than 1:
 // benchmarks/results/attention_h200_d64_ws_both.md), 6 dQ accumulated inside the warp-specialised
-// dK/dV kernel (as 3 does in the in-turn one; not yet measured on a GPU; with deterministic=True it
+// dK/dV kernel (as 3 does in the in-turn one; 1-3% faster than 5 at d = 128, P >= 16K, slower at d = 64:
+// benchmarks/results/attention_h200_ws_fused_dq_pingpong.md; with deterministic=True it
 // falls back to the default). The default is 5 at both. 0 asks for mma.sync. Returns the schedule
 // that runs: 0 (mma.sync), 1 .. 6 (1 for any wgmma choice at 192 / 256, which have one).
 int use_sm90_backward(const Tensor& q, int head_dim) {
