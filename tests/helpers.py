@@ -126,7 +126,23 @@ def _launch_spec(kernel, args: tuple, kwargs: dict) -> dict:
         if ty == "constexpr":
             constexprs[p.name] = v
     options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
-    return dict(module=fn.__module__, name=fn.__name__, signature=signature, constexprs=constexprs, options=options)
+    return dict(module=fn.__module__, name=fn.__name__, signature=signature, constexprs=constexprs, options=options,
+                specialization=_specialization(params, values))
+
+
+def _specialization(params, values: dict) -> dict:
+    """What Triton compiles a variant per (besides types and constexprs): each pointer's 16-byte
+    alignment ("D" where aligned) and each integer's being 1 or a multiple of 16."""
+    import torch
+
+    spec = {}
+    for p in params:
+        v = values[p.name]
+        if isinstance(v, torch.Tensor):
+            spec[p.name] = "D" if v.data_ptr() % 16 == 0 else ""
+        elif isinstance(v, int) and not isinstance(v, bool) and "constexpr" not in str(p.annotation):
+            spec[p.name] = "1" if v == 1 else "D" if v % 16 == 0 else ""
+    return spec
 
 
 def record_triton_launches(monkeypatch, module, names) -> dict:

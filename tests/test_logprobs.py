@@ -261,6 +261,24 @@ def test_triton_kernels_compile_for_hopper(small_blocks, tmp_path, monkeypatch):
     compile_for_hopper(specs, tmp_path, dtypes=("bf16", "fp16"))
 
 
+def test_triton_kernels_keep_one_compiled_variant_across_steps(small_blocks, monkeypatch):
+    """Token counts and chunk offsets that change from step to step leave the kernels' specialisation
+    (each pointer's 16-byte alignment, each integer's divisibility) unchanged, so a training run
+    compiles each kernel once: chunks at odd offsets and statistics rows of odd length used to hand
+    the kernels off-boundary vectors, a fresh compile for every new pattern."""
+    from dualkv.core.backends.triton import logprob_kernel
+
+    specs = record_triton_launches(monkeypatch, logprob_kernel, ("_logprob_fwd_kernel", "_logprob_bwd_kernel"))
+    for n in (21, 22, 23, 24):
+        h, w, t = inputs(n=n, V=300, seed=n)
+        lp, ent = linear_logprobs(h, w, t, return_entropy=True, chunk_size=5, impl="triton")
+        torch.autograd.grad(loss(lp, ent), (h, w))
+    assert sorted(s["name"] for s in specs.values()) == ["_logprob_bwd_kernel", "_logprob_fwd_kernel"], \
+        [s["specialization"] for s in specs.values()]
+    for spec in specs.values():  # every vector on a 16-byte boundary
+        assert all(v for k, v in spec["specialization"].items() if spec["signature"][k].startswith("*")), spec
+
+
 def test_triton_kernel_entry_points_name_bad_arguments(small_blocks):
     """The kernels' Python entry points refuse logits / targets they cannot address, naming them."""
     from dualkv.core.backends.triton import logprob_kernel
