@@ -127,17 +127,25 @@ def _launch_spec(kernel, args: tuple, kwargs: dict) -> dict:
             constexprs[p.name] = v
     options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
     return dict(module=fn.__module__, name=fn.__name__, signature=signature, constexprs=constexprs, options=options,
-                specialization=_specialization(params, values))
+                specialization=_specialization(kernel, params, values))
 
 
-def _specialization(params, values: dict) -> dict:
+def _specialization(kernel, params, values: dict) -> dict:
     """What Triton compiles a variant per (besides types and constexprs): each pointer's 16-byte
-    alignment ("D" where aligned) and each integer's being 1 or a multiple of 16."""
+    alignment ("D" where aligned) and each integer's being 1 or a multiple of 16, except where the
+    kernel says not to (``do_not_specialize`` / ``do_not_specialize_on_alignment``)."""
     import torch
 
+    def listed(attr):  # a JITFunction keeps the lists as attributes, the interpreter's function in kwargs
+        names = getattr(kernel, attr, None) or getattr(kernel, "kwargs", {}).get(attr) or ()
+        return {params[x].name if isinstance(x, int) else x for x in names}
+
+    skip, skip_alignment = listed("do_not_specialize"), listed("do_not_specialize_on_alignment")
     spec = {}
     for p in params:
         v = values[p.name]
+        if p.name in skip or (isinstance(v, torch.Tensor) and p.name in skip_alignment):
+            continue
         if isinstance(v, torch.Tensor):
             spec[p.name] = "D" if v.data_ptr() % 16 == 0 else ""
         elif isinstance(v, int) and not isinstance(v, bool) and "constexpr" not in str(p.annotation):

@@ -279,6 +279,31 @@ def test_random_layouts():
         raise AssertionError(f"seed {seed} (prompts {prompts}, responses {responses}): {err}") from err
 
 
+# ------------------------------------------------------------------ compiled variants
+def test_kernels_keep_one_compiled_variant_across_layouts(monkeypatch):
+    """Micro-batches of other token counts (a multiple of 16 or not) and segment counts leave every
+    attention kernel's specialisation unchanged (pointer alignment, integer divisibility, minus the
+    kernel's do_not_specialize list), so a training run compiles each kernel once instead of once
+    more, mid-step, for the first micro-batch whose size happens to divide by 16."""
+    from dualkv.core.backends.triton import configs
+
+    monkeypatch.setattr(configs, "choose", lambda kind, key, head_dim, elem, on_cuda, run=None:
+                        configs.candidates(kind, head_dim, elem)[0])
+    names = ("fwd_kernel", "preprocess_kernel", "dkdv_kernel", "reduce_kernel", "dq_kernel")
+    specs = record_triton_launches(monkeypatch, launcher, names)
+    g = torch.Generator().manual_seed(0)
+    for prompts, responses in (([70], [[40, 9]]), ([64], [[33, 31]]), ([80], [[47, 1]]), ([100], [[5, 7, 4]])):
+        layout = PackedLayout.from_lengths(prompts, responses)  # 119, 128, 128, 116 tokens
+        q = torch.randn(layout.total_tokens, 4, 64, generator=g).requires_grad_()
+        k, v = (torch.randn(layout.total_tokens, 2, 64, generator=g).requires_grad_() for _ in range(2))
+        dualkv_attention(q, k, v, layout, backend="triton").square().sum().backward()
+    per_kernel = {}
+    for spec in specs.values():
+        per_kernel.setdefault(spec["name"], []).append(spec["specialization"])
+    assert set(per_kernel) == set(names), sorted(per_kernel)
+    assert all(len(v) == 1 for v in per_kernel.values()), per_kernel
+
+
 # ------------------------------------------------------------------ compiled for Hopper, no GPU
 def test_kernels_compile_for_hopper_with_gpu_configs(tmp_path, monkeypatch):
     """Every attention kernel a forward + backward launches, with the configs a GPU would take, in
