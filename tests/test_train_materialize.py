@@ -72,3 +72,33 @@ def test_materialize_names_a_wrong_model():
 
     with pytest.raises(ValueError, match="model: expected a dualkv.models.CausalLM, got Linear"):
         materialize(torch.nn.Linear(2, 2, device="meta"), "cpu", seed=0)
+
+
+def _frozen_reference(meta: bool):
+    from torch.distributed.tensor import DTensor
+
+    from dualkv.core import PackedLayout
+    from dualkv.models import build_model
+    from dualkv.train.distributed import ParallelConfig, init_distributed, parallelize_policy
+    from dualkv.train.update import policy_logprobs
+
+    ctx = init_distributed(sp=1, device="cpu")
+    cfg = ParallelConfig(param_dtype="bf16")
+    build = (lambda: build_model("tiny-qwen3", device="meta")) if meta else (lambda: build_model("tiny-qwen3", seed=5))
+    ref = parallelize_policy(build(), ctx, cfg, trainable=False, seed=5)
+    policy = parallelize_policy(build(), ctx, cfg, seed=5)
+    dtypes = {p.to_local().dtype for p in ref.parameters() if isinstance(p, DTensor)}
+    assert dtypes == {torch.bfloat16} and all(not p.requires_grad for p in ref.parameters()), dtypes
+    assert {p.to_local().dtype for p in policy.parameters()} == {torch.float32}
+    g = torch.Generator().manual_seed(1)
+    layout = PackedLayout.from_groups([(torch.randint(0, 100, (9,), generator=g),
+                                        [torch.randint(0, 100, (n,), generator=g) for n in (4, 7)])])
+    with torch.no_grad():
+        return torch.equal(policy_logprobs(ref, layout), policy_logprobs(policy, layout))
+
+
+@pytest.mark.parametrize("meta", [False, True], ids=["built", "meta"])
+def test_frozen_reference_is_stored_in_the_compute_dtype(meta):
+    """The frozen reference keeps its parameters in bf16 (no fp32 master copy: half the memory) and
+    gives bit-identical log-probs to an fp32-stored copy of the same weights under bf16 FSDP."""
+    assert run_local_world(_frozen_reference, 2, meta) == [True, True]

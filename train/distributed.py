@@ -13,6 +13,9 @@
   ``fsdp_size`` ranks, while every micro-batch loss is already normalised by the whole mini-batch
   (``update``), so the trainer multiplies the backward loss by ``fsdp_size``: the result is the sum.
   (A divide factor of 1 would say the same, but needs a pre-multiplied sum that gloo lacks.)
+  A frozen model (the reference) keeps its parameters in ``param_dtype`` itself: no fp32 master copy
+  to update, so half the memory in bf16 and no cast before every forward, with the same values
+  (FSDP would round them to ``param_dtype`` for every forward anyway).
 """
 
 from __future__ import annotations
@@ -167,7 +170,8 @@ def parallelize_policy(model: torch.nn.Module, ctx: DistContext, cfg: ParallelCo
                        seed: int | None = None):
     """Apply activation checkpointing, SP, compile and FSDP2 to ``model`` in place; returns it.
 
-    ``trainable=False`` (the reference model) freezes the parameters first. A model on the meta
+    ``trainable=False`` (the reference model) freezes the parameters and stores them in
+    ``cfg.dtype`` (the compute dtype: the values FSDP would cast them to anyway). A model on the meta
     device (``build_model(..., device="meta")``) is allocated and randomly initialised with ``seed``
     one decoder layer at a time, each layer sharded as soon as it exists
     (``dualkv.models.materialize``), so no rank ever holds the whole model; its values equal
@@ -205,17 +209,35 @@ def parallelize_policy(model: torch.nn.Module, ctx: DistContext, cfg: ParallelCo
 
         if seed is None:
             raise ValueError("seed: a model on the meta device needs the seed of its random initialisation")
-        materialize(model, ctx.device, seed=seed, units=_blocks(model),
-                    on_unit=lambda block: fully_shard(block, mesh=mesh, mp_policy=mp))
+        def shard(block):
+            if not trainable:
+                _store_in(block, cfg.dtype)
+            fully_shard(block, mesh=mesh, mp_policy=mp)
+
+        materialize(model, ctx.device, seed=seed, units=_blocks(model), on_unit=shard)
     else:
         model.to(ctx.device)
+        if not trainable:
+            _store_in(model, cfg.dtype)
         for block in _blocks(model):
             fully_shard(block, mesh=mesh, mp_policy=mp)
+    if not trainable:
+        _store_in(model, cfg.dtype)  # what is left outside the decoder layers (embeddings, final norm)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     # SP calls the model through these two methods, not forward: give them FSDP's hooks too.
     register_fsdp_forward_method(model, "hidden_states")
     register_fsdp_forward_method(model, "compute_logits")
     return model
+
+
+def _store_in(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Cast the floating-point parameters of ``module`` not yet sharded (plain tensors) to ``dtype``, in
+    place (tied parameters are one object: cast once); buffers keep their dtype."""
+    from torch.distributed.tensor import DTensor
+
+    for p in module.parameters():
+        if not isinstance(p, DTensor) and p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
