@@ -1,6 +1,7 @@
 """One policy update: DualKV packing equals the replicated baseline (loss, gradients, parameter update)."""
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -136,3 +137,34 @@ def test_bad_update_arguments():
     opt = torch.optim.AdamW(model.parameters())
     with pytest.raises(ValueError, match="reference: expected a reference model because kl_beta=0.04"):
         PolicyUpdater(model, opt, LossConfig.grpo(), UpdateConfig())
+
+
+def test_logprob_pass_queues_every_micro_batch_before_copying_to_the_host(monkeypatch):
+    """old / ref log-probs: every micro-batch's forward is issued before the first result is copied to
+    the host (a copy waits for the device), and the values are those of a forward per micro-batch."""
+    import dualkv.train.update as upd
+
+    events = []
+
+    class Watched(torch.Tensor):
+        def cpu(self, *args, **kwargs):
+            events.append("to host")
+            return super().cpu(*args, **kwargs)
+
+    real = upd.policy_logprobs
+
+    def spy(*args, **kwargs):
+        events.append("forward")
+        return real(*args, **kwargs).float().as_subclass(Watched)
+
+    monkeypatch.setattr(upd, "policy_logprobs", spy)
+    model = build_model("tiny-qwen3", seed=3)
+    batch = _rollouts(seed=4, groups=3)
+    up = PolicyUpdater(model, torch.optim.SGD(model.parameters(), lr=0.0), LossConfig.grpo(kl_beta=0.0),
+                       UpdateConfig(packing="dualkv", micro_batch_tokens=1))  # one group a micro-batch
+    groups = up._logprob_pass(model, list(up.prepare(batch).groups), "old_logprobs", {"forward_flops": 0})
+    assert events == ["forward"] * 3 + ["to host"] * 3
+    for g in groups:  # each group alone through the model gives the same values
+        monkeypatch.setattr(upd, "policy_logprobs", real)
+        alone = up._logprob_pass(model, [replace(g, old_logprobs=None)], "old_logprobs", {"forward_flops": 0})[0]
+        assert all(torch.equal(a, b) for a, b in zip(g.old_logprobs, alone.old_logprobs))

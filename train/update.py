@@ -147,12 +147,19 @@ class PolicyUpdater:
 
     @torch.no_grad()
     def _logprob_pass(self, model, groups: list[RolloutGroup], field: str, counters: dict) -> list[RolloutGroup]:
-        """Fill ``field`` (old_logprobs / ref_logprobs) of this rank's groups from a no-grad forward."""
+        """Fill ``field`` (old_logprobs / ref_logprobs) of this rank's groups from a no-grad forward.
+
+        Every micro-batch is queued before any result is copied to the host: a copy waits for the
+        device, and one after each micro-batch would leave the device idle while the host builds and
+        launches the next one."""
         groups = list(groups)
+        queued = []
         for mb in self._my_plan(groups):
             data = build_micro_batch(groups, mb, self.cfg.packing, self.device)
-            lp = policy_logprobs(model, data.layout, self.sp_group, self.cfg.temperature).float().cpu()
+            queued.append((mb, policy_logprobs(model, data.layout, self.sp_group, self.cfg.temperature)))
             counters["forward_flops"] += forward_flops(model.config, data.layout)
+        for mb, lp in queued:
+            lp = lp.float().cpu()
             row = 0  # (a padding micro-batch stores too: its update pass reads them, with weight 0)
             for gi in mb.groups:
                 g = groups[gi]
