@@ -813,6 +813,12 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
 // tiles alternate), the two consumers meet at a named barrier (they alone: the producer goes on),
 // and each issues its dQ product with dV / dK; the tile's packed row and query head travel in its
 // slot. The ring has 2 buffers instead of 3 to make room for the dS tiles and the dQ staging.
+//
+// kWriter = true (with kDq; DUALKV_CUDA_WGMMA_BWD=7): the consumers only stage their dQ rows. Each
+// waits until the writer has read out its previous staging (dq_empty), stores its rows and the
+// tile's row / head (DqRows), and arrives at dq_full; the producer warpgroup's last warp (the writer:
+// its first thread) adds each consumer's staging in turn with one bulk reduce-add and frees it, and
+// the other three warps load (kLoaders = 96).
 template <int kHeadDim_, bool kDq_ = false, bool kWriter_ = false>
 struct DkdvSm90Ws {
   static constexpr bool kDq = kDq_, kWriter = kDq_ && kWriter_;
