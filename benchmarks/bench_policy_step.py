@@ -154,6 +154,8 @@ def run_config(args, packing: str, mb: int, meta: dict | None = None) -> dict:
                                           Path(args.out) / f"{args.stem or 'policy_step'}_{packing}_mb{mb}_profile.txt",
                                           meta or {})
         peak_gib = max((r["peak_memory_gib"] for r in recs if r.get("peak_memory_gib") is not None), default=None)
+        # every measured step's three phases, so that the table shows the spread behind the median
+        row["time_compute_steps"] = [r["time_compute"] for r in recs]
         row.update(status="ok", steps=len(recs), rho=_median(recs, "rho"),
                    packed_tokens=_median(recs, "packed_tokens"), replicated_tokens=_median(recs, "replicated_tokens"),
                    peak_memory_gib=_max_over_ranks(peak_gib))
@@ -242,19 +244,27 @@ def _f(v, spec):
     return "n/a" if v is None else format(v, spec)
 
 
+def _phase_range(row: dict) -> str:
+    """The median three-phase time and, where the file lists every step's, their range."""
+    steps = row.get("time_compute_steps") or []
+    median = _f(row.get("time_compute"), ".3f")
+    return f"{median} ({min(steps):.3f}-{max(steps):.3f})" if len(steps) > 1 else median
+
+
 def tables(rows: list[dict], meta: dict) -> str:
     """The phase table and the rho table; ``meta`` holds the run settings (P, response_range, ...)."""
     P, r_range = meta["P"], tuple(meta["response_range"])
     out = [f"One policy-update step, P = {fmt_size(P)}, {meta['responses_per_step']} responses per step, "
            f"R_i ~ U{r_range}; medians of {meta['steps']} measured steps after {meta['warmup']} warm-up:", "",
-           "| packing | mb | status | old_log_prob s | ref_log_prob s | update s | tokens/s | effective tokens/s "
-           "| MFU | useful MFU | peak GiB |", "|" + " --- |" * 11]
+           "| packing | mb | status | old_log_prob s | ref_log_prob s | update s | 3 phases s (steps' range) | tokens/s "
+           "| effective tokens/s | MFU | useful MFU | peak GiB |", "|" + " --- |" * 12]
     for r in rows:
         if r["status"] != "ok":
-            out.append(f"| {r['packing']} | {r['mb']} | {r['status']} |" + " |" * 8)
+            out.append(f"| {r['packing']} | {r['mb']} | {r['status']} |" + " |" * 9)
             continue
         out.append(f"| {r['packing']} | {r['mb']} | ok | {_f(r['time_old_log_prob'], '.3f')} "
-                   f"| {_f(r['time_ref_log_prob'], '.3f')} | {_f(r['time_update'], '.3f')} | {_f(r['tokens_per_s'], '.0f')} "
+                   f"| {_f(r['time_ref_log_prob'], '.3f')} | {_f(r['time_update'], '.3f')} | {_phase_range(r)} "
+                   f"| {_f(r['tokens_per_s'], '.0f')} "
                    f"| {_f(r['effective_tokens_per_s'], '.0f')} | {_f(r['mfu'], '.1%')} | {_f(r['useful_mfu'], '.1%')} "
                    f"| {_f(r['peak_memory_gib'], '.2f')} |")
     out += ["", "rho = N(P+R)/(P+NR) (the batch's replicated / packed tokens) next to the measured speedup "

@@ -204,6 +204,7 @@ def test_policy_step_end_to_end(tmp_path, one_thread):
         assert all(r[f"time_{k}"] > 0 for k in ps.PHASES)
         assert r["tokens_per_s"] > 0 and r["mfu"] > 0 and r["useful_mfu"] > 0
         assert r["groups"] == 8 // r["mb"]
+        assert len(r["time_compute_steps"]) == r["steps"] and r["time_compute_steps"][0] == pytest.approx(r["time_compute"])
         if r["packing"] == "dualkv":
             assert r["useful_mfu"] == pytest.approx(r["mfu"], rel=1e-9)  # the same FLOPs for the prompt-once layout
         else:
@@ -219,6 +220,15 @@ def test_policy_step_end_to_end(tmp_path, one_thread):
     for suffix in ("csv", "md", "png"):
         assert (tmp_path / f"step.{suffix}").exists()
     assert "update-phase speedup" in (tmp_path / "step.md").read_text()
+    assert "3 phases s (steps' range)" in (tmp_path / "step.md").read_text()
+
+
+def test_policy_step_table_shows_the_steps_spread():
+    """A median hides steps that differ (a compile mid-step, a host stall): the table prints their range."""
+    row = dict(time_compute=2.0, time_compute_steps=[1.9, 2.0, 2.6])
+    assert ps._phase_range(row) == "2.000 (1.900-2.600)"
+    assert ps._phase_range(dict(time_compute=2.0)) == "2.000"  # files written before the field
+    assert ps._phase_range(dict(time_compute=2.0, time_compute_steps=[2.0])) == "2.000"
 
 
 def test_policy_step_profile(tmp_path, one_thread):
