@@ -334,7 +334,6 @@ inline void bulk_wait(int n) {
   }
 }
 
-// bar.sync over the 128 threads of this thread's warpgroup.
 // bar.sync id, count (ids 1 .. 15; 0 is the block's barrier).
 inline void named_sync(int id, int count) {
   self.named->get(id, count).arrive_and_wait();
@@ -345,6 +344,7 @@ inline void named_arrive(int id, int count) {
   (void)self.named->get(id, count).arrive();
 }
 
+// bar.sync over the 128 threads of this thread's warpgroup.
 inline void warpgroup_sync() {
   if (self.wg == nullptr) throw std::runtime_error("emulated warpgroup barrier: the block is not made of whole warpgroups");
   self.wg->bar->arrive_and_wait();

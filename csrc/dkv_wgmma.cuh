@@ -231,9 +231,9 @@ DKV_DEV void mbar_wait(uint64_t* bar, int parity) {
 #endif
 }
 
-// A producer / consumer ring of `stages` buffers: full[i] completes when the producer warpgroup's 128
-// threads have arrived (buffer i landed), empty[i] when both consumer warpgroups' 256 threads have
-// (buffer i read). Thread 0 initialises; the block barrier makes them visible before any use.
+// A producer / consumer ring of `stages` buffers: full[i] completes when the `producers` loading
+// threads have arrived (buffer i landed; a producer warpgroup's 128 unless some of its warps do other
+// work), empty[i] when both consumer warpgroups' 256 threads have (buffer i read). Thread 0 initialises; the block barrier makes them visible before any use.
 DKV_DEV void init_ring(uint64_t* full, uint64_t* empty, int stages, int producers = 128) {
   if (thread_idx() == 0) {
     for (int st = 0; st < stages; ++st) {

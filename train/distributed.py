@@ -204,26 +204,23 @@ def parallelize_policy(model: torch.nn.Module, ctx: DistContext, cfg: ParallelCo
             block.compile(dynamic=True)
     mp = MixedPrecisionPolicy(param_dtype=cfg.dtype, reduce_dtype=torch.float32)
     mesh = ctx.mesh.dp_sp_mesh if ctx.world_size > 1 else ctx.mesh.mesh["dp"]
+
+    def shard(module):  # a decoder layer, then the root (what is left: embeddings, final norm)
+        if not trainable:
+            _store_in(module, cfg.dtype)
+        fully_shard(module, mesh=mesh, mp_policy=mp)
+
     if any(p.is_meta for p in model.parameters()):
         from dualkv.models import materialize
 
         if seed is None:
             raise ValueError("seed: a model on the meta device needs the seed of its random initialisation")
-        def shard(block):
-            if not trainable:
-                _store_in(block, cfg.dtype)
-            fully_shard(block, mesh=mesh, mp_policy=mp)
-
         materialize(model, ctx.device, seed=seed, units=_blocks(model), on_unit=shard)
     else:
         model.to(ctx.device)
-        if not trainable:
-            _store_in(model, cfg.dtype)
         for block in _blocks(model):
-            fully_shard(block, mesh=mesh, mp_policy=mp)
-    if not trainable:
-        _store_in(model, cfg.dtype)  # what is left outside the decoder layers (embeddings, final norm)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+            shard(block)
+    shard(model)
     # SP calls the model through these two methods, not forward: give them FSDP's hooks too.
     register_fsdp_forward_method(model, "hidden_states")
     register_fsdp_forward_method(model, "compute_logits")

@@ -9,7 +9,7 @@ per CUDA thread): keep the shapes tiny.
     python csrc/emulation/emulate.py --quick    # two cases
     python csrc/emulation/emulate.py --wgmma    # the wgmma building blocks (csrc/dkv_wgmma.cuh) only
     python csrc/emulation/emulate.py --sm90     # the wgmma forward (DUALKV_CUDA_WGMMA=1, 2)
-    python csrc/emulation/emulate.py --sm90-bwd # the wgmma dQ and dK/dV kernels (DUALKV_CUDA_WGMMA_BWD=1 .. 6)
+    python csrc/emulation/emulate.py --sm90-bwd # the wgmma dQ and dK/dV kernels (DUALKV_CUDA_WGMMA_BWD=1 .. 7)
 """
 
 from __future__ import annotations
@@ -239,7 +239,7 @@ def main():
     ap.add_argument("--wgmma", action="store_true", help="only the wgmma building blocks")
     ap.add_argument("--sm90", action="store_true", help="the wgmma forward kernels' cases (DUALKV_CUDA_WGMMA=1, 2)")
     ap.add_argument("--sm90-bwd", action="store_true",
-                    help="the wgmma backward's cases (DUALKV_CUDA_WGMMA_BWD=1 .. 5, with the wgmma forward)")
+                    help="the wgmma backward's cases (DUALKV_CUDA_WGMMA_BWD=1 .. 7, with the wgmma forward)")
     ap.add_argument("--forward-only", action="store_true", help="with --sm90: skip the backward")
     args = ap.parse_args()
     listed = SM90_BWD_CASES if args.sm90_bwd else CASES
