@@ -393,20 +393,6 @@ class DualKVPairWsFusedDq(DualKVCudaWsFusedDq):
     backend = "triton+cuda"
 
 
-@register("dualkv-cuda-ws-fused-dq-writer")
-class DualKVCudaWsFusedDqWriter(DualKVCuda):
-    """Schedule 6 with the staged dQ rows added by a writer warp of the producer warpgroup (opt-in)."""
-
-    env = {"DUALKV_CUDA_WGMMA_BWD": "7"}
-
-
-@register("dualkv-pair-ws-fused-dq-writer")
-class DualKVPairWsFusedDqWriter(DualKVCudaWsFusedDqWriter):
-    """Triton's forward with the writer-warp fused-dQ CUDA backward (opt-in)."""
-
-    backend = "triton+cuda"
-
-
 @register("dualkv-pair-in-turn-bwd")
 class DualKVPairInTurnBwd(DualKVCudaWgmmaBwd):
     """Triton's forward with the in-turn wgmma backward."""

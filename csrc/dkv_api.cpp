@@ -212,12 +212,10 @@ int use_sm90_forward(const Tensor& q, int head_dim) {
 // benchmarks/results/attention_h200_d64_ws_both.md), 6 dQ accumulated inside the warp-specialised
 // dK/dV kernel (as 3 does in the in-turn one; 1-3% faster than 5 at d = 128, P >= 16K, slower at d = 64:
 // benchmarks/results/attention_h200_ws_fused_dq_pingpong.md; with deterministic=True it
-// falls back to the default), 7 as 6 with the staged dQ rows added by a writer warp of the producer
-// warpgroup instead of by the consumers (not yet measured on a GPU). The default is 5 at both. 0 asks
-// for mma.sync. Returns the schedule that runs: 0 (mma.sync), 1 .. 7 (1 for any wgmma choice at 192 /
-// 256, which have one).
+// falls back to the default). The default is 5 at both. 0 asks for mma.sync. Returns the schedule
+// that runs: 0 (mma.sync), 1 .. 6 (1 for any wgmma choice at 192 / 256, which have one).
 int use_sm90_backward(const Tensor& q, int head_dim) {
-  const int choice = kernel_choice("DUALKV_CUDA_WGMMA_BWD", '7', 5);
+  const int choice = kernel_choice("DUALKV_CUDA_WGMMA_BWD", '6', 5);
   if (choice == 0 || !sm90_bwd_supports(head_dim) || !hopper_kernels_usable(q)) return 0;
   return sm90_bwd_schedules(head_dim) ? choice : 1;
 }
@@ -349,7 +347,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
   }
 
   int sm90 = use_sm90_backward(q, args.head_dim);
-  bool fused_dq = sm90 == 3 || sm90 >= 6;  // dQ accumulated in the dK/dV kernel, no dQ kernel
+  bool fused_dq = sm90 == 3 || sm90 == 6;  // dQ accumulated in the dK/dV kernel, no dQ kernel
   if (fused_dq && deterministic) {  // atomics on dQ are not bit-stable run to run: the default
     sm90 = 5;
     fused_dq = false;

@@ -62,8 +62,7 @@ cudaError_t run_dq_sm90(const BwdParams& p, cudaStream_t stream, int schedule) {
 }
 
 // schedule: 1 (in turn), 2 (overlapped), 3 (in turn, dQ accumulated here into p.dq_accum), 4 and 5 (in
-// turn, warp-specialised: a producer warpgroup loads), 6 (warp-specialised, dQ accumulated here), 7 (as 6,
-// a writer warp adds the staged dQ rows).
+// turn, warp-specialised: a producer warpgroup loads), 6 (warp-specialised, dQ accumulated here).
 template <class E, int D>
 cudaError_t launch_dkdv_sm90_schedule(const BwdParams& p, cudaStream_t stream, int schedule) {
   switch (schedule) {
@@ -72,7 +71,6 @@ cudaError_t launch_dkdv_sm90_schedule(const BwdParams& p, cudaStream_t stream, i
     case 4:
     case 5: return launch_persistent<DkdvSm90Ws<D>, &dkv_dkdv_sm90_ws_kernel<E, D>>(p, stream);
     case 6: return launch_persistent<DkdvSm90Ws<D, true>, &dkv_dkdv_sm90_ws_kernel<E, D, true>>(p, stream);
-    case 7: return launch_persistent<DkdvSm90Ws<D, true, true>, &dkv_dkdv_sm90_ws_kernel<E, D, true, true>>(p, stream);
     default: return launch_dkdv_sm90<E, D, false>(p, stream);
   }
 }

@@ -31,8 +31,7 @@
 // warp-specialised (dkv_dkdv_sm90_ws_kernel: a producer warpgroup loads, the two compute warpgroups
 // never meet at a barrier) with the in-turn dQ kernel; =5 both kernels warp-specialised
 // (dkv_dq_sm90_ws_kernel); =6 the warp-specialised dK/dV kernel with dQ accumulated in it
-// (DkdvSm90Ws::kDq) and no dQ kernel; =7 the same with a writer warp adding the staged dQ rows
-// (DkdvSm90Ws::kWriter). The default: 5.
+// (DkdvSm90Ws::kDq) and no dQ kernel. The default: 5.
 #pragma once
 
 #include "dkv_bwd.cuh"
@@ -331,7 +330,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dq_sm90_ws_kernel(const DKV_GRID_CONS
   sm90::init_ring(full, empty, kStages);
 
   if (thread_idx() < 128) {  // the producer: one cp.async group a key tile (the first with Q and dO)
-    sm90::setmaxnreg_dec<40>();
+    sm90::setmaxnreg_dec<sm90::kProducerRegs>();
     const int pt = thread_idx();
     auto publish = [&](int t) {  // tile t's copies (this thread's) have landed: visible to wgmma
       sm90::fence_smem_to_async_proxy();
@@ -354,7 +353,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dq_sm90_ws_kernel(const DKV_GRID_CONS
     return;
   }
 
-  sm90::setmaxnreg_inc<232>();
+  sm90::setmaxnreg_inc<sm90::kConsumerRegs>();
   const int tid = thread_idx() - 128, lane = tid & 31, warp = (tid >> 5) & 3, wg = tid >> 7;  // wg: consumer 0 / 1
   const int g = lane >> 2, tq = lane & 3;
   DqWarpgroup<E, D, kBlockN> w(p, h, row0 + q0, m_valid, wg, warp, g);
@@ -582,17 +581,6 @@ struct FusedDq {
                                      sm90::desc_advance(db, col_part * kBlockN * 128 + k * 2048), s > 0);
     }
   }
-  // This thread's dQ values into warpgroup wg's staging (sStage: both warpgroups'), rows of the
-  // workspace's pitch.
-  DKV_DEV void stage(float* sStage, int wg, int warp, int g, int tq) const {
-    float* stage = sStage + wg * kBlockM * kDqAccumPitch;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float* dst = stage + (16 * warp + g + 8 * r) * kDqAccumPitch + 2 * tq;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) store_f32x2(dst + 8 * j, dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]);
-    }
-  }
   // After the product's wait: stage this warpgroup's rows (sStage: both warpgroups' staging) and add
   // the tile's m_valid rows at packed row `row` of query head hq. The warpgroup's first thread issues
   // the addition, once its previous one has read its source.
@@ -600,15 +588,20 @@ struct FusedDq {
     const int col_part = kParts == 2 ? wg : 0;
     const int hw_wg = thread_idx() >> 7;  // the warpgroup in the block (a producer warpgroup counts): its barrier
     const bool issuer = (thread_idx() & 127) == 0;
+    float* stage = sStage + wg * kBlockM * kDqAccumPitch;
     if (issuer) sm90::bulk_wait_read<0>();  // the previous tile's rows have been read out
     sm90::warpgroup_sync(hw_wg);
-    stage(sStage, wg, warp, g, tq);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float* dst = stage + (16 * warp + g + 8 * r) * kDqAccumPitch + 2 * tq;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) store_f32x2(dst + 8 * j, dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]);
+    }
     sm90::fence_smem_to_async_proxy();
     sm90::warpgroup_sync(hw_wg);
     if (issuer && m_valid > 0) {
       const int64_t run = (static_cast<int64_t>(hq) * kParts + col_part) * p.total_q + row;
-      sm90::bulk_reduce_add_f32(p.dq_accum + run * kDqAccumPitch, sStage + wg * kBlockM * kDqAccumPitch,
-                                m_valid * kDqAccumPitch * 4);
+      sm90::bulk_reduce_add_f32(p.dq_accum + run * kDqAccumPitch, stage, m_valid * kDqAccumPitch * 4);
       sm90::bulk_commit();
     }
   }
@@ -814,21 +807,10 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
 // tiles alternate), the two consumers meet at a named barrier (they alone: the producer goes on),
 // and each issues its dQ product with dV / dK; the tile's packed row and query head travel in its
 // slot. The ring has 2 buffers instead of 3 to make room for the dS tiles and the dQ staging.
-//
-// kWriter = true (with kDq; DUALKV_CUDA_WGMMA_BWD=7): the consumers only stage their dQ rows. Each
-// waits until the writer has read out its previous staging (dq_empty), stores its rows and the
-// tile's row / head (DqRows), and arrives at dq_full; the producer warpgroup's last warp (the writer:
-// its first thread) adds each consumer's staging in turn with one bulk reduce-add and frees it, and
-// the other three warps load (kLoaders = 96).
-template <int kHeadDim_, bool kDq_ = false, bool kWriter_ = false>
+template <int kHeadDim_, bool kDq_ = false>
 struct DkdvSm90Ws {
-  static constexpr bool kDq = kDq_, kWriter = kDq_ && kWriter_;
+  static constexpr bool kDq = kDq_;
   static constexpr int kHeadDim = kHeadDim_, kBlockN = 128, kBlockM = 64, kThreads = 384, kStages = kDq ? 2 : 3;
-  // (kWriter) the producer warpgroup's last warp adds the staged dQ rows; the other three load.
-  static constexpr int kLoaders = kWriter ? 96 : 128;
-  struct alignas(16) DqRows {  // (kWriter) what a consumer's staging holds
-    int row, hq, m_valid, done;
-  };
   static constexpr int kParts = kHeadDim / 64;
   static constexpr int kKvTile = kBlockN * kHeadDim, kQTile = kBlockM * kHeadDim;  // elements
   // What a ring buffer holds: a reader tile of `item` (kTile), the item's last (kLast), or the end;
@@ -852,10 +834,8 @@ struct DkdvSm90Ws {
   static constexpr int kOffStage = kOffDs + kDsBytes, kStageBytes = kDq ? 2 * kBlockM * kDqAccumPitch * 4 : 0;
   static constexpr int kOffL = kOffStage + kStageBytes, kOffD = kOffL + kStages * kBlockM * 4;
   static constexpr int kOffBars = kOffD + kStages * kBlockM * 4;
-  static constexpr int kBars = 2 * kStages + 1 + (kWriter ? 4 : 0);  // (kWriter) dq_full[2], dq_empty[2]
-  static constexpr int kOffSlots = kOffBars + (kBars * 8 + 15) / 16 * 16;
-  static constexpr int kOffRows = kOffSlots + kStages * static_cast<int>(sizeof(Slot));
-  static constexpr int kOffItem = kOffRows + (kWriter ? 2 * static_cast<int>(sizeof(DqRows)) : 0);
+  static constexpr int kOffSlots = kOffBars + ((2 * kStages + 1) * 8 + 15) / 16 * 16;
+  static constexpr int kOffItem = kOffSlots + kStages * static_cast<int>(sizeof(Slot));
   static constexpr int kSmemBytes = kOffItem + 16 + 1024;
   static_assert(kOffQ % 1024 == 0 && kOffDo % 1024 == 0 && kQTile * 2 % 1024 == 0,
                 "128-byte-swizzled tiles start on 1024-byte boundaries");
@@ -865,10 +845,9 @@ struct DkdvSm90Ws {
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one H100 / H200 block");
 };
 
-template <class E, int D, bool kDq = false, bool kWriter = false>
+template <class E, int D, bool kDq = false>
 DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CONSTANT BwdParams p) {
-  using K = DkdvSm90Ws<D, kDq, kWriter>;
-  constexpr int kLoaders = K::kLoaders;
+  using K = DkdvSm90Ws<D, kDq>;
   using Slot = typename K::Slot;
   constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kParts = K::kParts, kStages = K::kStages;
   const int rep = p.nheads / p.nheads_kv;
@@ -887,51 +866,15 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + K::kOffBars);
   uint64_t* empty = full + kStages;
   uint64_t* kv_empty = empty + kStages;
-  uint64_t* dq_full = kv_empty + 1;  // (kWriter) consumer w's staged dQ rows are in: its 128 threads
-  uint64_t* dq_empty = dq_full + 2;  // (kWriter) the writer has read them out
   Slot* slots = reinterpret_cast<Slot*>(smem + K::kOffSlots);
-  auto* dq_rows = reinterpret_cast<typename K::DqRows*>(smem + K::kOffRows);  // (kWriter)
   int* s_item = reinterpret_cast<int*>(smem + K::kOffItem);
 
-  if (thread_idx() == 0) {
-    sm90::mbar_init(kv_empty, 256);
-    if constexpr (K::kWriter) {
-      for (int w = 0; w < 2; ++w) {
-        sm90::mbar_init(&dq_full[w], 128);
-        sm90::mbar_init(&dq_empty[w], 1);
-      }
-    }
-  }
-  sm90::init_ring(full, empty, kStages, kLoaders);
+  if (thread_idx() == 0) sm90::mbar_init(kv_empty, 256);
+  sm90::init_ring(full, empty, kStages);
 
   if (thread_idx() < 128) {  // the producer
-    sm90::setmaxnreg_dec<K::kWriter ? 48 : 40>();
+    sm90::setmaxnreg_dec<sm90::kProducerRegs>();
     const int pt = thread_idx();
-    if constexpr (K::kWriter) {
-      if (pt >= kLoaders) {  // the writer warp: its first thread adds each consumer's staged rows in turn
-        if (pt == kLoaders) {
-          for (int t = 0, done = 0; !done; ++t) {
-            for (int w = 0; w < 2; ++w) {
-              sm90::mbar_wait(&dq_full[w], t & 1);
-              const typename K::DqRows r = dq_rows[w];
-              done = r.done;
-              if (done) continue;
-              const int col_part = kParts == 2 ? w : 0;
-              const int64_t run = (static_cast<int64_t>(r.hq) * kParts + col_part) * p.total_q + r.row;
-              if (r.m_valid > 0) {
-                sm90::bulk_reduce_add_f32(p.dq_accum + run * kDqAccumPitch, sStage + w * kBlockM * kDqAccumPitch,
-                                          r.m_valid * kDqAccumPitch * 4);
-                sm90::bulk_commit();
-              }
-              sm90::bulk_wait_read<0>();  // the staging is read: the consumer may refill it
-              sm90::mbar_arrive(&dq_empty[w]);
-            }
-          }
-          sm90::bulk_wait<0>();
-        }
-        return;
-      }
-    }
     int n_slots = 0;  // slots published so far: slot i goes to buffer i % kStages
     auto open_slot = [&]() -> int {  // the next buffer, once the consumers are done with its last use
       const int b = n_slots % kStages;
@@ -951,12 +894,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
       ++n_slots;
     };
     for (int n_items = 0;; ++n_items) {
-      const int item = next_item(p, s_item, [] {  // the loading threads
-        if constexpr (K::kWriter)
-          sm90::named_sync<kLoaders>(1);
-        else
-          sm90::warpgroup_sync(0);
-      });
+      const int item = next_item(p, s_item, [] { sm90::warpgroup_sync(0); });  // the producer warpgroup
       if (n_items > 0) sm90::mbar_wait(kv_empty, (n_items - 1) & 1);  // K / V of the last item are read
       if (item >= total_items) {
         publish(open_slot(), ReaderTile{}, item, K::kDone);
@@ -969,12 +907,12 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
         publish(open_slot(), ReaderTile{}, item, K::kLast);  // no reader: the consumers store zeros
         continue;
       }
-      sm90::load_tile_sw128_async<D, kLoaders, kBlockN>(sK, it.ctx_tensor ? p.k_ctx : p.k, it.key_row0, it.hk, it.nk, pt);
-      sm90::load_tile_sw128_async<D, kLoaders, kBlockN>(sV, it.ctx_tensor ? p.v_ctx : p.v, it.key_row0, it.hk, it.nk, pt);
+      sm90::load_tile_sw128_async<D, 128, kBlockN>(sK, it.ctx_tensor ? p.k_ctx : p.k, it.key_row0, it.hk, it.nk, pt);
+      sm90::load_tile_sw128_async<D, 128, kBlockN>(sV, it.ctx_tensor ? p.v_ctx : p.v, it.key_row0, it.hk, it.nk, pt);
       cp_async_commit();
       while (have) {
         const int b = open_slot();
-        const ReaderTile rt = load_reader_tile<D, kLoaders>(p, cur, it, rep, sQ0 + b * K::kQTile, sdO0 + b * K::kQTile,
+        const ReaderTile rt = load_reader_tile<D, 128>(p, cur, it, rep, sQ0 + b * K::kQTile, sdO0 + b * K::kQTile,
                                                        sL0 + b * kBlockM, sD0 + b * kBlockM, pt);
         cp_async_commit();
         have = cur.advance(p, it, rep);
@@ -984,7 +922,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
     return;
   }
 
-  sm90::setmaxnreg_inc<232>();
+  sm90::setmaxnreg_inc<sm90::kConsumerRegs>();
   const int tid = thread_idx() - 128, lane = tid & 31, warp = (tid >> 5) & 3, wg = tid >> 7;  // wg: consumer 0 / 1
   const int g = lane >> 2, tq = lane & 3;
   const DkdvProducts<E, D, kBlockM, kBlockN> products(sK, sV, sQ0, sdO0, wg);
@@ -992,17 +930,6 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
   DkdvWarpgroup<E, D, kBlockM, kBlockN> w(wg, warp, g);
   FusedDq<E, D, kBlockM, kBlockN> fdq;  // (kDq)
   int n_tiles = 0;                      // (kDq) tiles computed: their dS alternate between two buffers
-  int n_handed = 0;                     // (kWriter) stagings handed to the writer
-  // (kWriter) Once the writer has read out this consumer's last staging: its dQ rows of the tile at
-  // `row` of head `hq` (or that there are no more: done) into the staging, then announced.
-  auto hand_over = [&](int row, int hq, int m_valid, int done) {
-    if (n_handed > 0) sm90::mbar_wait(&dq_empty[wg], (n_handed - 1) & 1);
-    if (!done) fdq.stage(sStage, wg, warp, g, tq);
-    if ((tid & 127) == 0) dq_rows[wg] = typename K::DqRows{row, hq, m_valid, done};
-    sm90::fence_smem_to_async_proxy();  // the staged rows, for the writer's bulk reduce-add
-    sm90::mbar_arrive(&dq_full[wg]);
-    ++n_handed;
-  };
 
   for (int n_slots = 0;;) {  // one item a pass
     w.zero_dkdv();
@@ -1040,9 +967,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
         }
       }
       if (!(slot.flags & K::kDone)) sm90::mbar_arrive(&empty[b]);
-      if constexpr (K::kWriter) {
-        if (slot.flags & K::kTile) hand_over(slot.row, slot.hq, slot.desc.m_valid, 0);
-      } else if constexpr (kDq) {
+      if constexpr (kDq) {
         if (slot.flags & K::kTile)
           fdq.add(p, sStage, wg, warp, g, tq, slot.hq, slot.row, slot.desc.m_valid);
       }
@@ -1053,10 +978,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
     sm90::mbar_arrive(kv_empty);  // K / V are read: the producer may load the next item's
     store_dkdv_rows<E, kParts>(p, decode_item<kBlockN>(p, slot.item), w.key_in_tile, tq, w.dk, w.dv);
   }
-  if constexpr (K::kWriter)
-    hand_over(0, 0, 0, 1);  // no more rows: the writer stops
-  else if constexpr (kDq)
-    sm90::bulk_wait<0>();  // the dQ rows this thread added
+  if constexpr (kDq) sm90::bulk_wait<0>();  // the dQ rows this thread added
 }
 
 // dQ at head dims 192 and 256, where the d = 128 kernel's shape does not fit (at d = 256 its 128-row Q /

@@ -81,7 +81,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs>::kThreads)) dkv_fwd_sm90_kern
   if constexpr (kWs) {
     sm90::init_ring(full, empty, kStages);
     if (tid < 0) {  // the producer: Q with tile 0, then every tile into the ring once it is free
-      sm90::setmaxnreg_dec<40>();
+      sm90::setmaxnreg_dec<sm90::kProducerRegs>();
       const int lt = thread_idx();
       int announced = 0;  // tiles 0 .. announced - 1 are marked full
       auto announce = [&](int upto) {
@@ -105,7 +105,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs>::kThreads)) dkv_fwd_sm90_kern
       announce(n_tiles - 1);
       return;
     }
-    sm90::setmaxnreg_inc<232>();
+    sm90::setmaxnreg_inc<sm90::kConsumerRegs>();
   } else {
     // One cp.async group per step: group 0 = Q and K_0, group j = K_j and V_{j-1} (prologue j < kStages - 1,
     // then iteration j - kStages + 1): iteration t needs group t.

@@ -231,13 +231,13 @@ DKV_DEV void mbar_wait(uint64_t* bar, int parity) {
 #endif
 }
 
-// A producer / consumer ring of `stages` buffers: full[i] completes when the `producers` loading
-// threads have arrived (buffer i landed; a producer warpgroup's 128 unless some of its warps do other
-// work), empty[i] when both consumer warpgroups' 256 threads have (buffer i read). Thread 0 initialises; the block barrier makes them visible before any use.
-DKV_DEV void init_ring(uint64_t* full, uint64_t* empty, int stages, int producers = 128) {
+// A producer / consumer ring of `stages` buffers: full[i] completes when the producer warpgroup's 128
+// threads have arrived (buffer i landed), empty[i] when both consumer warpgroups' 256 threads have
+// (buffer i read). Thread 0 initialises; the block barrier makes them visible before any use.
+DKV_DEV void init_ring(uint64_t* full, uint64_t* empty, int stages) {
   if (thread_idx() == 0) {
     for (int st = 0; st < stages; ++st) {
-      mbar_init(&full[st], producers);
+      mbar_init(&full[st], 128);
       mbar_init(&empty[st], 256);
     }
   }
@@ -246,6 +246,15 @@ DKV_DEV void init_ring(uint64_t* full, uint64_t* empty, int stages, int producer
 
 // Warp-specialised register budgets: a warpgroup gives registers back (dec) or takes them (inc); every
 // warp of the warpgroup executes it.
+//
+// The warp-specialised kernels' split: the producer warpgroup keeps 40 registers a thread, each of the
+// two consumer warpgroups takes 232. setmaxnreg only moves registers within the block's launch
+// allocation: 384 threads under __launch_bounds__(384) hold 168 each (64 K / 384, rounded down to 8),
+// 64512 in all. A split asking for more leaves inc waiting for registers that never come: 48 and 232
+// (65536) hung the block on an H200.
+constexpr int kProducerRegs = 40, kConsumerRegs = 232;
+static_assert(kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0 && 128 * kProducerRegs + 256 * kConsumerRegs <= 384 * 168,
+              "setmaxnreg split: multiples of 8 within the 384-thread block's allocation");
 template <int kRegs>
 DKV_DEV void setmaxnreg_dec() {
 #if DKV_HAS_WGMMA

@@ -9,7 +9,7 @@ per CUDA thread): keep the shapes tiny.
     python csrc/emulation/emulate.py --quick    # two cases
     python csrc/emulation/emulate.py --wgmma    # the wgmma building blocks (csrc/dkv_wgmma.cuh) only
     python csrc/emulation/emulate.py --sm90     # the wgmma forward (DUALKV_CUDA_WGMMA=1, 2)
-    python csrc/emulation/emulate.py --sm90-bwd # the wgmma dQ and dK/dV kernels (DUALKV_CUDA_WGMMA_BWD=1 .. 7)
+    python csrc/emulation/emulate.py --sm90-bwd # the wgmma dQ and dK/dV kernels (DUALKV_CUDA_WGMMA_BWD=1 .. 6)
 """
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ SM90_BWD_CASES = [
 def check_bad_kernel_choices() -> bool:
     """An unknown value of a kernel-choice variable is an error naming it, not a silent default."""
     ok = True
-    for name, bad, top in (("DUALKV_CUDA_WGMMA", "3", "2"), ("DUALKV_CUDA_WGMMA_BWD", "8", "7")):
+    for name, bad, top in (("DUALKV_CUDA_WGMMA", "3", "2"), ("DUALKV_CUDA_WGMMA_BWD", "7", "6")):
         saved = os.environ.get(name)
         os.environ[name] = bad
         try:
@@ -239,7 +239,7 @@ def main():
     ap.add_argument("--wgmma", action="store_true", help="only the wgmma building blocks")
     ap.add_argument("--sm90", action="store_true", help="the wgmma forward kernels' cases (DUALKV_CUDA_WGMMA=1, 2)")
     ap.add_argument("--sm90-bwd", action="store_true",
-                    help="the wgmma backward's cases (DUALKV_CUDA_WGMMA_BWD=1 .. 7, with the wgmma forward)")
+                    help="the wgmma backward's cases (DUALKV_CUDA_WGMMA_BWD=1 .. 5, with the wgmma forward)")
     ap.add_argument("--forward-only", action="store_true", help="with --sm90: skip the backward")
     args = ap.parse_args()
     listed = SM90_BWD_CASES if args.sm90_bwd else CASES
@@ -266,7 +266,7 @@ def main():
         # --quick: for the fused dQ (3), prompt tiles read by several responses at d = 128 and d = 64
         # and for the split dK/dV kernel (d = 192 / 256) one prompt read by several responses
         # and for the warp-specialised dQ (5) key walks longer than its ring (prompt tiles wrap it)
-        quick = {"1": (3, 4, 6, 7), "2": (3, 4, 6), "3": (0, 4, 5), "4": (0, 1, 2), "5": (0, 1), "6": (0, 1, 4, 5), "7": (0, 1, 4, 5)}
+        quick = {"1": (3, 4, 6, 7), "2": (3, 4, 6), "3": (0, 4, 5), "4": (0, 1, 2), "5": (0, 1), "6": (0, 1, 4, 5)}
         ok = check_wgmma_path()
         for mode in quick:  # in turn, overlapped, dQ in the dK/dV kernel, warp-specialised dK/dV, both ws
             os.environ["DUALKV_CUDA_WGMMA_BWD"] = mode

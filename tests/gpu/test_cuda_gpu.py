@@ -175,24 +175,23 @@ def test_wgmma_forward_matches_reference(cuda_backend, case, dtype, mode, monkey
     assert any("dkv_fwd_sm90_kernel" in name for name in kernels), f"the wgmma forward did not run: {sorted(kernels)}"
 
 
-@pytest.mark.parametrize("mode", [None, "1", "2", "3", "4", "5", "6", "7"],
-                         ids=["default", "in-turn", "overlap", "fused-dq", "ws", "ws-both", "ws-fused-dq", "ws-fused-dq-writer"])
+@pytest.mark.parametrize("mode", [None, "1", "2", "3", "4", "5", "6"],
+                         ids=["default", "in-turn", "overlap", "fused-dq", "ws", "ws-both", "ws-fused-dq"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", [c for c in GRID if c[4] in (64, 128)], ids=lambda c: _ids(c))
 def test_wgmma_backward_matches_reference(cuda_backend, case, dtype, deterministic, mode, monkeypatch):
     """The Hopper wgmma dQ and dK/dV kernels (csrc/dkv_bwd_sm90.cuh; d = 64 / 128): the default on sm_90
     (=5, both kernels warp-specialised), DUALKV_CUDA_WGMMA_BWD=1 (the products of a tile in turn), =4
-    (the dK/dV kernel warp-specialised), =5 by name, =2 (overlapped), =3, =6 and =7 (dQ accumulated in
-    the in-turn / warp-specialised dK/dV kernel, =7 through a writer warp, no dQ kernel; deterministic=True falls back to the
-    default), on the grid against the fp32 reference, in both accumulation modes, and the profiler
+    (the dK/dV kernel warp-specialised), =5 by name, =2 (overlapped), =3 and =6 (dQ accumulated in
+    the in-turn / warp-specialised dK/dV kernel, no dQ kernel; deterministic=True falls back to the default), on the grid against the fp32 reference, in both accumulation modes, and the profiler
     shows which kernels ran."""
     _choose_hopper_kernels(monkeypatch, "DUALKV_CUDA_WGMMA_BWD", mode, "the wgmma backward")
     r, kernels = _kernels_of(case, dtype, deterministic)
     _check_against_reference(case, dtype, r)
-    fused = mode in ("3", "6", "7") and not deterministic
-    runs = "5" if mode is None or (mode in ("3", "6", "7") and deterministic) else mode  # the schedule that runs
-    dkdv = "dkv_dkdv_sm90_ws_kernel" if runs in ("4", "5", "6", "7") else "dkv_dkdv_sm90_kernel"
+    fused = mode in ("3", "6") and not deterministic
+    runs = "5" if mode is None or (mode in ("3", "6") and deterministic) else mode  # the schedule that runs
+    dkdv = "dkv_dkdv_sm90_ws_kernel" if runs in ("4", "5", "6") else "dkv_dkdv_sm90_kernel"
     dq = "dkv_dq_sm90_ws_kernel" if runs == "5" else "dkv_dq_sm90_kernel"
     assert any(dkdv in name for name in kernels), f"the dK/dV kernel did not run: {sorted(kernels)}"
     if fused:  # no dQ kernel of any schedule
@@ -374,7 +373,6 @@ def _sanitizer():
 SANITIZER_PATHS = {"default": {}, "hopper-opt-in": {"DUALKV_CUDA_WGMMA": "2", "DUALKV_CUDA_WGMMA_BWD": "2"},
                    "fused-dq": {"DUALKV_CUDA_WGMMA_BWD": "3"}, "ws-dkdv": {"DUALKV_CUDA_WGMMA_BWD": "4"},
                    "ws-both": {"DUALKV_CUDA_WGMMA_BWD": "5"}, "ws-fused-dq": {"DUALKV_CUDA_WGMMA_BWD": "6"},
-                   "ws-fused-dq-writer": {"DUALKV_CUDA_WGMMA_BWD": "7"},
                    "mma-sync": {"DUALKV_CUDA_WGMMA": "0", "DUALKV_CUDA_WGMMA_BWD": "0"}}
 
 
