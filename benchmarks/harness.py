@@ -358,14 +358,15 @@ class DualKVCudaWsBwd(DualKVCuda):
 
 @register("dualkv-cuda-ws-both-bwd")
 class DualKVCudaWsBothBwd(DualKVCuda):
-    """Both wgmma backward kernels warp-specialised (dQ and dK/dV; d 64 / 128; the default)."""
+    """Both wgmma backward kernels warp-specialised (dQ and dK/dV; d 64 / 128; the default at d = 64)."""
 
     env = {"DUALKV_CUDA_WGMMA_BWD": "5"}
 
 
 @register("dualkv-cuda-ws-fused-dq")
 class DualKVCudaWsFusedDq(DualKVCuda):
-    """The warp-specialised wgmma dK/dV kernel that also accumulates dQ (no dQ kernel; d 64 / 128; opt-in)."""
+    """The warp-specialised wgmma dK/dV kernel that also accumulates dQ (no dQ kernel; d 64 / 128; the
+    default at d = 128)."""
 
     env = {"DUALKV_CUDA_WGMMA_BWD": "6"}
 
@@ -381,14 +382,14 @@ class DualKVPairWsBwd(DualKVCudaWsBwd):
 
 @register("dualkv-pair-ws-both-bwd")
 class DualKVPairWsBothBwd(DualKVCudaWsBothBwd):
-    """Triton's forward with both backward kernels warp-specialised (what ``auto`` runs at d = 64 / 128)."""
+    """Triton's forward with both backward kernels warp-specialised (what ``auto`` runs at d = 64)."""
 
     backend = "triton+cuda"
 
 
 @register("dualkv-pair-ws-fused-dq")
 class DualKVPairWsFusedDq(DualKVCudaWsFusedDq):
-    """Triton's forward with the warp-specialised fused-dQ CUDA backward (opt-in)."""
+    """Triton's forward with the warp-specialised fused-dQ CUDA backward (what ``auto`` runs at d = 128)."""
 
     backend = "triton+cuda"
 

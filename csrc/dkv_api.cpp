@@ -204,18 +204,19 @@ int use_sm90_forward(const Tensor& q, int head_dim) {
 // picks the backward's schedule at 64 / 128: 1 the products of a tile one after the other (1.5x the
 // mma.sync backward on an H200, benchmarks/results/cuda_hopper_bwd_h200.md), 2 the next tile's
 // products overlapped (slower there), 3 dQ accumulated inside the dK/dV kernel (fp32 bulk reductions
-// into a workspace, no dQ kernel; with deterministic=True it falls back to the default, 5), 4 schedule 1
+// into a workspace, no dQ kernel; with deterministic=True it falls back to 5), 4 schedule 1
 // warp-specialised: a producer warpgroup loads (the backward 3-5% faster than 1 at d = 128 on an H200,
 // 3% slower at d = 64: benchmarks/results/attention_h200_ws_vs_in_turn.md), 5 the dQ kernel
 // warp-specialised too (its dQ kernel 16-19% faster, the backward 3-6% faster than 4 at d = 128:
 // benchmarks/results/attention_h200_ws_dq.md; at d = 64 the backward 5-8% faster than 1:
 // benchmarks/results/attention_h200_d64_ws_both.md), 6 dQ accumulated inside the warp-specialised
-// dK/dV kernel (as 3 does in the in-turn one; 1-3% faster than 5 at d = 128, P >= 16K, slower at d = 64:
-// benchmarks/results/attention_h200_ws_fused_dq_pingpong.md; with deterministic=True it
-// falls back to the default). The default is 5 at both. 0 asks for mma.sync. Returns the schedule
-// that runs: 0 (mma.sync), 1 .. 6 (1 for any wgmma choice at 192 / 256, which have one).
+// dK/dV kernel (as 3 does in the in-turn one; with its staging at pitch 72 the kernel is 6-8% faster
+// than 5's two at d = 128 and 2% slower at d = 64: benchmarks/results/attention_h200_ws_fused_dq_pitch72.md;
+// with deterministic=True it falls back to 5). The default: 6 at d = 128, 5 at d = 64. 0 asks for
+// mma.sync. Returns the schedule that runs: 0 (mma.sync), 1 .. 6 (1 for any wgmma choice at 192 /
+// 256, which have one).
 int use_sm90_backward(const Tensor& q, int head_dim) {
-  const int choice = kernel_choice("DUALKV_CUDA_WGMMA_BWD", '6', 5);
+  const int choice = kernel_choice("DUALKV_CUDA_WGMMA_BWD", '6', head_dim == 128 ? 6 : 5);
   if (choice == 0 || !sm90_bwd_supports(head_dim) || !hopper_kernels_usable(q)) return 0;
   return sm90_bwd_schedules(head_dim) ? choice : 1;
 }
@@ -348,7 +349,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
 
   int sm90 = use_sm90_backward(q, args.head_dim);
   bool fused_dq = sm90 == 3 || sm90 == 6;  // dQ accumulated in the dK/dV kernel, no dQ kernel
-  if (fused_dq && deterministic) {  // atomics on dQ are not bit-stable run to run: the default
+  if (fused_dq && deterministic) {  // atomics on dQ are not bit-stable run to run: both kernels ws
     sm90 = 5;
     fused_dq = false;
   }

@@ -54,11 +54,12 @@ struct FwdParams : AttnArgs {
   int grid_tiles = 0;                // upper bound of the number of query tiles
 };
 
-// Row pitch (floats) of BwdParams::dq_accum: 64 columns and 4 of padding; a warpgroup's staged rows
-// in shared memory have the same pitch, so a tile's rows copy to the workspace as one run. (The
-// staging's 8-byte stores put 4 rows in a half-warp: at pitch 68 their banks start 4 words apart,
-// a 2-way conflict; pitch 72 would avoid it, at 4 more floats a row. Not yet measured.)
-constexpr int kDqAccumPitch = 68;
+// Row pitch (floats) of BwdParams::dq_accum: 64 columns and 8 of padding; a warpgroup's staged rows
+// in shared memory have the same pitch, so a tile's rows copy to the workspace as one run. The
+// staging's 8-byte stores put 4 rows in a half-warp: at 72 their banks start 8 words apart, no
+// conflict (at 68, 4 apart: 2-way; 72 made the ws dK/dV kernel with dQ inside 4-6% faster on an H200,
+// benchmarks/results/raw/profile_h200_pitch72.log).
+constexpr int kDqAccumPitch = 72;
 
 struct BwdParams : AttnArgs {
   TensorRef out, dout;

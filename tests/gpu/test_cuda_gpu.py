@@ -182,15 +182,17 @@ def test_wgmma_forward_matches_reference(cuda_backend, case, dtype, mode, monkey
 @pytest.mark.parametrize("case", [c for c in GRID if c[4] in (64, 128)], ids=lambda c: _ids(c))
 def test_wgmma_backward_matches_reference(cuda_backend, case, dtype, deterministic, mode, monkeypatch):
     """The Hopper wgmma dQ and dK/dV kernels (csrc/dkv_bwd_sm90.cuh; d = 64 / 128): the default on sm_90
-    (=5, both kernels warp-specialised), DUALKV_CUDA_WGMMA_BWD=1 (the products of a tile in turn), =4
-    (the dK/dV kernel warp-specialised), =5 by name, =2 (overlapped), =3 and =6 (dQ accumulated in
-    the in-turn / warp-specialised dK/dV kernel, no dQ kernel; deterministic=True falls back to the default), on the grid against the fp32 reference, in both accumulation modes, and the profiler
-    shows which kernels ran."""
+    (=6 at d = 128, =5 at d = 64), DUALKV_CUDA_WGMMA_BWD=1 (the products of a tile in turn), =4 (the
+    dK/dV kernel warp-specialised), =5 (both kernels warp-specialised), =2 (overlapped), =3 and =6 (dQ
+    accumulated in the in-turn / warp-specialised dK/dV kernel, no dQ kernel; deterministic=True
+    falls back to 5), on the grid against the fp32 reference, in both accumulation modes, and the
+    profiler shows which kernels ran."""
     _choose_hopper_kernels(monkeypatch, "DUALKV_CUDA_WGMMA_BWD", mode, "the wgmma backward")
     r, kernels = _kernels_of(case, dtype, deterministic)
     _check_against_reference(case, dtype, r)
-    fused = mode in ("3", "6") and not deterministic
-    runs = "5" if mode is None or (mode in ("3", "6") and deterministic) else mode  # the schedule that runs
+    chosen = mode or ("6" if case[4] == 128 else "5")  # the default: 6 at d = 128, 5 at d = 64
+    fused = chosen in ("3", "6") and not deterministic
+    runs = "5" if chosen in ("3", "6") and deterministic else chosen  # the schedule that runs
     dkdv = "dkv_dkdv_sm90_ws_kernel" if runs in ("4", "5", "6") else "dkv_dkdv_sm90_kernel"
     dq = "dkv_dq_sm90_ws_kernel" if runs == "5" else "dkv_dq_sm90_kernel"
     assert any(dkdv in name for name in kernels), f"the dK/dV kernel did not run: {sorted(kernels)}"
@@ -234,7 +236,9 @@ def test_auto_takes_cuda_where_it_measured_faster(cuda_backend, monkeypatch):
             kernels = sorted({e.name for e in prof.events() if "kernel" in e.name})
             cuda_fwd = any("dkv_fwd_sm90_kernel" in n for n in kernels)
             triton_fwd = any(n.startswith("fwd_kernel") for n in kernels)  # Triton names its kernels bare
-            bwd = "dkv_dq_sm90_split_kernel" if d == 256 else "dkv_dq_sm90_ws_kernel"
+            # the backward's first kernel: the split dQ kernel (256), the ws dK/dV kernel with dQ
+            # inside (128), the ws dQ kernel (64)
+            bwd = {256: "dkv_dq_sm90_split_kernel", 128: "dkv_dkdv_sm90_ws_kernel", 64: "dkv_dq_sm90_ws_kernel"}[d]
             assert (cuda_fwd, triton_fwd) == ((True, False) if d == 256 else (False, True)), kernels
             assert any(bwd in n for n in kernels), kernels
             _check_against_reference(case, torch.bfloat16, r)
