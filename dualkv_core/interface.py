@@ -63,8 +63,9 @@ def dualkv_attention(
         backend: "auto" (on CUDA tensors Triton when available; in fp16 / bf16, where the built
             CUDA extension runs the Hopper wgmma kernels, what measured faster: at head dim 256 the
             CUDA backend, at 128 Triton's forward with the CUDA backward ("triton+cuda"); the CUDA
-            backward adds the prompt's gradients with fp32 atomics by default, so those gradients
-            are bit-identical run to run only with ``deterministic=True``; on CPU the reference),
+            backward adds the prompt's gradients (and on sm_90 at head dim 128 dQ) with fp32
+            atomics by default, so those gradients are bit-identical run to run only with
+            ``deterministic=True``; on CPU the reference),
             "reference", "triton", "cuda", or a forward+backward pair such as "triton+cuda".
 
     Returns out (T, nheads, headdim), or (out, lse).
