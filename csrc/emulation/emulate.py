@@ -151,8 +151,8 @@ SM90_CASES = [
 ]
 
 
-# The wgmma backward's cases (DUALKV_CUDA_WGMMA_BWD=1, 2, 3 (dQ in the dK/dV kernel), 4 (warp-specialised dK/dV) and 5 (both
-# kernels warp-specialised); d = 64, 128; dQ on 128-row query tiles with
+# The wgmma backward's cases (DUALKV_CUDA_WGMMA_BWD=1, 2, 3 (dQ in the dK/dV kernel), 4 (warp-specialised dK/dV), 5 (both
+# kernels warp-specialised) and 6 (dQ in the warp-specialised dK/dV kernel); d = 64, 128; dQ on 128-row query tiles with
 # 64-key tiles, dK/dV on 128-key tiles with 64-row query tiles; d = 192, 256: the split dK/dV kernel, run by every mode): prompt tiles summed over several
 # readers (atomic and deterministic), ragged ends, GQA, several groups, window, softcap, separate context.
 SM90_BWD_CASES = [
@@ -168,6 +168,8 @@ SM90_BWD_CASES = [
     dict(d=192, dtype=torch.float16, prompts=[80, 5], responses=[[40, 1], [9]], H=2, Hkv=1, window=50, softcap=5.0),
     dict(d=256, dtype=torch.bfloat16, prompts=[100], responses=[[70, 3]], H=2, Hkv=1, deterministic=True),
     dict(d=256, dtype=torch.float16, prompts=[70], responses=[[30, 12]], H=1, Hkv=1, separate=True),
+    # d = 128 with a separate context: the seed paper's layout on the default d = 128 backward (6)
+    dict(d=128, dtype=torch.bfloat16, prompts=[130], responses=[[30, 12]], H=2, Hkv=1, separate=True),
 ]
 
 
@@ -266,7 +268,8 @@ def main():
         # --quick: for the fused dQ (3), prompt tiles read by several responses at d = 128 and d = 64
         # and for the split dK/dV kernel (d = 192 / 256) one prompt read by several responses
         # and for the warp-specialised dQ (5) key walks longer than its ring (prompt tiles wrap it)
-        quick = {"1": (3, 4, 6, 7), "2": (3, 4, 6), "3": (0, 4, 5), "4": (0, 1, 2), "5": (0, 1), "6": (0, 1, 4, 5)}
+        # and for the default at d = 128 (6) a separate context too
+        quick = {"1": (3, 4, 6, 7), "2": (3, 4, 6), "3": (0, 4, 5), "4": (0, 1, 2), "5": (0, 1), "6": (0, 1, 4, 5, 11)}
         ok = check_wgmma_path()
         for mode in quick:  # in turn, overlapped, dQ in the dK/dV kernel, warp-specialised dK/dV, both ws
             os.environ["DUALKV_CUDA_WGMMA_BWD"] = mode
