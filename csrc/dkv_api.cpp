@@ -211,7 +211,8 @@ int use_sm90_forward(const Tensor& q, int head_dim) {
 // benchmarks/results/attention_h200_ws_dq.md; at d = 64 the backward 5-8% faster than 1:
 // benchmarks/results/attention_h200_d64_ws_both.md), 6 dQ accumulated inside the warp-specialised
 // dK/dV kernel (as 3 does in the in-turn one; with its staging at pitch 72 the kernel is 6-8% faster
-// than 5's two at d = 128 and 2% slower at d = 64: benchmarks/results/attention_h200_ws_fused_dq_pitch72.md;
+// than 5's two at d = 128 and 2% slower at d = 64: benchmarks/results/raw/profile_h200_pitch72.log; the
+// forward+backward 2.3-4.9% faster at d = 128: benchmarks/results/attention_h200_default_sched6.md;
 // with deterministic=True it falls back to 5). The default: 6 at d = 128, 5 at d = 64. 0 asks for
 // mma.sync. Returns the schedule that runs: 0 (mma.sync), 1 .. 6 (1 for any wgmma choice at 192 /
 // 256, which have one).

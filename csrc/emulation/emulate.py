@@ -241,7 +241,7 @@ def main():
     ap.add_argument("--wgmma", action="store_true", help="only the wgmma building blocks")
     ap.add_argument("--sm90", action="store_true", help="the wgmma forward kernels' cases (DUALKV_CUDA_WGMMA=1, 2)")
     ap.add_argument("--sm90-bwd", action="store_true",
-                    help="the wgmma backward's cases (DUALKV_CUDA_WGMMA_BWD=1 .. 5, with the wgmma forward)")
+                    help="the wgmma backward's cases (DUALKV_CUDA_WGMMA_BWD=1 .. 6, with the wgmma forward)")
     ap.add_argument("--forward-only", action="store_true", help="with --sm90: skip the backward")
     args = ap.parse_args()
     listed = SM90_BWD_CASES if args.sm90_bwd else CASES
