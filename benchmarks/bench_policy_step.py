@@ -202,14 +202,15 @@ def _deadline_passed(start: float, deadline_s: float | None) -> bool:
 
 
 def profile_step(trainer, step: int, path: Path, meta: dict, top: int = 40) -> str:
-    """One more step under torch.profiler: the ``top`` ops by self device time (CPU time on a CPU)
-    written to ``path`` under the run's card, date and command (``meta``), so the time an MFU figure
-    leaves on the table can be attributed."""
+    """One more step under torch.profiler, written to ``path`` under the run's card, date and command
+    (``meta``), so the time an MFU figure leaves on the table can be attributed: the ``top`` ops by
+    self device time (CPU time on a CPU), then the same ops split by their input shapes (which
+    tensors a copy or an element-wise kernel worked on)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=True) as prof:
         trainer.train_step(step)
         if cuda:
             torch.cuda.synchronize()
@@ -217,7 +218,11 @@ def profile_step(trainer, step: int, path: Path, meta: dict, top: int = 40) -> s
     path.parent.mkdir(parents=True, exist_ok=True)
     card = meta.get("card", {}).get("name", "?")
     head = f"{card}, {meta.get('date')}: `{meta.get('command')}`; one step (#{step}) under torch.profiler\n\n"
-    path.write_text(head + prof.key_averages().table(sort_by=key, row_limit=top) + "\n")
+    tables = [("by op", prof.key_averages()),
+              ("by op and input shapes", prof.key_averages(group_by_input_shape=True))]
+    text = head + "\n".join(f"## {title}\n\n{avg.table(sort_by=key, row_limit=top, max_name_column_width=80)}\n"
+                             for title, avg in tables)
+    path.write_text(text)
     return path.name
 
 

@@ -244,6 +244,8 @@ def test_policy_step_profile(tmp_path, one_thread):
     text = (tmp_path / row["profile"]).read_text()
     assert row["profile"] == "prof_dualkv_mb4_profile.txt" and "Self CPU" in text and "aten::" in text
     assert text.startswith("CPU") and "`python -m benchmarks.bench_policy_step" in text.splitlines()[0]
+    assert [line for line in text.splitlines() if line.startswith("## ")] == ["## by op", "## by op and input shapes"]
+    assert "Input Shapes" in text
 
 
 def test_policy_step_rejects_bad_mbs():
