@@ -271,7 +271,7 @@ def main():
         # and for the default at d = 128 (6) a separate context too
         quick = {"1": (3, 4, 6, 7), "2": (3, 4, 6), "3": (0, 4, 5), "4": (0, 1, 2), "5": (0, 1), "6": (0, 1, 4, 5, 11)}
         ok = check_wgmma_path()
-        for mode in quick:  # in turn, overlapped, dQ in the dK/dV kernel, warp-specialised dK/dV, both ws
+        for mode in quick:  # in turn, overlapped, dQ in the dK/dV kernel, ws dK/dV, both ws, dQ in the ws dK/dV
             os.environ["DUALKV_CUDA_WGMMA_BWD"] = mode
             print(f"DUALKV_CUDA_WGMMA_BWD={mode}", flush=True)
             cases = [SM90_BWD_CASES[i] for i in quick[mode]] if args.quick else SM90_BWD_CASES
