@@ -358,7 +358,7 @@ class DualKVCudaWsBwd(DualKVCuda):
 
 @register("dualkv-cuda-ws-both-bwd")
 class DualKVCudaWsBothBwd(DualKVCuda):
-    """Both wgmma backward kernels warp-specialised (dQ and dK/dV; d 64 / 128; the default at d = 64)."""
+    """Both wgmma backward kernels warp-specialised (dQ and dK/dV; d 64 / 128)."""
 
     env = {"DUALKV_CUDA_WGMMA_BWD": "5"}
 
@@ -369,6 +369,14 @@ class DualKVCudaWsFusedDq(DualKVCuda):
     default at d = 128)."""
 
     env = {"DUALKV_CUDA_WGMMA_BWD": "6"}
+
+
+@register("dualkv-cuda-ws-split-bwd")
+class DualKVCudaWsSplitBwd(DualKVCuda):
+    """Schedule 5 with S^T and dP^T waited for apart (P^T computed while dP^T runs; d 64 / 128; the
+    default at d = 64)."""
+
+    env = {"DUALKV_CUDA_WGMMA_BWD": "8"}
 
 
 # Triton's forward with one of the CUDA backward variants above (the pair "auto" takes at d = 64 / 128):
@@ -382,7 +390,7 @@ class DualKVPairWsBwd(DualKVCudaWsBwd):
 
 @register("dualkv-pair-ws-both-bwd")
 class DualKVPairWsBothBwd(DualKVCudaWsBothBwd):
-    """Triton's forward with both backward kernels warp-specialised (what ``auto`` runs at d = 64)."""
+    """Triton's forward with both backward kernels warp-specialised (what ``auto`` ran at d = 64 before 8)."""
 
     backend = "triton+cuda"
 
@@ -390,6 +398,13 @@ class DualKVPairWsBothBwd(DualKVCudaWsBothBwd):
 @register("dualkv-pair-ws-fused-dq")
 class DualKVPairWsFusedDq(DualKVCudaWsFusedDq):
     """Triton's forward with the warp-specialised fused-dQ CUDA backward (what ``auto`` runs at d = 128)."""
+
+    backend = "triton+cuda"
+
+
+@register("dualkv-pair-ws-split-bwd")
+class DualKVPairWsSplitBwd(DualKVCudaWsSplitBwd):
+    """Triton's forward with schedule 8 (5 with S^T and dP^T waited for apart; what ``auto`` runs at d = 64)."""
 
     backend = "triton+cuda"
 

@@ -30,7 +30,7 @@ PROVIDER_ORDER = [
     "dualkv-auto", "dualkv-triton", "dualkv-cuda", "dualkv-cuda-mma", "dualkv-cuda-mma-bwd", "dualkv-cuda-ws", "dualkv-cuda-wgmma-bwd",
     "dualkv-cuda-wgmma-bwd-overlap", "dualkv-cuda-fused-dq", "dualkv-pair-fused-dq",
     "dualkv-cuda-ws-bwd", "dualkv-cuda-ws-both-bwd", "dualkv-pair-ws-bwd", "dualkv-pair-ws-both-bwd", "dualkv-pair-in-turn-bwd",
-    "dualkv-cuda-ws-fused-dq", "dualkv-pair-ws-fused-dq",
+    "dualkv-cuda-ws-fused-dq", "dualkv-pair-ws-fused-dq", "dualkv-cuda-ws-split-bwd", "dualkv-pair-ws-split-bwd",
     "cudnn-cascade", "flex-packed", "fa2-cascade", "cudnn-replicated",
     "fa2-replicated", "sdpa-efficient-replicated", "reference",
 ]

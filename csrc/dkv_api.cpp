@@ -164,15 +164,17 @@ void check_launch(cudaError_t err, const char* what) {
 #endif
 }
 
-// A kernel-choice environment variable: "0" (mma.sync), "1" .. max_choice (a Hopper form); unset or empty
-// gives the default, `device_default` on a device and 0 on the CPU emulation (which runs mma.sync unless
-// asked, so that its default cases keep checking the sm_80 path). Any other value is an error naming the
-// variable (a typo must not silently select the default).
-int kernel_choice(const char* name, char max_choice = '2', int device_default = 1) {
+// A kernel-choice environment variable: one of the digits in `allowed` ("0": mma.sync, others a Hopper
+// form); unset or empty gives the default, `device_default` on a device and 0 on the CPU emulation (which
+// runs mma.sync unless asked, so that its default cases keep checking the sm_80 path). Any other value
+// is an error naming the variable (a typo must not silently select the default).
+int kernel_choice(const char* name, const std::string& allowed = "012", int device_default = 1) {
   const char* flag = std::getenv(name);
   const std::string choice = flag == nullptr ? "" : flag;
-  TORCH_CHECK(choice.empty() || (choice.size() == 1 && choice[0] >= '0' && choice[0] <= max_choice), kOps, ": ", name,
-              ": expected 0 .. ", max_choice, " (or unset), got '", choice, "'");
+  std::string listed;
+  for (const char c : allowed) listed += listed.empty() ? std::string(1, c) : std::string(", ") + c;
+  TORCH_CHECK(choice.empty() || (choice.size() == 1 && allowed.find(choice[0]) != std::string::npos), kOps, ": ", name,
+              ": expected one of ", listed, " (or unset), got '", choice, "'");
 #ifdef DKV_EMULATE
   device_default = 0;
 #endif
@@ -213,11 +215,13 @@ int use_sm90_forward(const Tensor& q, int head_dim) {
 // dK/dV kernel (as 3 does in the in-turn one; with its staging at pitch 72 the kernel is 6-8% faster
 // than 5's two at d = 128 and 2% slower at d = 64: benchmarks/results/raw/profile_h200_pitch72.log; the
 // forward+backward 2.3-4.9% faster at d = 128: benchmarks/results/attention_h200_default_sched6.md;
-// with deterministic=True it falls back to 5). The default: 6 at d = 128, 5 at d = 64. 0 asks for
-// mma.sync. Returns the schedule that runs: 0 (mma.sync), 1 .. 6 (1 for any wgmma choice at 192 /
-// 256, which have one).
+// with deterministic=True it falls back to 5), 8 schedule 5 with S^T and dP^T waited for apart (5
+// itself under a softcap; its dK/dV kernel 6% faster than 5's at d = 64, 1-5% slower at d = 128:
+// benchmarks/results/raw/profile_h200_split.log). 7 (a writer-warp form of 6) was removed. The default:
+// 6 at d = 128, 8 at d = 64. 0 asks for mma.sync. Returns the schedule that runs: 0 (mma.sync), 1 .. 6
+// or 8 (1 for any wgmma choice at 192 / 256, which have one).
 int use_sm90_backward(const Tensor& q, int head_dim) {
-  const int choice = kernel_choice("DUALKV_CUDA_WGMMA_BWD", '6', head_dim == 128 ? 6 : 5);
+  const int choice = kernel_choice("DUALKV_CUDA_WGMMA_BWD", "01234568", head_dim == 128 ? 6 : 8);
   if (choice == 0 || !sm90_bwd_supports(head_dim) || !hopper_kernels_usable(q)) return 0;
   return sm90_bwd_schedules(head_dim) ? choice : 1;
 }

@@ -1,11 +1,11 @@
 // dQ and dK/dV on Hopper warpgroup MMA (dkv_bwd_sm90.cuh): fp16 and bf16, head dims 64 and 128 in
-// schedules 1 .. 6 (launch_dq_sm90_schedule, launch_dkdv_sm90_schedule); at 192 and 256 both kernels with the warpgroups' roles split
+// schedules 1 .. 6 and 8 (launch_dq_sm90_schedule, launch_dkdv_sm90_schedule); at 192 and 256 both kernels with the warpgroups' roles split
 // (one schedule, no dQ inside the dK/dV kernel). The kernels trap unless the unit is built for sm_90a; the
 // binding only calls them on an sm_90 device whose code has wgmma (sm90_kernels_built): by default
-// (schedule 5), unless DUALKV_CUDA_WGMMA_BWD=0 asks for mma.sync; =2 and =3
+// (schedule 6 at d = 128, 8 at d = 64), unless DUALKV_CUDA_WGMMA_BWD=0 asks for mma.sync; =2 and =3
 // select the overlapped schedule and the dK/dV kernel that also accumulates dQ, =4 the warp-specialised
 // dK/dV kernel, =5 both kernels warp-specialised, =6 the warp-specialised dK/dV kernel that also
-// accumulates dQ.
+// accumulates dQ, =8 schedule 5 with S^T and dP^T waited for apart.
 #include "dkv_bwd_sm90.cuh"
 #include "dkv_launch_impl.cuh"
 
@@ -40,12 +40,13 @@ cudaError_t launch_dkdv_sm90_split(const BwdParams& p, cudaStream_t stream) {
   return launch_persistent<K, &dkv_dkdv_sm90_split_kernel<E, D>>(p, stream);
 }
 
-// schedule: 2 (overlapped), 5 (warp-specialised: a producer warpgroup loads), else in turn.
+// schedule: 2 (overlapped), 5 and 8 (warp-specialised: a producer warpgroup loads), else in turn.
 template <class E, int D>
 cudaError_t launch_dq_sm90_schedule(const BwdParams& p, cudaStream_t stream, int schedule) {
   switch (schedule) {
     case 2: return launch_dq_sm90<E, D, true>(p, stream);
-    case 5: return launch_tiles<DqSm90Ws<D>, &dkv_dq_sm90_ws_kernel<E, D>>(p, stream);
+    case 5:
+    case 8: return launch_tiles<DqSm90Ws<D>, &dkv_dq_sm90_ws_kernel<E, D>>(p, stream);
     default: return launch_dq_sm90<E, D, false>(p, stream);
   }
 }
@@ -62,7 +63,8 @@ cudaError_t run_dq_sm90(const BwdParams& p, cudaStream_t stream, int schedule) {
 }
 
 // schedule: 1 (in turn), 2 (overlapped), 3 (in turn, dQ accumulated here into p.dq_accum), 4 and 5 (in
-// turn, warp-specialised: a producer warpgroup loads), 6 (warp-specialised, dQ accumulated here).
+// turn, warp-specialised: a producer warpgroup loads), 6 (warp-specialised, dQ accumulated here), 8 (5
+// with S^T and dP^T in separate commit groups).
 template <class E, int D>
 cudaError_t launch_dkdv_sm90_schedule(const BwdParams& p, cudaStream_t stream, int schedule) {
   switch (schedule) {
@@ -71,6 +73,9 @@ cudaError_t launch_dkdv_sm90_schedule(const BwdParams& p, cudaStream_t stream, i
     case 4:
     case 5: return launch_persistent<DkdvSm90Ws<D>, &dkv_dkdv_sm90_ws_kernel<E, D>>(p, stream);
     case 6: return launch_persistent<DkdvSm90Ws<D, true>, &dkv_dkdv_sm90_ws_kernel<E, D, true>>(p, stream);
+    case 8:  // 5 with S^T and dP^T waited for apart; under a softcap 5 itself
+      if (p.softcap > 0.f) return launch_dkdv_sm90_schedule<E, D>(p, stream, 5);
+      return launch_persistent<DkdvSm90Ws<D, false, true>, &dkv_dkdv_sm90_ws_kernel<E, D, false, true>>(p, stream);
     default: return launch_dkdv_sm90<E, D, false>(p, stream);
   }
 }

@@ -31,8 +31,8 @@
 // warp-specialised (dkv_dkdv_sm90_ws_kernel: a producer warpgroup loads, the two compute warpgroups
 // never meet at a barrier) with the in-turn dQ kernel; =5 both kernels warp-specialised
 // (dkv_dq_sm90_ws_kernel); =6 the warp-specialised dK/dV kernel with dQ accumulated in it
-// (DkdvSm90Ws::kDq) and no dQ kernel. The default: 6 at d = 128, 5 at d = 64 (and with
-// deterministic=True).
+// (DkdvSm90Ws::kDq) and no dQ kernel; =8 as 5 with S^T and dP^T waited for apart (DkdvSm90Ws::kSplit).
+// The default: 6 at d = 128 (5 with deterministic=True), 8 at d = 64.
 #pragma once
 
 #include "dkv_bwd.cuh"
@@ -468,6 +468,17 @@ struct DkdvProducts {
       sm90::wgmma_m64n64k16_ss<E, 0>(dpt, sm90::desc_advance(dv0, kv_off), sm90::desc_advance(ddo0, q_off), s > 0);
     }
   }
+  // S^T alone and dP^T alone (schedule 8: each its own commit group).
+  DKV_DEV void issue_s(float (&st)[32], int b) const { issue_ss_one(st, k, q, b); }
+  DKV_DEV void issue_dp(float (&dpt)[32], int b) const { issue_ss_one(dpt, v, dout, b); }
+  DKV_DEV void issue_ss_one(float (&acc)[32], uint64_t kv, uint64_t qd, int b) const {
+    const uint64_t a0 = sm90::desc_here(kv), b0 = sm90::desc_here(qd);
+#pragma unroll
+    for (int s = 0; s < D / 16; ++s) {
+      const uint32_t kv_off = (s / 4) * kBlockN * 128 + (s % 4) * 32, q_off = b * kQTileBytes + (s / 4) * kBlockM * 128 + (s % 4) * 32;
+      sm90::wgmma_m64n64k16_ss<E, 0>(acc, sm90::desc_advance(a0, kv_off), sm90::desc_advance(b0, q_off), s > 0);
+    }
+  }
   // dV += P^T dO, dK += dS^T Q with the tile in buffer b: queries 16 kq .. 16 kq + 15 are rows 2048
   // bytes apart per step.
   DKV_DEV void issue_rs(float (&dk)[kParts][32], float (&dv)[kParts][32], const uint32_t (&pa)[kBlockM / 16][4],
@@ -508,6 +519,17 @@ struct DkdvWarpgroup {
                                                  st[e] = masked ? 0.f : pr;
                                                  dpt[e] = masked ? 0.f : ds;
                                                });
+  }
+  // Schedule 8's element-wise step in two halves (no softcap). First, once S^T has landed
+  // (dP^T may still run): P^T in place of S^T, masked elements 0.
+  DKV_DEV void tile_p(const QTileDesc& desc, const float* sL, int tq, int W, const ScoreFn& score) {
+    transposed_probabilities<kBlockM, kBlockN>(st, desc, sL, key_in_tile, tq, W, score,
+                                               [&](int e, int, bool masked, float pr, float) { st[e] = masked ? 0.f : pr; });
+  }
+  // Then, once dP^T has landed: dS^T = st (dP^T - D) in place of dP^T (0 where st is 0, masked).
+  DKV_DEV void tile_ds_from_p(const float* sD, int tq) {
+#pragma unroll
+    for (int e = 0; e < 32; ++e) dpt[e] = st[e] * (dpt[e] - sD[8 * (e / 4) + 2 * tq + (e % 2)]);
   }
   DKV_DEV void pack() {
     c_to_a<E, kBlockM>(pa, reinterpret_cast<const float(&)[kBlockM / 8][4]>(st));
@@ -808,9 +830,16 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
 // tiles alternate), the two consumers meet at a named barrier (they alone: the producer goes on),
 // and each issues its dQ product with dV / dK; the tile's packed row and query head travel in its
 // slot. The ring has 2 buffers instead of 3 to make room for the dS tiles and the dQ staging.
-template <int kHeadDim_, bool kDq_ = false>
+//
+// kSplit = true (DUALKV_CUDA_WGMMA_BWD=8, the default at d = 64; no softcap: the launcher runs 5 under
+// one, since P^T's 1 - tanh^2 factor would have to stay live): S^T and dP^T go in separate commit
+// groups, and P^T is computed while dP^T still runs; dS^T = P^T (dP^T - D) once it has landed. On an
+// H200 the d = 64 dK/dV kernel 6% faster, at d = 128 it was 1-5% slower, and with dQ inside (6) no
+// faster (benchmarks/results/raw/profile_h200_split.log).
+template <int kHeadDim_, bool kDq_ = false, bool kSplit_ = false>
 struct DkdvSm90Ws {
-  static constexpr bool kDq = kDq_;
+  static constexpr bool kDq = kDq_, kSplit = kSplit_;
+  static_assert(!(kDq && kSplit), "the split waits only without dQ (schedule 8; with dQ it measured no faster)");
   static constexpr int kHeadDim = kHeadDim_, kBlockN = 128, kBlockM = 64, kThreads = 384, kStages = kDq ? 2 : 3;
   static constexpr int kParts = kHeadDim / 64;
   static constexpr int kKvTile = kBlockN * kHeadDim, kQTile = kBlockM * kHeadDim;  // elements
@@ -846,9 +875,9 @@ struct DkdvSm90Ws {
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one H100 / H200 block");
 };
 
-template <class E, int D, bool kDq = false>
+template <class E, int D, bool kDq = false, bool kSplit = false>
 DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CONSTANT BwdParams p) {
-  using K = DkdvSm90Ws<D, kDq>;
+  using K = DkdvSm90Ws<D, kDq, kSplit>;
   using Slot = typename K::Slot;
   constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kParts = K::kParts, kStages = K::kStages;
   const int rep = p.nheads / p.nheads_kv;
@@ -927,7 +956,8 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
   const int tid = thread_idx() - 128, lane = tid & 31, warp = (tid >> 5) & 3, wg = tid >> 7;  // wg: consumer 0 / 1
   const int g = lane >> 2, tq = lane & 3;
   const DkdvProducts<E, D, kBlockM, kBlockN> products(sK, sV, sQ0, sdO0, wg);
-  const ScoreFn score = make_score_fn(p.scale, p.softcap);
+  // kSplit: no softcap (the launcher runs schedule 5 / 6 under one), so no 1 - tanh^2 factor to keep.
+  const ScoreFn score = make_score_fn(p.scale, kSplit ? 0.f : p.softcap);
   DkdvWarpgroup<E, D, kBlockM, kBlockN> w(wg, warp, g);
   FusedDq<E, D, kBlockM, kBlockN> fdq;  // (kDq)
   int n_tiles = 0;                      // (kDq) tiles computed: their dS alternate between two buffers
@@ -939,7 +969,26 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
       const int b = n_slots % kStages;
       sm90::mbar_wait(&full[b], (n_slots / kStages) & 1);
       slot = slots[b];
-      if (slot.flags & K::kTile) {
+      if ((slot.flags & K::kTile) && kSplit) {
+        // S^T and dP^T each its own commit group: P^T while dP^T still runs.
+        sm90::wgmma_fence();
+        products.issue_s(w.st, b);
+        sm90::wgmma_commit();
+        products.issue_dp(w.dpt, b);
+        sm90::wgmma_commit();
+        sm90::wgmma_wait<1>();  // S^T; dP^T may still run
+        sm90::fence_operand<32>(w.st);
+        w.tile_p(slot.desc, sL0 + b * kBlockM, tq, W, score);
+        sm90::wgmma_wait<0>();
+        sm90::fence_operand<32>(w.dpt);
+        w.tile_ds_from_p(sD0 + b * kBlockM, tq);
+        w.pack();
+        sm90::wgmma_fence();
+        products.issue_rs(w.dk, w.dv, w.pa, w.dsa, b);
+        sm90::wgmma_commit();
+        sm90::wgmma_wait<0>();
+        w.pin_rs();
+      } else if (slot.flags & K::kTile) {
         // S^T = K Q^T and dP^T = V dO^T, then dV += P^T dO and dK += dS^T Q (as dkv_dkdv_sm90_kernel).
         sm90::wgmma_fence();
         products.issue_ss(w.st, w.dpt, b);

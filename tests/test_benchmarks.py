@@ -277,7 +277,8 @@ def test_cuda_kernel_variants_set_their_environment(monkeypatch):
               "dualkv-pair-fused-dq": (None, "3"), "dualkv-cuda-ws-bwd": (None, "4"), "dualkv-pair-ws-bwd": (None, "4"),
               "dualkv-pair-in-turn-bwd": (None, "1"), "dualkv-pair-ws-both-bwd": (None, "5"),
               "dualkv-cuda-ws-both-bwd": (None, "5"), "dualkv-cuda-ws-fused-dq": (None, "6"),
-              "dualkv-pair-ws-fused-dq": (None, "6")}
+              "dualkv-pair-ws-fused-dq": (None, "6"), "dualkv-cuda-ws-split-bwd": (None, "8"),
+              "dualkv-pair-ws-split-bwd": (None, "8")}
     q, k, v = harness._random_qkv(cfg, CPU, 0)
     for name, (fwd, bwd) in expect.items():
         cls = harness.get_provider(name)

@@ -9,7 +9,7 @@ per CUDA thread): keep the shapes tiny.
     python csrc/emulation/emulate.py --quick    # two cases
     python csrc/emulation/emulate.py --wgmma    # the wgmma building blocks (csrc/dkv_wgmma.cuh) only
     python csrc/emulation/emulate.py --sm90     # the wgmma forward (DUALKV_CUDA_WGMMA=1, 2)
-    python csrc/emulation/emulate.py --sm90-bwd # the wgmma dQ and dK/dV kernels (DUALKV_CUDA_WGMMA_BWD=1 .. 6)
+    python csrc/emulation/emulate.py --sm90-bwd # the wgmma dQ and dK/dV kernels (DUALKV_CUDA_WGMMA_BWD=1 .. 6, 8)
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ SM90_CASES = [
 
 
 # The wgmma backward's cases (DUALKV_CUDA_WGMMA_BWD=1, 2, 3 (dQ in the dK/dV kernel), 4 (warp-specialised dK/dV), 5 (both
-# kernels warp-specialised) and 6 (dQ in the warp-specialised dK/dV kernel); d = 64, 128; dQ on 128-row query tiles with
+# kernels warp-specialised), 6 (dQ in the warp-specialised dK/dV kernel) and 8 (5 with split waits); d = 64, 128; dQ on 128-row query tiles with
 # 64-key tiles, dK/dV on 128-key tiles with 64-row query tiles; d = 192, 256: the split dK/dV kernel, run by every mode): prompt tiles summed over several
 # readers (atomic and deterministic), ragged ends, GQA, several groups, window, softcap, separate context.
 SM90_BWD_CASES = [
@@ -176,7 +176,7 @@ SM90_BWD_CASES = [
 def check_bad_kernel_choices() -> bool:
     """An unknown value of a kernel-choice variable is an error naming it, not a silent default."""
     ok = True
-    for name, bad, top in (("DUALKV_CUDA_WGMMA", "3", "2"), ("DUALKV_CUDA_WGMMA_BWD", "7", "6")):
+    for name, bad, allowed in (("DUALKV_CUDA_WGMMA", "3", "0, 1, 2"), ("DUALKV_CUDA_WGMMA_BWD", "7", "0, 1, 2, 3, 4, 5, 6, 8")):
         saved = os.environ.get(name)
         os.environ[name] = bad
         try:
@@ -184,7 +184,7 @@ def check_bad_kernel_choices() -> bool:
             print(f"FAIL {name}={bad} was accepted")
             ok = False
         except RuntimeError as err:
-            good = f"{name}: expected 0 .. {top} (or unset), got '{bad}'" in str(err)
+            good = f"{name}: expected one of {allowed} (or unset), got '{bad}'" in str(err)
             print(("ok" if good else "FAIL") + f" {name}={bad} raises: {str(err).splitlines()[0][:120]}")
             ok = ok and good
         finally:
@@ -241,7 +241,7 @@ def main():
     ap.add_argument("--wgmma", action="store_true", help="only the wgmma building blocks")
     ap.add_argument("--sm90", action="store_true", help="the wgmma forward kernels' cases (DUALKV_CUDA_WGMMA=1, 2)")
     ap.add_argument("--sm90-bwd", action="store_true",
-                    help="the wgmma backward's cases (DUALKV_CUDA_WGMMA_BWD=1 .. 6, with the wgmma forward)")
+                    help="the wgmma backward's cases (DUALKV_CUDA_WGMMA_BWD=1 .. 6 and 8, with the wgmma forward)")
     ap.add_argument("--forward-only", action="store_true", help="with --sm90: skip the backward")
     args = ap.parse_args()
     listed = SM90_BWD_CASES if args.sm90_bwd else CASES
@@ -269,9 +269,12 @@ def main():
         # and for the split dK/dV kernel (d = 192 / 256) one prompt read by several responses
         # and for the warp-specialised dQ (5) key walks longer than its ring (prompt tiles wrap it)
         # and for the default at d = 128 (6) a separate context too
-        quick = {"1": (3, 4, 6, 7), "2": (3, 4, 6), "3": (0, 4, 5), "4": (0, 1, 2), "5": (0, 1), "6": (0, 1, 4, 5, 11)}
+        # and for 5 with split waits (8, the default at d = 64) d = 64 cases with a window, a separate
+        # context (also deterministic) and, under a softcap, its fallback to 5
+        quick = {"1": (3, 4, 6, 7), "2": (3, 4, 6), "3": (0, 4, 5), "4": (0, 1, 2), "5": (0, 1), "6": (0, 1, 4, 5, 11),
+                 "8": (0, 1, 3, 4, 5, 6)}
         ok = check_wgmma_path()
-        for mode in quick:  # in turn, overlapped, dQ in the dK/dV kernel, ws dK/dV, both ws, dQ in the ws dK/dV
+        for mode in quick:  # in turn, overlapped, dQ in the dK/dV kernel, ws dK/dV, both ws, dQ in the ws dK/dV, split waits
             os.environ["DUALKV_CUDA_WGMMA_BWD"] = mode
             print(f"DUALKV_CUDA_WGMMA_BWD={mode}", flush=True)
             cases = [SM90_BWD_CASES[i] for i in quick[mode]] if args.quick else SM90_BWD_CASES

@@ -175,27 +175,31 @@ def test_wgmma_forward_matches_reference(cuda_backend, case, dtype, mode, monkey
     assert any("dkv_fwd_sm90_kernel" in name for name in kernels), f"the wgmma forward did not run: {sorted(kernels)}"
 
 
-@pytest.mark.parametrize("mode", [None, "1", "2", "3", "4", "5", "6"],
-                         ids=["default", "in-turn", "overlap", "fused-dq", "ws", "ws-both", "ws-fused-dq"])
+@pytest.mark.parametrize("mode", [None, "1", "2", "3", "4", "5", "6", "8"],
+                         ids=["default", "in-turn", "overlap", "fused-dq", "ws", "ws-both", "ws-fused-dq", "ws-split"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", [c for c in GRID if c[4] in (64, 128)], ids=lambda c: _ids(c))
 def test_wgmma_backward_matches_reference(cuda_backend, case, dtype, deterministic, mode, monkeypatch):
     """The Hopper wgmma dQ and dK/dV kernels (csrc/dkv_bwd_sm90.cuh; d = 64 / 128): the default on sm_90
-    (=6 at d = 128, =5 at d = 64), DUALKV_CUDA_WGMMA_BWD=1 (the products of a tile in turn), =4 (the
+    (=6 at d = 128, =8 at d = 64), DUALKV_CUDA_WGMMA_BWD=1 (the products of a tile in turn), =4 (the
     dK/dV kernel warp-specialised), =5 (both kernels warp-specialised), =2 (overlapped), =3 and =6 (dQ
     accumulated in the in-turn / warp-specialised dK/dV kernel, no dQ kernel; deterministic=True
-    falls back to 5), on the grid against the fp32 reference, in both accumulation modes, and the
-    profiler shows which kernels ran."""
+    falls back to 5), =8 (5 with S^T and dP^T waited for apart; 5 itself under a softcap), on the grid
+    against the fp32 reference, in both accumulation modes, and the profiler shows which kernels ran."""
     _choose_hopper_kernels(monkeypatch, "DUALKV_CUDA_WGMMA_BWD", mode, "the wgmma backward")
     r, kernels = _kernels_of(case, dtype, deterministic)
     _check_against_reference(case, dtype, r)
-    chosen = mode or ("6" if case[4] == 128 else "5")  # the default: 6 at d = 128, 5 at d = 64
+    chosen = mode or ("6" if case[4] == 128 else "8")  # the default: 6 at d = 128, 8 at d = 64
     fused = chosen in ("3", "6") and not deterministic
     runs = "5" if chosen in ("3", "6") and deterministic else chosen  # the schedule that runs
-    dkdv = "dkv_dkdv_sm90_ws_kernel" if runs in ("4", "5", "6") else "dkv_dkdv_sm90_kernel"
-    dq = "dkv_dq_sm90_ws_kernel" if runs == "5" else "dkv_dq_sm90_kernel"
+    dkdv = "dkv_dkdv_sm90_ws_kernel" if runs in ("4", "5", "6", "8") else "dkv_dkdv_sm90_kernel"
+    dq = "dkv_dq_sm90_ws_kernel" if runs in ("5", "8") else "dkv_dq_sm90_kernel"
     assert any(dkdv in name for name in kernels), f"the dK/dV kernel did not run: {sorted(kernels)}"
+    if runs in ("5", "6", "8"):  # the kernel's template flags: dQ inside (6), split waits (8; 5's kernel under a softcap)
+        split = runs == "8" and case[6] is None
+        flags = f", {case[4]}, {'true' if runs == '6' else 'false'}, {'true' if split else 'false'}>"
+        assert any(dkdv in name and flags in name for name in kernels), (flags, sorted(kernels))
     if fused:  # no dQ kernel of any schedule
         assert not any("dkv_dq_" in name for name in kernels), sorted(kernels)
     else:
@@ -237,8 +241,9 @@ def test_auto_takes_cuda_where_it_measured_faster(cuda_backend, monkeypatch):
             cuda_fwd = any("dkv_fwd_sm90_kernel" in n for n in kernels)
             triton_fwd = any(n.startswith("fwd_kernel") for n in kernels)  # Triton names its kernels bare
             # a kernel only the chosen backward runs: the split dQ kernel (256), the ws dK/dV kernel
-            # (with dQ inside, 128), the ws dQ kernel (64)
-            bwd = {256: "dkv_dq_sm90_split_kernel", 128: "dkv_dkdv_sm90_ws_kernel", 64: "dkv_dq_sm90_ws_kernel"}[d]
+            # with dQ inside (128: schedule 6), the ws dK/dV kernel with split waits (64: schedule 8)
+            bwd = {256: "dkv_dq_sm90_split_kernel", 128: "dkv_dkdv_sm90_ws_kernel<dkv::Bf16, 128, true, false>",
+                   64: "dkv_dkdv_sm90_ws_kernel<dkv::Bf16, 64, false, true>"}[d]
             assert (cuda_fwd, triton_fwd) == ((True, False) if d == 256 else (False, True)), kernels
             assert any(bwd in n for n in kernels), kernels
             _check_against_reference(case, torch.bfloat16, r)
@@ -377,6 +382,7 @@ def _sanitizer():
 SANITIZER_PATHS = {"default": {}, "hopper-opt-in": {"DUALKV_CUDA_WGMMA": "2", "DUALKV_CUDA_WGMMA_BWD": "2"},
                    "fused-dq": {"DUALKV_CUDA_WGMMA_BWD": "3"}, "ws-dkdv": {"DUALKV_CUDA_WGMMA_BWD": "4"},
                    "ws-both": {"DUALKV_CUDA_WGMMA_BWD": "5"}, "ws-fused-dq": {"DUALKV_CUDA_WGMMA_BWD": "6"},
+                   "ws-split": {"DUALKV_CUDA_WGMMA_BWD": "8"},
                    "mma-sync": {"DUALKV_CUDA_WGMMA": "0", "DUALKV_CUDA_WGMMA_BWD": "0"}}
 
 
