@@ -956,7 +956,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
   const int tid = thread_idx() - 128, lane = tid & 31, warp = (tid >> 5) & 3, wg = tid >> 7;  // wg: consumer 0 / 1
   const int g = lane >> 2, tq = lane & 3;
   const DkdvProducts<E, D, kBlockM, kBlockN> products(sK, sV, sQ0, sdO0, wg);
-  // kSplit: no softcap (the launcher runs schedule 5 / 6 under one), so no 1 - tanh^2 factor to keep.
+  // kSplit: no softcap (the launcher runs schedule 5 under one), so no 1 - tanh^2 factor to keep.
   const ScoreFn score = make_score_fn(p.scale, kSplit ? 0.f : p.softcap);
   DkdvWarpgroup<E, D, kBlockM, kBlockN> w(wg, warp, g);
   FusedDq<E, D, kBlockM, kBlockN> fdq;  // (kDq)
