@@ -456,14 +456,18 @@ struct DkdvProducts {
         q_mn(sm90::smem_desc_sw128_mn64(sQ0)),
         dout_mn(sm90::smem_desc_sw128_mn64(sdO0)) {}
 
-  // S^T = K Q^T and dP^T = V dO^T of the query tile in buffer b (D / 16 k16 steps each).
+  // Byte offsets of k16 step s (part s / 4, 32 bytes per step inside it) in K / V and in the query
+  // tile at byte qb (buffer b: qb = b * kQTileBytes).
+  static DKV_DEV uint32_t kv_step(int s) { return (s / 4) * kBlockN * 128 + (s % 4) * 32; }
+  static DKV_DEV uint32_t q_step(int s, uint32_t qb) { return qb + (s / 4) * kBlockM * 128 + (s % 4) * 32; }
+  // S^T = K Q^T and dP^T = V dO^T of the query tile in buffer b (D / 16 k16 steps each), interleaved.
   DKV_DEV void issue_ss(float (&st)[32], float (&dpt)[32], int b) const {
     const uint32_t qb = b * kQTileBytes;
     const uint64_t dk0 = sm90::desc_here(k), dv0 = sm90::desc_here(v);
     const uint64_t dq0 = sm90::desc_here(q), ddo0 = sm90::desc_here(dout);
 #pragma unroll
-    for (int s = 0; s < D / 16; ++s) {  // part s / 4, 32 bytes per k16 step inside it
-      const uint32_t kv_off = (s / 4) * kBlockN * 128 + (s % 4) * 32, q_off = qb + (s / 4) * kBlockM * 128 + (s % 4) * 32;
+    for (int s = 0; s < D / 16; ++s) {
+      const uint32_t kv_off = kv_step(s), q_off = q_step(s, qb);
       sm90::wgmma_m64n64k16_ss<E, 0>(st, sm90::desc_advance(dk0, kv_off), sm90::desc_advance(dq0, q_off), s > 0);
       sm90::wgmma_m64n64k16_ss<E, 0>(dpt, sm90::desc_advance(dv0, kv_off), sm90::desc_advance(ddo0, q_off), s > 0);
     }
@@ -472,12 +476,11 @@ struct DkdvProducts {
   DKV_DEV void issue_s(float (&st)[32], int b) const { issue_ss_one(st, k, q, b); }
   DKV_DEV void issue_dp(float (&dpt)[32], int b) const { issue_ss_one(dpt, v, dout, b); }
   DKV_DEV void issue_ss_one(float (&acc)[32], uint64_t kv, uint64_t qd, int b) const {
+    const uint32_t qb = b * kQTileBytes;
     const uint64_t a0 = sm90::desc_here(kv), b0 = sm90::desc_here(qd);
 #pragma unroll
-    for (int s = 0; s < D / 16; ++s) {
-      const uint32_t kv_off = (s / 4) * kBlockN * 128 + (s % 4) * 32, q_off = b * kQTileBytes + (s / 4) * kBlockM * 128 + (s % 4) * 32;
-      sm90::wgmma_m64n64k16_ss<E, 0>(acc, sm90::desc_advance(a0, kv_off), sm90::desc_advance(b0, q_off), s > 0);
-    }
+    for (int s = 0; s < D / 16; ++s)
+      sm90::wgmma_m64n64k16_ss<E, 0>(acc, sm90::desc_advance(a0, kv_step(s)), sm90::desc_advance(b0, q_step(s, qb)), s > 0);
   }
   // dV += P^T dO, dK += dS^T Q with the tile in buffer b: queries 16 kq .. 16 kq + 15 are rows 2048
   // bytes apart per step.
@@ -969,33 +972,27 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
       const int b = n_slots % kStages;
       sm90::mbar_wait(&full[b], (n_slots / kStages) & 1);
       slot = slots[b];
-      if ((slot.flags & K::kTile) && kSplit) {
-        // S^T and dP^T each its own commit group: P^T while dP^T still runs.
-        sm90::wgmma_fence();
-        products.issue_s(w.st, b);
-        sm90::wgmma_commit();
-        products.issue_dp(w.dpt, b);
-        sm90::wgmma_commit();
-        sm90::wgmma_wait<1>();  // S^T; dP^T may still run
-        sm90::fence_operand<32>(w.st);
-        w.tile_p(slot.desc, sL0 + b * kBlockM, tq, W, score);
-        sm90::wgmma_wait<0>();
-        sm90::fence_operand<32>(w.dpt);
-        w.tile_ds_from_p(sD0 + b * kBlockM, tq);
-        w.pack();
-        sm90::wgmma_fence();
-        products.issue_rs(w.dk, w.dv, w.pa, w.dsa, b);
-        sm90::wgmma_commit();
-        sm90::wgmma_wait<0>();
-        w.pin_rs();
-      } else if (slot.flags & K::kTile) {
+      if (slot.flags & K::kTile) {
         // S^T = K Q^T and dP^T = V dO^T, then dV += P^T dO and dK += dS^T Q (as dkv_dkdv_sm90_kernel).
         sm90::wgmma_fence();
-        products.issue_ss(w.st, w.dpt, b);
-        sm90::wgmma_commit();
-        sm90::wgmma_wait<0>();
-        w.pin_ss();
-        w.tile_ds(slot.desc, sL0 + b * kBlockM, sD0 + b * kBlockM, tq, W, score);
+        if constexpr (kSplit) {  // each its own commit group: P^T while dP^T still runs
+          products.issue_s(w.st, b);
+          sm90::wgmma_commit();
+          products.issue_dp(w.dpt, b);
+          sm90::wgmma_commit();
+          sm90::wgmma_wait<1>();  // S^T; dP^T may still run
+          sm90::fence_operand<32>(w.st);
+          w.tile_p(slot.desc, sL0 + b * kBlockM, tq, W, score);
+          sm90::wgmma_wait<0>();
+          sm90::fence_operand<32>(w.dpt);
+          w.tile_ds_from_p(sD0 + b * kBlockM, tq);
+        } else {
+          products.issue_ss(w.st, w.dpt, b);
+          sm90::wgmma_commit();
+          sm90::wgmma_wait<0>();
+          w.pin_ss();
+          w.tile_ds(slot.desc, sL0 + b * kBlockM, sD0 + b * kBlockM, tq, W, score);
+        }
         uint16_t* sDs = sDs0 + (n_tiles & 1) * kBlockM * kBlockN;
         if constexpr (kDq) {
           fdq.store_ds(sDs, w.dpt, wg, warp, g, tq);
