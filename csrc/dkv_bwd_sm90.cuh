@@ -103,7 +103,7 @@ struct DqProducts {
         dout(sm90::smem_desc_sw128(reinterpret_cast<const char*>(sdO) + wg * 64 * 128)),
         k(sm90::smem_desc_sw128(sK0)),
         v(sm90::smem_desc_sw128(sV0)),
-        k_mn(sm90::smem_desc_sw128_mn64(sK0)) {}
+        k_mn(sm90::smem_desc_sw128_mn(sK0, kBlockN * 128)) {}
 
   // S = Q K^T and dP = dO V^T with the key tile in buffer b (D / 16 k16 steps each).
   DKV_DEV void issue_ss(float (&s)[32], float (&dp)[32], int b) const {
@@ -121,10 +121,8 @@ struct DqProducts {
   DKV_DEV void issue_rs(float (&dq)[kParts][32], const uint32_t (&dsa)[kBlockN / 16][4], int b) const {
     const uint64_t dk_mn = sm90::desc_advance(sm90::desc_here(k_mn), b * kKvTileBytes);
 #pragma unroll
-    for (int part = 0; part < kParts; ++part)
-#pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk)
-        sm90::wgmma_m64n64k16_rs<E, 1>(dq[part], dsa[kk], sm90::desc_advance(dk_mn, part * kBlockN * 128 + kk * 2048), true);
+    for (int kk = 0; kk < kBlockN / 16; ++kk)
+      sm90::wgmma_rs_mn_parts<E, kParts>(dq, dsa[kk], sm90::desc_advance(dk_mn, kk * 2048), kBlockN * 128);
   }
 };
 
@@ -453,8 +451,8 @@ struct DkdvProducts {
         v(sm90::smem_desc_sw128(reinterpret_cast<const char*>(sV) + wg * 64 * 128)),
         q(sm90::smem_desc_sw128(sQ0)),
         dout(sm90::smem_desc_sw128(sdO0)),
-        q_mn(sm90::smem_desc_sw128_mn64(sQ0)),
-        dout_mn(sm90::smem_desc_sw128_mn64(sdO0)) {}
+        q_mn(sm90::smem_desc_sw128_mn(sQ0, kBlockM * 128)),
+        dout_mn(sm90::smem_desc_sw128_mn(sdO0, kBlockM * 128)) {}
 
   // Byte offsets of k16 step s (part s / 4, 32 bytes per step inside it) in K / V and in the query
   // tile at byte qb (buffer b: qb = b * kQTileBytes).
@@ -488,13 +486,11 @@ struct DkdvProducts {
                         const uint32_t (&dsa)[kBlockM / 16][4], int b) const {
     const uint64_t ddo_mn = sm90::desc_here(dout_mn), dq_mn = sm90::desc_here(q_mn);
 #pragma unroll
-    for (int part = 0; part < kParts; ++part)
-#pragma unroll
-      for (int kq = 0; kq < kBlockM / 16; ++kq) {
-        const uint32_t off = b * kQTileBytes + part * kBlockM * 128 + kq * 2048;
-        sm90::wgmma_m64n64k16_rs<E, 1>(dv[part], pa[kq], sm90::desc_advance(ddo_mn, off), true);
-        sm90::wgmma_m64n64k16_rs<E, 1>(dk[part], dsa[kq], sm90::desc_advance(dq_mn, off), true);
-      }
+    for (int kq = 0; kq < kBlockM / 16; ++kq) {
+      const uint32_t off = b * kQTileBytes + kq * 2048;
+      sm90::wgmma_rs_mn_parts<E, kParts>(dv, pa[kq], sm90::desc_advance(ddo_mn, off), kBlockM * 128);
+      sm90::wgmma_rs_mn_parts<E, kParts>(dk, dsa[kq], sm90::desc_advance(dq_mn, off), kBlockM * 128);
+    }
   }
 };
 
@@ -1235,7 +1231,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_split_kernel(const DKV_GRID
   // Warpgroup 0 multiplies K by Q and accumulates with dO; warpgroup 1 V by dO, and accumulates with Q.
   const uint64_t desc_a = sm90::smem_desc_sw128(dv_role ? sK : sV);
   const uint64_t desc_b = sm90::smem_desc_sw128(dv_role ? sQ0 : sdO0);
-  const uint64_t desc_rs = sm90::smem_desc_sw128_mn64(dv_role ? sdO0 : sQ0);
+  const uint64_t desc_rs = sm90::smem_desc_sw128_mn(dv_role ? sdO0 : sQ0, kBlockM * 128);
   constexpr uint32_t kQTileBytes = K::kQTile * 2;
 
   const ScoreFn score = make_score_fn(p.scale, p.softcap);
@@ -1258,11 +1254,8 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_split_kernel(const DKV_GRID
   auto issue_rs = [&](int b) {
     const uint64_t d0 = sm90::desc_here(desc_rs);
 #pragma unroll
-    for (int part = 0; part < kParts; ++part)
-#pragma unroll
-      for (int kq = 0; kq < kBlockM / 16; ++kq)
-        sm90::wgmma_m64n64k16_rs<E, 1>(acc[part], a[kq],
-                                       sm90::desc_advance(d0, b * kQTileBytes + part * kBlockM * 128 + kq * 2048), true);
+    for (int kq = 0; kq < kBlockM / 16; ++kq)
+      sm90::wgmma_rs_mn_parts<E, kParts>(acc, a[kq], sm90::desc_advance(d0, b * kQTileBytes + kq * 2048), kBlockM * 128);
   };
   // Warpgroup 0: P^T in place of S^T, and its factor for dS^T into sF.
   auto probabilities = [&](const QTileDesc& desc, int b) {

@@ -6,7 +6,7 @@
 //   S (64 x kBlockN keys) = Q K^T   wgmma SS, D / 16 k16 steps; kBlockN = 128 for D <= 128, else 64
 //   P = online softmax of S         in the accumulator registers (rows 16 w + l/4 and + 8 of warp w)
 //   O (64 x D) += P V               wgmma RS, P re-packed as the register operand, V an MN-major
-//                                   operand, one m64n64 product per 64-column part and k16 step
+//                                   operand, one m64n128 product per two 64-column parts and k16 step
 //
 // The matmuls overlap the softmax inside each warpgroup: iteration t issues S_t = Q K_t^T and then
 // O += P_{t-1} V_{t-1}, waits for S_t only, computes its softmax while P V still runs, then waits
@@ -122,7 +122,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs>::kThreads)) dkv_fwd_sm90_kern
   // Descriptors are built once and advanced by byte offsets (sm90::desc_advance). This warpgroup's 64
   // query rows start 64 rows (8 KB) into every 128-row part of Q.
   const uint64_t desc_q = sm90::smem_desc_sw128(reinterpret_cast<const char*>(sQ) + wg * 64 * 128);
-  const uint64_t desc_k = sm90::smem_desc_sw128(sK(0)), desc_v = sm90::smem_desc_sw128_mn64(sV(0));
+  const uint64_t desc_k = sm90::smem_desc_sw128(sK(0)), desc_v = sm90::smem_desc_sw128_mn(sV(0), kBlockN * 128);
   constexpr uint32_t kKvTileBytes = K::kKvTile * 2;
   auto issue_qk = [&](float (&s)[kBlockN / 2], int t) {
     const uint64_t dk = sm90::desc_advance(desc_k, (t % kStages) * kKvTileBytes);
@@ -138,10 +138,8 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs>::kThreads)) dkv_fwd_sm90_kern
   auto issue_pv = [&](int t) {
     const uint64_t dv = sm90::desc_advance(desc_v, (t % kStages) * kKvTileBytes);
 #pragma unroll
-    for (int part = 0; part < kParts; ++part)
-#pragma unroll
-      for (int k = 0; k < kBlockN / 16; ++k)  // keys 16 k .. 16 k + 15: rows 2048 bytes apart per step
-        sm90::wgmma_m64n64k16_rs<E, 1>(o[part], pa[k], sm90::desc_advance(dv, part * kBlockN * 128 + k * 2048), true);
+    for (int k = 0; k < kBlockN / 16; ++k)  // keys 16 k .. 16 k + 15: rows 2048 bytes apart per step
+      sm90::wgmma_rs_mn_parts<E, kParts>(o, pa[k], sm90::desc_advance(dv, k * 2048), kBlockN * 128);
   };
 
   const ScoreFn score = make_score_fn(p.scale, p.softcap);

@@ -73,6 +73,12 @@ DKV_DEV unsigned char* dynamic_smem_1024() {
 // An MN-major operand of 64 columns (one swizzle atom wide), k16 step starting at smem_ptr.
 DKV_DEV uint64_t smem_desc_sw128_mn64(const void* smem_ptr) { return smem_desc_sw128(smem_ptr, 1024, 1024); }
 
+// An MN-major operand wider than one swizzle atom (128 columns for m64n128): its 64-column atoms
+// (the tile's parts) `part_bytes` apart, the leading byte offset; 8-row groups 1024 bytes apart.
+DKV_DEV uint64_t smem_desc_sw128_mn(const void* smem_ptr, uint32_t part_bytes) {
+  return smem_desc_sw128(smem_ptr, part_bytes, 1024);
+}
+
 // Rows [row, row + kRows) of one head of a (rows, heads, kHeadDim) tensor into kRows x 64-column
 // swizzled parts, part c at dst + c * kRows * 64 (rows past `valid` read as zeros). When the block's
 // threads cover whole rows, each thread keeps one 16-byte column chunk and steps down the rows by a
@@ -399,6 +405,48 @@ DKV_DEV void wgmma_m64n128k16_ss(float (&d)[64], uint64_t desc_a, uint64_t desc_
   (void)d, (void)desc_a, (void)desc_b, (void)accumulate;
   __trap();  // wgmma needs sm_90a
 #endif
+}
+
+// d (64 x 128) = A (64 x 16, registers, as in m64n64k16_rs) * B (16 x 128, descriptor) + (accumulate ? d : 0);
+// kTransB = 1: B MN-major, two 64-column atoms (smem_desc_sw128_mn). One instruction where two
+// m64n64 would read the A fragment twice.
+template <class E, int kTransB>
+DKV_DEV void wgmma_m64n128k16_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
+#if DKV_HAS_WGMMA
+  if constexpr (E::kIsBf16)
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " DKV_WGMMA_DREGS64
+        ", {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
+        : DKV_WGMMA_D64(d)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<int>(accumulate)), "n"(kTransB));
+  else
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " DKV_WGMMA_DREGS64
+        ", {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
+        : DKV_WGMMA_D64(d)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<int>(accumulate)), "n"(kTransB));
+#elif defined(DKV_EMULATE)
+  dkv_emu::wgmma(d, 128, a, 0, desc_b, accumulate, kTransB != 0, E::kIsBf16);
+#else
+  (void)d, (void)a, (void)desc_b, (void)accumulate;
+  __trap();  // wgmma needs sm_90a
+#endif
+}
+
+// acc (64 x 64 kParts, as kParts m64n64 accumulators side by side: part c = columns 64 c ..) += A B
+// for one k16 step, B MN-major with its parts part_bytes apart starting at desc_b (smem_desc_sw128_mn):
+// one m64n128 per pair of parts, m64n64 for an odd one out (head dims 64 and 192). The layouts agree:
+// register 4 j + i of an m64n128 tile is register 4 (j % 8) + i of part 2 pp + j / 8.
+template <class E, int kParts>
+DKV_DEV void wgmma_rs_mn_parts(float (&acc)[kParts][32], const uint32_t (&a)[4], uint64_t desc_b, uint32_t part_bytes) {
+#pragma unroll
+  for (int pp = 0; pp < kParts / 2; ++pp)
+    wgmma_m64n128k16_rs<E, 1>(reinterpret_cast<float(&)[64]>(acc[2 * pp]), a, desc_advance(desc_b, 2 * pp * part_bytes),
+                              true);
+  if constexpr (kParts % 2 == 1)
+    wgmma_m64n64k16_rs<E, 1>(acc[kParts - 1], a, desc_advance(desc_b, (kParts - 1) * part_bytes), true);
 }
 
 // S (64 x kN) = A B^T with B K-major (kN = 64 or 128): one wgmma per call.

@@ -5,9 +5,11 @@
 //
 //   gemm_ss<kTransB>   D = A B^T (kTransB = 0: B given as N x K rows) or D = A B (1: B given as K x N rows)
 //   gemm_rs            D = A B^T with A from registers
+//   gemm_rs_wide       D (64 x 128) = A [B | C] with A from registers and [B | C] one MN-major operand of
+//                      two 64-column parts (m64n128, wgmma_rs_mn_parts: the P V / dV / dK products)
 //   attention_step     O = bf16(Q K^T) V: S from SS (K-major K), P re-packed in registers, O from RS
 //                      with V as an MN-major operand -- the inner step of a wgmma attention kernel.
-// Inputs are row-major 64 x 64 bf16 (raw uint16_t), outputs 64 x 64 fp32 row-major.
+// Inputs are row-major 64 x 64 bf16 (raw uint16_t), outputs 64 x 64 (gemm_rs_wide: 64 x 128) fp32 row-major.
 #pragma once
 
 #include <cstdint>
@@ -104,6 +106,46 @@ DKV_GLOBAL void gemm_rs(const DKV_GRID_CONSTANT Args p) {
   sm90::wgmma_commit();
   sm90::wgmma_wait<0>();
   store_acc(p.out, d);
+}
+
+// The mma.sync m16n8k16 A fragment of k16 step s from a row-major 64 x 64 tile (this warp's 16 rows).
+DKV_DEV void a_fragment(uint32_t (&frag)[4], const uint16_t* a, int s) {
+  const int warp = thread_idx() / 32, lane = thread_idx() % 32, g = lane / 4, t = lane % 4;
+  const uint16_t* rows = a + (16 * warp + g) * kT;
+  const int k0 = 16 * s + 2 * t;
+  frag[0] = pack_halves(rows[k0], rows[k0 + 1]);
+  frag[1] = pack_halves(rows[8 * kT + k0], rows[8 * kT + k0 + 1]);
+  frag[2] = pack_halves(rows[k0 + 8], rows[k0 + 9]);
+  frag[3] = pack_halves(rows[8 * kT + k0 + 8], rows[8 * kT + k0 + 9]);
+}
+
+DKV_GLOBAL void gemm_rs_wide(const DKV_GRID_CONSTANT Args p) {
+  uint16_t* sB = aligned_smem();  // part 0 (columns 0 .. 63) = B, part 1 = C, kTileBytes apart
+  load_tile_sw128(sB, p.b);
+  load_tile_sw128(sB + kT * kT, p.c);
+  smem_to_async_proxy();
+  float d[2][32];
+  zero32(d[0]);
+  zero32(d[1]);
+  for (int s = 0; s < kT / 16; ++s) {
+    uint32_t frag[4];
+    a_fragment(frag, p.a, s);
+    sm90::wgmma_fence();  // the fragment registers were just written
+    const uint64_t db = sm90::smem_desc_sw128_mn(reinterpret_cast<char*>(sB) + 2048 * s, kTileBytes);
+    sm90::wgmma_rs_mn_parts<Bf16, 2>(d, frag, db, kTileBytes);
+  }
+  sm90::wgmma_commit();
+  sm90::wgmma_wait<0>();
+  float part_acc[32];
+  for (int part = 0; part < 2; ++part) {  // columns 64 part ..: stored through a 64 x 64 view
+    for (int i = 0; i < 32; ++i) part_acc[i] = d[part][i];
+    const int warp = thread_idx() / 32, lane = thread_idx() % 32;
+    for (int j = 0; j < 8; ++j)
+      for (int i = 0; i < 4; ++i) {
+        const int row = 16 * warp + lane / 4 + 8 * (i / 2), col = 8 * j + 2 * (lane % 4) + (i % 2);
+        p.out[row * 2 * kT + 64 * part + col] = part_acc[4 * j + i];
+      }
+  }
 }
 
 DKV_GLOBAL void attention_step(const DKV_GRID_CONSTANT Args p) {

@@ -223,7 +223,8 @@ def run_wgmma_checks(seed: int = 0) -> bool:
     af, bf, cf = a.float(), b.float(), c.float()
     checks = [("A B^T (K-major B)", 0, af @ bf.T, 1e-4), ("A B (MN-major B)", 1, af @ bf, 1e-4),
               ("A (registers) B^T", 2, af @ bf.T, 1e-4),
-              ("bf16(A B^T) C (attention step)", 3, (af @ bf.T).to(torch.bfloat16).float() @ cf, 2e-2)]
+              ("bf16(A B^T) C (attention step)", 3, (af @ bf.T).to(torch.bfloat16).float() @ cf, 2e-2),
+              ("A (registers) [B | C] (m64n128, MN-major)", 4, af @ torch.cat([bf, cf], dim=1), 1e-4)]
     ok = True
     for name, which, want, tol in checks:
         got = torch.ops.dualkv_cuda_emu.wgmma_check(which, a, b, c)

@@ -1,6 +1,6 @@
 """The Hopper wgmma building blocks of csrc/dkv_wgmma.cuh on an sm_90 GPU, against torch: 64 x 64 bf16
 tiles in 128B-swizzled shared memory, S = Q K^T (operands from shared memory, K-major), A B with B
-as an MN-major operand, A from registers, and the attention step O = bf16(Q K^T) V that a wgmma
+as an MN-major operand, A from registers (also m64n128 over a two-part MN-major B), and the attention step O = bf16(Q K^T) V that a wgmma
 attention kernel repeats. tests/gpu/wgmma_check.cu holds the kernels (one warpgroup each)."""
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ _BINDING = r"""
 extern "C" void dkv_check_gemm_ss(const void*, const void*, float*, int, cudaStream_t);
 extern "C" void dkv_check_gemm_rs(const void*, const void*, float*, cudaStream_t);
 extern "C" void dkv_check_attention_step(const void*, const void*, const void*, float*, cudaStream_t);
+extern "C" void dkv_check_gemm_rs_wide(const void*, const void*, const void*, float*, cudaStream_t);
 
 static torch::Tensor out_like(const torch::Tensor& a) {
   return torch::empty({64, 64}, a.options().dtype(torch::kFloat32));
@@ -36,6 +37,12 @@ torch::Tensor gemm_ss(torch::Tensor a, torch::Tensor b, int64_t trans_b) {
 torch::Tensor gemm_rs(torch::Tensor a, torch::Tensor b) {
   auto out = out_like(a);
   dkv_check_gemm_rs(a.data_ptr(), b.data_ptr(), out.data_ptr<float>(), at::cuda::getCurrentCUDAStream());
+  return out;
+}
+torch::Tensor gemm_rs_wide(torch::Tensor a, torch::Tensor b, torch::Tensor c) {
+  auto out = torch::empty({64, 128}, a.options().dtype(torch::kFloat32));
+  dkv_check_gemm_rs_wide(a.data_ptr(), b.data_ptr(), c.data_ptr(), out.data_ptr<float>(),
+                         at::cuda::getCurrentCUDAStream());
   return out;
 }
 torch::Tensor attention_step(torch::Tensor q, torch::Tensor k, torch::Tensor v) {
@@ -53,7 +60,7 @@ def _ext():
 
     return load_inline(
         name="dualkv_wgmma_check", cpp_sources=_BINDING, cuda_sources=(HERE / "wgmma_check.cu").read_text(),
-        functions=["gemm_ss", "gemm_rs", "attention_step"], extra_include_paths=[str(CSRC)],
+        functions=["gemm_ss", "gemm_rs", "gemm_rs_wide", "attention_step"], extra_include_paths=[str(CSRC)],
         extra_cuda_cflags=["-std=c++17", "-O3", "--expt-relaxed-constexpr", "-gencode=arch=compute_90a,code=sm_90a"],
         verbose=False)
 
@@ -88,6 +95,12 @@ def test_ss_mn_major_b(ext):
 def test_rs_a_from_registers(ext):
     a, b = _tiles(2, 2)
     _check(ext.gemm_rs(a, b), a.float() @ b.float().T, "A (registers) B^T")
+
+
+def test_rs_wide_mn_major_b(ext):
+    """m64n128 with A from registers and a two-part MN-major B (the P V, dV and dK products)."""
+    a, b, c = _tiles(3, 4)
+    _check(ext.gemm_rs_wide(a, b, c), a.float() @ torch.cat([b, c], dim=1).float(), "A (registers) [B | C], MN-major")
 
 
 def test_attention_step(ext):

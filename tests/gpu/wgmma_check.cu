@@ -18,6 +18,11 @@ extern "C" void dkv_check_gemm_rs(const void* a, const void* b, float* out, cuda
   dkv::wgmma_check::gemm_rs<<<1, 128, kSmemBytes, stream>>>(p);
 }
 
+extern "C" void dkv_check_gemm_rs_wide(const void* a, const void* b, const void* c, float* out, cudaStream_t stream) {
+  const Args p{static_cast<const uint16_t*>(a), static_cast<const uint16_t*>(b), static_cast<const uint16_t*>(c), out};
+  dkv::wgmma_check::gemm_rs_wide<<<1, 128, kSmemBytes, stream>>>(p);
+}
+
 extern "C" void dkv_check_attention_step(const void* q, const void* k, const void* v, float* out,
                                          cudaStream_t stream) {
   const Args p{static_cast<const uint16_t*>(q), static_cast<const uint16_t*>(k), static_cast<const uint16_t*>(v),
