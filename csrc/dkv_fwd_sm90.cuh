@@ -13,7 +13,8 @@
 // for it and rescales O. K and V have kStages buffers each (3, or 2 at D = 256 for shared memory),
 // V one tile behind K: iteration t loads K_{t+kStages-1} and V_{t+kStages-2} with cp.async
 // (128B-swizzled, made visible to the wgmma proxy by a fence), so every load has kStages - 1 whole
-// iterations to land. No TMA or producer warp yet (docs/cuda.md).
+// iterations to land (kWs = false; the warp-specialised form below has its own rings). The loads
+// are cp.async; no TMA yet (docs/cuda.md).
 #pragma once
 
 #include "dkv_fwd.cuh"
@@ -22,10 +23,13 @@
 namespace dkv {
 
 // kWs = false: every thread loads (cp.async) and computes, a block barrier per key tile. kWs = true
-// (warp-specialised): a third warpgroup only loads, into the same ring, handing tiles over through
-// mbarriers (full: landed, empty: both consumer warpgroups are done with it), and the two consumer
-// warpgroups take turns at issuing their matmuls (ping-pong, named barriers), one's softmax under the
-// other's matmuls; the producer gives registers back (setmaxnreg) for the consumers' accumulators.
+// (warp-specialised; the default at D = 64 and 128): a third warpgroup only loads, handing tiles over
+// through mbarriers (full: landed, empty: both consumer warpgroups are done with it), K and V each in a
+// ring of their own, so that K_t's buffer is refilled once S_t is computed rather than a tile later with
+// V_t's; the two consumer warpgroups take turns at issuing their matmuls (ping-pong, named barriers),
+// one's softmax under the other's matmuls; the producer gives registers back (setmaxnreg) for the
+// consumers' accumulators. With one ring for both, the consumers spent a third of their time waiting
+// for loads (Nsight Compute at (8, 16K, 512): benchmarks/results/raw/profile_h200_fwd_ws_rings.log).
 template <int kHeadDim_, bool kWs_ = false>
 struct FwdSm90 {
   static constexpr int kHeadDim = kHeadDim_, kWarpGroups = 2, kBlockM = 64 * kWarpGroups;
@@ -36,8 +40,8 @@ struct FwdSm90 {
   static constexpr int kQTile = kBlockM * kHeadDim;        // elements
   static constexpr int kKvTile = kBlockN * kHeadDim;
   static constexpr int kStages = kHeadDim == 256 ? 2 : 3;  // buffers of K and of V
-  // Tiles, then (kWs) the full and empty mbarriers of each stage, + 1024 bytes of alignment.
-  static constexpr int kSmemBytes = (kQTile + 2 * kStages * kKvTile) * 2 + (kWs ? 16 * kStages : 0) + 1024;
+  // Tiles, then (kWs) the full and empty mbarriers of each K and each V stage, + 1024 bytes of alignment.
+  static constexpr int kSmemBytes = (kQTile + 2 * kStages * kKvTile) * 2 + (kWs ? 32 * kStages : 0) + 1024;
   static_assert(kHeadDim % 64 == 0 && kParts >= 1 && kParts <= 4, "head dim: 64, 128, 192 or 256");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one H100 / H200 block");
 };
@@ -61,8 +65,12 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs>::kThreads)) dkv_fwd_sm90_kern
   uint16_t* sK0 = sQ + K::kQTile;  // K buffers, then V buffers; tile t in buffer t % kStages
   auto sK = [&](int t) { return sK0 + (t % kStages) * K::kKvTile; };
   auto sV = [&](int t) { return sK0 + (kStages + t % kStages) * K::kKvTile; };
-  uint64_t* full = reinterpret_cast<uint64_t*>(sK0 + 2 * kStages * K::kKvTile);  // kWs only
-  uint64_t* empty = full + kStages;
+  // (kWs) K and V have rings of their own: K_t is free once S_t is computed, V_t only once P_t V_t is,
+  // a tile later, so each ring refills as soon as its own buffer is read.
+  uint64_t* full_k = reinterpret_cast<uint64_t*>(sK0 + 2 * kStages * K::kKvTile);  // kWs only
+  uint64_t* empty_k = full_k + kStages;
+  uint64_t* full_v = empty_k + kStages;
+  uint64_t* empty_v = full_v + kStages;
 
   const TwoRegionWalk walk = make_walk<kBlockN>(q0, m_valid, ctx_len, ctx_row0, row0, W);
   const int n_tiles = walk.n_ctx_tiles + walk.n_own_tiles;
@@ -79,30 +87,38 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs>::kThreads)) dkv_fwd_sm90_kern
     sm90::load_tile_sw128_async<D, kLoaders, kBlockN>(sV(t), kt.ctx ? p.v_ctx : p.v, kt.row, hk, kt.valid, lt);
   };
   if constexpr (kWs) {
-    sm90::init_ring(full, empty, kStages);
-    if (tid < 0) {  // the producer: Q with tile 0, then every tile into the ring once it is free
+    sm90::init_ring(full_k, empty_k, kStages);
+    sm90::init_ring(full_v, empty_v, kStages);
+    if (tid < 0) {  // the producer: Q with K_0, then K_t and V_t, each once its buffer is free
       sm90::setmaxnreg_dec<sm90::kProducerRegs>();
       const int lt = thread_idx();
-      int announced = 0;  // tiles 0 .. announced - 1 are marked full
+      // One cp.async group per load, in the order K_0 (with Q), V_0, K_1, V_1, ...: group 2 t + v. A load
+      // is marked full once this thread's copies of it have landed (cp.async groups complete in order):
+      // before each load the producer marks every group but the newest, then waits for the buffer.
+      int announced = 0;  // groups 0 .. announced - 1 are marked full
       auto announce = [&](int upto) {
         sm90::fence_smem_to_async_proxy();  // this thread's copies, for the wgmma that reads them
-        for (; announced <= upto; ++announced) sm90::mbar_arrive(&full[announced % kStages]);
+        for (; announced <= upto; ++announced)
+          sm90::mbar_arrive(announced % 2 ? &full_v[(announced / 2) % kStages] : &full_k[(announced / 2) % kStages]);
+      };
+      auto wait_free = [&](uint64_t* empty, int t, int newest) {
+        if (newest >= 1) {
+          cp_async_wait<1>();
+          announce(newest - 1);
+        }
+        if (t >= kStages) sm90::mbar_wait(&empty[t % kStages], (t / kStages - 1) & 1);
       };
       sm90::load_tile_sw128_async<D, kLoaders, kBlockM>(sQ, p.q, row0 + q0, h, m_valid, lt);
       for (int t = 0; t < n_tiles; ++t) {
-        if (t >= kStages) {
-          // Mark the tiles the consumers need before they can free this buffer (through t - kStages + 1),
-          // then wait until they have freed it (tile t - kStages, round t / kStages - 1).
-          cp_async_wait<kStages - 2>();
-          announce(t - kStages + 1);
-          sm90::mbar_wait(&empty[t % kStages], (t / kStages - 1) & 1);
-        }
+        wait_free(empty_k, t, 2 * t - 1);
         load_k(t, lt);
+        cp_async_commit();
+        wait_free(empty_v, t, 2 * t);
         load_v(t, lt);
         cp_async_commit();
       }
       cp_async_wait<0>();
-      announce(n_tiles - 1);
+      announce(2 * n_tiles - 1);
       return;
     }
     sm90::setmaxnreg_inc<sm90::kConsumerRegs>();
@@ -216,7 +232,8 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs>::kThreads)) dkv_fwd_sm90_kern
     // K_t and V_{t-1} (group t) have landed, and every warpgroup is done with K_{t-1} and V_{t-2},
     // whose buffers the loads below refill (kWs: the producer does that).
     if constexpr (kWs) {
-      sm90::mbar_wait(&full[t % kStages], (t / kStages) & 1);  // K_t and V_t (and Q) have landed
+      sm90::mbar_wait(&full_k[t % kStages], (t / kStages) & 1);  // K_t (and Q) have landed
+      if (t > 0) sm90::mbar_wait(&full_v[(t - 1) % kStages], ((t - 1) / kStages) & 1);  // V_{t-1}
     } else {
       cp_async_wait<kStages - 2>();
       sm90::fence_smem_to_async_proxy();
@@ -240,6 +257,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs>::kThreads)) dkv_fwd_sm90_kern
       sm90::wgmma_wait<0>();
     }
     sm90::fence_operand<kBlockN / 2>(s);
+    if constexpr (kWs) sm90::mbar_arrive(&empty_k[t % kStages]);  // S_t is computed: K_t is read
     float alpha[2];
     softmax(s, t, alpha);
     sm90::wgmma_wait<0>();
@@ -260,11 +278,13 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs>::kThreads)) dkv_fwd_sm90_kern
         }
     }
     if constexpr (kWs) {
-      if (t > 0) sm90::mbar_arrive(&empty[(t - 1) % kStages]);  // K_{t-1} and V_{t-1} are read
+      if (t > 0) sm90::mbar_arrive(&empty_v[(t - 1) % kStages]);  // P_{t-1} V_{t-1} is computed
     }
     c_to_a<E, kBlockN>(pa, reinterpret_cast<const float(&)[kBlockN / 8][4]>(s));
   }
-  if constexpr (!kWs) {  // V_{n-1}: group n (kWs: it landed with K_{n-1})
+  if constexpr (kWs) {
+    sm90::mbar_wait(&full_v[(n_tiles - 1) % kStages], ((n_tiles - 1) / kStages) & 1);  // V_{n-1}
+  } else {  // V_{n-1}: group n
     cp_async_wait<kStages - 2>();
     sm90::fence_smem_to_async_proxy();
     block_sync();
