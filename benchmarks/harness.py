@@ -323,9 +323,18 @@ class DualKVCudaMmaBwd(DualKVCuda):
 
 @register("dualkv-cuda-ws")
 class DualKVCudaWs(DualKVCuda):
-    """The opt-in warp-specialised wgmma forward (a producer warpgroup, mbarrier hand-over)."""
+    """The warp-specialised wgmma forward (a producer warpgroup, K and V rings with mbarrier hand-over;
+    the default at d = 64 / 128, opt-in at 192 / 256)."""
 
     env = {"DUALKV_CUDA_WGMMA": "2"}
+
+
+@register("dualkv-cuda-in-turn-fwd")
+class DualKVCudaInTurnFwd(DualKVCuda):
+    """The in-turn wgmma forward (every thread loads and computes; the default at d = 192 / 256, opt-in
+    at 64 / 128)."""
+
+    env = {"DUALKV_CUDA_WGMMA": "1"}
 
 
 @register("dualkv-cuda-wgmma-bwd")

@@ -194,10 +194,13 @@ bool hopper_kernels_usable(const Tensor& q) {
 
 // The wgmma forward (dkv_fwd_sm90.cuh) runs on sm_90 devices for head dims 64 / 128 / 192 / 256, fp16
 // and bf16, when the extension was built for sm_90a (else the mma.sync forward runs);
-// DUALKV_CUDA_WGMMA=0 selects the mma.sync forward, =2 the warp-specialised wgmma forward (opt-in:
-// within 1% of 1 on an H200). Returns 0 (mma.sync), 1 or 2.
+// DUALKV_CUDA_WGMMA=0 selects the mma.sync forward, 1 the in-turn wgmma forward (every thread loads and
+// computes), 2 the warp-specialised one (a producer warpgroup, K and V in rings of their own). The
+// default: 2 at head dims 64 and 128 (on an H200 4-12% faster than 1 and than Triton's forward at 128,
+// level to 7% faster at 64: benchmarks/results/attention_h200_ws_fwd_rings*.md), 1 at 192 / 256 (where 2
+// measured 1.9x slower). Returns 0 (mma.sync), 1 or 2.
 int use_sm90_forward(const Tensor& q, int head_dim) {
-  const int choice = kernel_choice("DUALKV_CUDA_WGMMA");
+  const int choice = kernel_choice("DUALKV_CUDA_WGMMA", "012", head_dim <= 128 ? 2 : 1);
   return choice > 0 && sm90_forward_supports(head_dim) && hopper_kernels_usable(q) ? choice : 0;
 }
 

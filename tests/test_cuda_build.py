@@ -147,11 +147,8 @@ def test_auto_follows_the_measured_table_per_head_dim(monkeypatch):
     assert resolve_backend("auto", "cuda", head_dim=256, dtype=torch.bfloat16) == "cuda"
     assert resolve_backend("auto", "cuda", head_dim=256, dtype=torch.float16) == "cuda"
     assert resolve_backend("auto", "cuda", head_dim=256, dtype=torch.float32) == usual
-    # the pair only where Triton runs (on this CPU machine: under TRITON_INTERPRET=1)
-    assert resolve_backend("auto", "cuda", head_dim=128, dtype=torch.bfloat16) == (
-        "triton+cuda" if usual == "triton" else usual)
-    assert resolve_backend("auto", "cuda", head_dim=64, dtype=torch.bfloat16) == (
-        "triton+cuda" if usual == "triton" else usual)
+    assert resolve_backend("auto", "cuda", head_dim=128, dtype=torch.bfloat16) == "cuda"
+    assert resolve_backend("auto", "cuda", head_dim=64, dtype=torch.bfloat16) == "cuda"
     assert resolve_backend("auto", "cuda", head_dim=96, dtype=torch.bfloat16) == usual  # not measured
     assert resolve_backend("auto", "cpu", head_dim=256, dtype=torch.bfloat16) == "reference"
     assert resolve_backend("triton" if usual == "triton" else "reference", "cuda", head_dim=256,

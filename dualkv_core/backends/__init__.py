@@ -35,13 +35,13 @@ BACKENDS = {
 # Preference of "auto" on CUDA tensors, fastest first.
 AUTO_ORDER_CUDA = ("triton",)
 # Where "auto" follows the measured table instead, for fp16 / bf16 when the CUDA extension is already
-# built and runs the Hopper wgmma kernels at that head dim (benchmarks/results/attention_h200_auto_pair.md,
-# one H200 run of every config): at d = 256 the CUDA backend is ahead forward and backward (1.37x
-# Triton forward+backward); at d = 128 Triton's forward is ahead (by 4-15%) and the CUDA backward (by
-# 4-10%), so "auto" pairs them; at d = 64 the pair too (its backward 1.5x Triton's, fwd+bwd 1.3-1.4x:
-# benchmarks/results/attention_h200_ws_default.md, with the in-turn backward that 5-8% slower than
-# today's default: benchmarks/results/attention_h200_d64_ws_both.md). Other head dims are not measured: Triton.
-AUTO_WGMMA_CHOICE = {256: "cuda", 128: "triton+cuda", 64: "triton+cuda"}
+# built and runs the Hopper wgmma kernels at that head dim: the CUDA backend at d = 256 (1.37x Triton
+# forward+backward: benchmarks/results/attention_h200_auto_pair.md) and at d = 128 and 64, where its
+# warp-specialised forward is 4-12% ahead of Triton's (d = 128, all six configs) or level to 7% ahead
+# (d = 64) and its backward ahead too (benchmarks/results/attention_h200_ws_fwd_rings*.md; until then
+# "auto" paired Triton's forward with the CUDA backward there, "triton+cuda"). Other head dims are not
+# measured: Triton.
+AUTO_WGMMA_CHOICE = {256: "cuda", 128: "cuda", 64: "cuda"}
 
 
 # Names a command line offers for --attention-backend / --backend.

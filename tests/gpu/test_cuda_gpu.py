@@ -162,17 +162,20 @@ def _choose_hopper_kernels(monkeypatch, variable: str, mode: str | None, what: s
         monkeypatch.setenv(variable, mode)
 
 
-@pytest.mark.parametrize("mode", [None, "2"], ids=["default", "warp-specialised"])
+@pytest.mark.parametrize("mode", [None, "1", "2"], ids=["default", "in-turn", "warp-specialised"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", [c for c in GRID if c[4] in (64, 128, 192, 256)], ids=lambda c: _ids(c))
 def test_wgmma_forward_matches_reference(cuda_backend, case, dtype, mode, monkeypatch):
-    """The Hopper wgmma forward (csrc/dkv_fwd_sm90.cuh; d = 64 / 128 / 192 / 256, the default on sm_90,
-    and its warp-specialised form, DUALKV_CUDA_WGMMA=2) on the grid: out / lse / gradients (through the
-    default backward) against the fp32 reference, and the profiler shows that the wgmma kernel ran."""
+    """The Hopper wgmma forward (csrc/dkv_fwd_sm90.cuh; d = 64 / 128 / 192 / 256, the default on sm_90)
+    in both forms, in-turn (DUALKV_CUDA_WGMMA=1, the default at 192 / 256) and warp-specialised (=2, the
+    default at 64 / 128), on the grid: out / lse / gradients (through the default backward) against the
+    fp32 reference, and the profiler shows that the form asked for ran."""
     _choose_hopper_kernels(monkeypatch, "DUALKV_CUDA_WGMMA", mode, "the wgmma forward")
     r, kernels = _kernels_of(case, dtype)
     _check_against_reference(case, dtype, r)
-    assert any("dkv_fwd_sm90_kernel" in name for name in kernels), f"the wgmma forward did not run: {sorted(kernels)}"
+    ws = mode == "2" or (mode is None and case[4] <= 128)
+    form = f"dkv_fwd_sm90_kernel<dkv::{'Bf16' if dtype == torch.bfloat16 else 'Fp16'}, {case[4]}, {str(ws).lower()}>"
+    assert any(form in name for name in kernels), f"{form} did not run: {sorted(kernels)}"
 
 
 @pytest.mark.parametrize("mode", [None, "1", "2", "3", "4", "5", "6", "8"],
@@ -222,29 +225,29 @@ def test_wgmma_split_backward_matches_reference(cuda_backend, case, dtype, deter
 
 
 def test_auto_takes_cuda_where_it_measured_faster(cuda_backend, monkeypatch):
-    """backend="auto" on sm_90 with the wgmma kernels: the CUDA backend at head dim 256 (bf16), Triton's
-    forward with the CUDA backward at 128 and 64 (the profiler shows which kernels ran; the result matches
-    the reference); with DUALKV_CUDA_WGMMA_BWD=0 (no wgmma backward) Triton at both."""
+    """backend="auto" on sm_90 with the wgmma kernels: the CUDA backend at head dims 256, 128 and 64 (bf16;
+    the profiler shows which kernels ran: the in-turn forward at 256, the warp-specialised one at 128 and
+    64; the result matches the reference); with DUALKV_CUDA_WGMMA_BWD=0 (no wgmma backward) Triton."""
     from dualkv.core.backends import resolve_backend
 
     hopper = torch.cuda.get_device_capability()[0] == 9
     q256, q128, q64 = (torch.empty(4, 2, d, device="cuda", dtype=torch.bfloat16) for d in (256, 128, 64))
     assert (resolve_backend("auto", q256) == "cuda") == hopper
-    assert (resolve_backend("auto", q128) == "triton+cuda") == hopper
-    assert (resolve_backend("auto", q64) == "triton+cuda") == hopper
+    assert (resolve_backend("auto", q128) == "cuda") == hopper
+    assert (resolve_backend("auto", q64) == "cuda") == hopper
     if hopper:
         for d in (256, 128, 64):
             case = next(c for c in GRID if c[4] == d)
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 r = _run_packed(case, torch.bfloat16, deterministic=False, backend="auto")
             kernels = sorted({e.name for e in prof.events() if "kernel" in e.name})
-            cuda_fwd = any("dkv_fwd_sm90_kernel" in n for n in kernels)
+            cuda_fwd = any(f"dkv_fwd_sm90_kernel<dkv::Bf16, {d}, {'true' if d <= 128 else 'false'}>" in n for n in kernels)
             triton_fwd = any(n.startswith("fwd_kernel") for n in kernels)  # Triton names its kernels bare
             # a kernel only the chosen backward runs: the split dQ kernel (256), the ws dK/dV kernel
             # with dQ inside (128: schedule 6), the ws dK/dV kernel with split waits (64: schedule 8)
             bwd = {256: "dkv_dq_sm90_split_kernel", 128: "dkv_dkdv_sm90_ws_kernel<dkv::Bf16, 128, true, false>",
                    64: "dkv_dkdv_sm90_ws_kernel<dkv::Bf16, 64, false, true>"}[d]
-            assert (cuda_fwd, triton_fwd) == ((True, False) if d == 256 else (False, True)), kernels
+            assert (cuda_fwd, triton_fwd) == (True, False), kernels
             assert any(bwd in n for n in kernels), kernels
             _check_against_reference(case, torch.bfloat16, r)
         monkeypatch.setenv("DUALKV_CUDA_WGMMA_BWD", "0")
@@ -375,11 +378,13 @@ def _sanitizer():
 
 
 # Kernel paths under the sanitizer: the defaults (on sm_90 the wgmma forward and backward), the opt-in
-# Hopper forms (the warp-specialised forward with the overlapped wgmma backward; the in-turn and the
+# Hopper forms (the in-turn forward with the overlapped wgmma backward; the warp-specialised forward at
+# every head dim, 256 included, where it is opt-in; the in-turn and the
 # warp-specialised dK/dV kernels that also accumulate dQ; the warp-specialised dK/dV kernel with the
 # in-turn dQ kernel; both warp-specialised) and the mma.sync kernels; all but the first differ from
 # the defaults only on an sm_90 GPU.
-SANITIZER_PATHS = {"default": {}, "hopper-opt-in": {"DUALKV_CUDA_WGMMA": "2", "DUALKV_CUDA_WGMMA_BWD": "2"},
+SANITIZER_PATHS = {"default": {}, "hopper-opt-in": {"DUALKV_CUDA_WGMMA": "1", "DUALKV_CUDA_WGMMA_BWD": "2"},
+                   "ws-forward": {"DUALKV_CUDA_WGMMA": "2"},
                    "fused-dq": {"DUALKV_CUDA_WGMMA_BWD": "3"}, "ws-dkdv": {"DUALKV_CUDA_WGMMA_BWD": "4"},
                    "ws-both": {"DUALKV_CUDA_WGMMA_BWD": "5"}, "ws-fused-dq": {"DUALKV_CUDA_WGMMA_BWD": "6"},
                    "ws-split": {"DUALKV_CUDA_WGMMA_BWD": "8"},
