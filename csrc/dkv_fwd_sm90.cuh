@@ -164,6 +164,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs>::kThreads)) dkv_fwd_sm90_kern
   float m_run[2] = {kNegInf, kNegInf}, l_run[2] = {0.f, 0.f};
   const int row_in_tile[2] = {64 * wg + 16 * warp + g, 64 * wg + 16 * warp + g + 8};
 
+  constexpr float kMaxLag = 8.f;  // log2 units: a probability before the final division is at most 2^8
   // Softmax of S (in place: S becomes exp2(x - m)) and the factors alpha that rescale O and l. Without
   // softcap the scores stay raw and the scale goes into the exponent, one FFMA per score
   // (exp2(raw * scale_log2 - m), m in scaled units; the scale is positive, so the raw row maximum
@@ -192,7 +193,11 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs>::kThreads)) dkv_fwd_sm90_kern
         for (int j = 0; j < kBlockN / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
         mx = fmaxf(mx, shfl_xor(mx, 1));
         mx = fmaxf(mx, shfl_xor(mx, 2));
-        const float m_new = fmaxf(m_run[r], mx * sl);
+        // The running maximum moves only when this tile raises it by more than kMaxLag: the
+        // probabilities are then below 2^kMaxLag (the division by l at the end is exact whatever
+        // maximum was subtracted), and O and l are rescaled only on the few tiles where it moved.
+        const float m_tile = mx * sl;
+        const float m_new = m_tile > m_run[r] + kMaxLag ? m_tile : m_run[r];
         const float m_use = m_new == kNegInf ? 0.f : m_new;
         alpha[r] = fast_exp2(m_run[r] - m_use);
         m_run[r] = m_new;
@@ -264,8 +269,8 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs>::kThreads)) dkv_fwd_sm90_kern
     sm90::fence_operand(pa);
 #pragma unroll
     for (int part = 0; part < kParts; ++part) sm90::fence_operand<32>(o[part]);
-    // Rescale O only where a row maximum moved (alpha == 1 exactly otherwise: a later key tile
-    // seldom raises it); the warp takes the branch together, so a stable warp skips the multiplies.
+    // Rescale O only where a row maximum moved (alpha == 1 exactly otherwise: with the lag above a
+    // later key tile seldom moves it); the warp takes the branch together, so a stable warp skips them.
     if (warp_any(alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
       for (int part = 0; part < kParts; ++part)

@@ -108,12 +108,16 @@ def _ids(case):
     return f"P{p}-R{r}-H{H}/{Hkv}-d{d}-w{w}-cap{cap}".replace(" ", "")
 
 
-def _run_packed(case, dtype, deterministic, backend="cuda", seed=0):
+def _run_packed(case, dtype, deterministic, backend="cuda", seed=0, key_ramp=None):
+    """One forward + backward of `case`; key_ramp=(lo, hi) scales the packed keys by a ramp over the
+    tokens (scores that grow along the sequence: the running row maximum keeps moving)."""
     prompts, responses, H, Hkv, d, window, softcap = case
     layout = PackedLayout.from_lengths(prompts, responses, device="cuda")
     g = torch.Generator(device="cuda").manual_seed(seed)
     T = layout.total_tokens
     q, k, v = (torch.randn(T, h, d, device="cuda", generator=g, dtype=dtype) for h in (H, Hkv, Hkv))
+    if key_ramp is not None:
+        k = (k.float() * torch.linspace(*key_ramp, T, device="cuda")[:, None, None]).to(dtype)
     dout = torch.randn(T, H, d, device="cuda", generator=g, dtype=dtype)
     scale = 1.0 / math.sqrt(d)
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
@@ -176,6 +180,18 @@ def test_wgmma_forward_matches_reference(cuda_backend, case, dtype, mode, monkey
     ws = mode == "2" or (mode is None and case[4] <= 128)
     form = f"dkv_fwd_sm90_kernel<dkv::{'Bf16' if dtype == torch.bfloat16 else 'Fp16'}, {case[4]}, {str(ws).lower()}>"
     assert any(form in name for name in kernels), f"{form} did not run: {sorted(kernels)}"
+
+
+@pytest.mark.parametrize("mode", [None, "1", "2"], ids=["default", "in-turn", "warp-specialised"])
+@pytest.mark.parametrize("case", [([1000], [[300, 200]], 4, 2, 128, None, None), ([600], [[250]], 4, 2, 256, None, None),
+                                  ([700], [[300, 41]], 4, 2, 128, None, 30.0)], ids=lambda c: _ids(c))
+def test_wgmma_forward_with_growing_scores(cuda_backend, case, mode, monkeypatch):
+    """Keys scaled up along the sequence (0.2x to 6x), so that later key tiles raise the row maximum far
+    above the running one: the wgmma forward moves its running maximum only past a lag of 2^8 and must
+    then rescale O and l; out / lse / gradients against the fp32 reference (bf16)."""
+    _choose_hopper_kernels(monkeypatch, "DUALKV_CUDA_WGMMA", mode, "the wgmma forward")
+    r = _run_packed(case, torch.bfloat16, deterministic=False, key_ramp=(0.2, 6.0))
+    _check_against_reference(case, torch.bfloat16, r)
 
 
 @pytest.mark.parametrize("mode", [None, "1", "2", "3", "4", "5", "6", "8"],
