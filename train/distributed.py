@@ -40,7 +40,7 @@ class ParallelConfig:
     every layer of the policy and the reference ("auto", one of ``dualkv.core.backends.BACKENDS``, or a
     forward+backward pair of them such as "triton+cuda"); deterministic_attention: bit-identical
     attention gradients run to run (``dualkv_attention(deterministic=True)``; the CUDA backward, which
-    ``auto`` takes at head dims 128 / 256 on Hopper, otherwise adds the prompt's gradients with fp32
+    ``auto`` takes at head dims 64, 128 and 256 on Hopper, otherwise adds the prompt's gradients with fp32
     atomics); logprobs_impl: how the log-prob head reduces each chunk of logits, ``"auto"``,
     ``"torch"`` or ``"triton"`` (``CausalLM.logprobs_impl``; None leaves the model's, which reads
     ``DUALKV_LOGPROBS_IMPL``, default auto)."""
