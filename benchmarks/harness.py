@@ -329,6 +329,14 @@ class DualKVCudaWs(DualKVCuda):
     env = {"DUALKV_CUDA_WGMMA": "2"}
 
 
+@register("dualkv-cuda-tma-fwd")
+class DualKVCudaTmaFwd(DualKVCuda):
+    """The warp-specialised wgmma forward with one producer thread issuing bulk tensor copies (TMA;
+    opt-in, d = 64 / 128)."""
+
+    env = {"DUALKV_CUDA_WGMMA": "3"}
+
+
 @register("dualkv-cuda-in-turn-fwd")
 class DualKVCudaInTurnFwd(DualKVCuda):
     """The in-turn wgmma forward (every thread loads and computes; the default at d = 192 / 256, opt-in

@@ -53,6 +53,24 @@ void check_qkv_like(const Tensor& t, const char* name, const Tensor& q, int64_t 
 
 TensorRef ref(const Tensor& t) { return TensorRef{t.data_ptr(), t.stride(0), t.stride(1)}; }
 
+// The bulk-tensor-copy descriptor of a (rows, heads, head dim) tensor read in boxes of 64 columns x
+// box_rows rows (the TMA forward, DUALKV_CUDA_WGMMA=3). The copy engine needs 16-byte aligned rows and
+// heads; anything else is an error naming the tensor.
+TmaDesc tma_desc(const Tensor& t, const char* name, int box_rows) {
+  const int64_t rs = t.stride(0), hs = t.stride(1);
+  TORCH_CHECK(t.stride(2) == 1 && rs % 8 == 0 && hs % 8 == 0 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, kOps,
+              ": DUALKV_CUDA_WGMMA=3 (bulk tensor copies): ", name,
+              ": expected 16-byte aligned rows and heads (strides multiples of 8 elements, a 16-byte aligned start), got "
+              "strides ", t.strides());
+  TmaDesc d;
+  const int status = encode_tma_desc(d, t.data_ptr(), t.scalar_type() == at::kBFloat16, t.size(0), t.size(1), t.size(2), rs,
+                                     hs, box_rows);
+  TORCH_CHECK(status == 0, kOps, ": DUALKV_CUDA_WGMMA=3 (bulk tensor copies): ", name,
+              status < 0 ? ": the driver has no cuTensorMapEncodeTiled" : ": cuTensorMapEncodeTiled failed (CUresult ",
+              status > 0 ? std::to_string(status) + ")" : std::string(), " for shape ", t.sizes(), " and strides ", t.strides());
+  return d;
+}
+
 void check_meta(const Tensor& t, const char* name, const Tensor& q, int64_t n) {
   TORCH_CHECK(t.scalar_type() == at::kInt && t.dim() == 1 && t.is_contiguous(), kOps, ": ", name,
               ": expected a contiguous 1-D int32 tensor, got ", t.scalar_type(), " of shape ", t.sizes());
@@ -195,12 +213,16 @@ bool hopper_kernels_usable(const Tensor& q) {
 // The wgmma forward (dkv_fwd_sm90.cuh) runs on sm_90 devices for head dims 64 / 128 / 192 / 256, fp16
 // and bf16, when the extension was built for sm_90a (else the mma.sync forward runs);
 // DUALKV_CUDA_WGMMA=0 selects the mma.sync forward, 1 the in-turn wgmma forward (every thread loads and
-// computes), 2 the warp-specialised one (a producer warpgroup, K and V in rings of their own). The
+// computes), 2 the warp-specialised one (a producer warpgroup, K and V in rings of their own), 3 (opt-in,
+// head dims 64 / 128, not yet measured on a GPU) that one with a single producer thread issuing bulk
+// tensor copies (TMA) instead of cp.async. The
 // default: 2 at head dims 64 and 128 (on an H200 4-12% faster than 1 and than Triton's forward at 128,
 // level to 7% faster at 64: benchmarks/results/attention_h200_ws_fwd_rings*.md), 1 at 192 / 256 (where 2
-// measured 1.9x slower). Returns 0 (mma.sync), 1 or 2.
+// measured 1.9x slower). Returns 0 (mma.sync), 1, 2 or 3.
 int use_sm90_forward(const Tensor& q, int head_dim) {
-  const int choice = kernel_choice("DUALKV_CUDA_WGMMA", "012", head_dim <= 128 ? 2 : 1);
+  const int choice = kernel_choice("DUALKV_CUDA_WGMMA", "0123", head_dim <= 128 ? 2 : 1);
+  TORCH_CHECK(choice != 3 || head_dim == 64 || head_dim == 128, kOps,
+              ": DUALKV_CUDA_WGMMA=3 (bulk tensor copies): q: expected headdim 64 or 128, got ", head_dim);
   return choice > 0 && sm90_forward_supports(head_dim) && hopper_kernels_usable(q) ? choice : 0;
 }
 
@@ -306,9 +328,15 @@ std::tuple<Tensor, Tensor> fwd(const Tensor& q, const Tensor& k, const Tensor& v
   p.q_tile_prefix = tile_prefix.data_ptr<int>();
   p.grid_tiles = grid_tiles_bound(args.total_q, args.layout.num_segments, block_m);
   const cudaStream_t st = current_stream();
+  if (sm90 == 3) {
+    p.tma_q = tma_desc(q, "q", kSm90BlockM);
+    p.tma_k = tma_desc(k, "k", kSm90BlockM);
+    p.tma_v = tma_desc(v, "v", kSm90BlockM);
+    p.tma_k_ctx = k_ctx ? tma_desc(*k_ctx, "k_ctx", kSm90BlockM) : p.tma_k;
+    p.tma_v_ctx = v_ctx ? tma_desc(*v_ctx, "v_ctx", kSm90BlockM) : p.tma_v;
+  }
   if (sm90) {
-    const bool ws = sm90 == 2;
-    check_launch(bf16 ? run_fwd_sm90<Bf16>(p, st, ws) : run_fwd_sm90<Fp16>(p, st, ws), "forward kernel (sm90 wgmma)");
+    check_launch(bf16 ? run_fwd_sm90<Bf16>(p, st, sm90) : run_fwd_sm90<Fp16>(p, st, sm90), "forward kernel (sm90 wgmma)");
   } else {
     check_launch(bf16 ? dispatch_fwd<Bf16>(p, st) : dispatch_fwd<Fp16>(p, st), "forward kernel");
   }

@@ -91,6 +91,7 @@ struct Thread {
   std::vector<PendingCopy> open;                 // copies not yet committed
   std::vector<std::vector<PendingReduce>> bulk_groups;  // committed bulk groups, oldest first
   std::vector<PendingReduce> bulk_open;                 // bulk reductions not yet committed
+  std::map<uint64_t*, int64_t> tma_bytes;               // bulk tensor copies' bytes still to land, per mbarrier
 };
 
 inline thread_local Thread self;
@@ -334,6 +335,49 @@ inline void bulk_wait(int n) {
   }
 }
 
+// Bulk tensor copies (TMA) completing on an mbarrier. mbarrier.arrive.expect_tx by this thread announces
+// `bytes`; each copy lands at once (synchronously) and counts them down; the arrival itself is made when
+// they have all landed, so waiters see the phase complete only with the data in place (on the device
+// the phase completes when the arrival and the transaction count are both done). A copy onto a
+// barrier this thread announced nothing on, or more bytes than announced, is an error.
+//
+// The emulated descriptor (dkv::TmaDesc words): 0 the base pointer, 1 the row stride, 2 the head
+// stride (elements), 3 rows, 4 heads, 5 columns, 6 box rows; a box is 64 columns (128 bytes of 16-bit
+// elements) of one head by `box rows` rows, written 128B-swizzled (chunk c of row r at c ^ (r % 8));
+// rows or heads outside the tensor read as zeros, as the device's out-of-bounds fill does.
+inline void tma_expect_tx(uint64_t* bar, int bytes) {
+  require_aligned(bar, 8, "mbarrier");
+  self.tma_bytes[bar] += bytes;
+}
+inline void tma_load_box(void* dst, const uint64_t* desc, int col, int head, int row, uint64_t* bar) {
+  require_aligned(dst, 1024, "bulk tensor copy destination (128B swizzle)");
+  const auto* base = reinterpret_cast<const uint16_t*>(desc[0]);
+  const int64_t row_stride = static_cast<int64_t>(desc[1]), head_stride = static_cast<int64_t>(desc[2]);
+  const int64_t rows = static_cast<int64_t>(desc[3]), heads = static_cast<int64_t>(desc[4]), cols = static_cast<int64_t>(desc[5]);
+  const int box_rows = static_cast<int>(desc[6]);
+  if (col % 8 != 0 || col < 0 || col + 64 > cols) throw std::runtime_error("emulated bulk tensor copy: box columns outside the tensor");
+  auto* out = static_cast<unsigned char*>(dst);
+  for (int r = 0; r < box_rows; ++r) {
+    const int64_t gr = static_cast<int64_t>(row) + r;
+    const bool inside = gr >= 0 && gr < rows && head >= 0 && head < heads;
+    for (int c = 0; c < 8; ++c) {
+      unsigned char* d = out + r * 128 + ((c ^ (r & 7)) << 4);
+      if (inside)
+        std::memcpy(d, base + gr * row_stride + head * head_stride + col + 8 * c, 16);
+      else
+        std::memset(d, 0, 16);
+    }
+  }
+  auto it = self.tma_bytes.find(bar);
+  const int64_t bytes = static_cast<int64_t>(box_rows) * 128;
+  if (it == self.tma_bytes.end() || it->second < bytes)
+    throw std::runtime_error("emulated bulk tensor copy: more bytes than the mbarrier was told to expect");
+  if ((it->second -= bytes) == 0) {
+    self.tma_bytes.erase(it);
+    mbar_arrive(bar);
+  }
+}
+
 // bar.sync id, count (ids 1 .. 15; 0 is the block's barrier).
 inline void named_sync(int id, int count) {
   self.named->get(id, count).arrive_and_wait();
@@ -396,6 +440,8 @@ inline void launch(dim3 grid, dim3 block, size_t smem_bytes, const std::function
             cp_wait(0);
             if (!self.bulk_open.empty() || !self.bulk_groups.empty())
               throw std::runtime_error("emulated bulk reduction: a thread exited before waiting for it");
+            if (!self.tma_bytes.empty())
+              throw std::runtime_error("emulated mbarrier: a thread exited with announced bytes that never landed");
           });
         }
         for (auto& th : threads) th.join();

@@ -1,19 +1,54 @@
-// Forward on Hopper warpgroup MMA (dkv_fwd_sm90.cuh): fp16 and bf16, head dims 64, 128, 192, 256. The
+// Forward on Hopper warpgroup MMA (dkv_fwd_sm90.cuh): fp16 and bf16, head dims 64, 128, 192, 256 (the
+// TMA form at 64 / 128). The
 // kernel traps unless the unit is built for sm_90a; the binding only calls it on an sm_90 device.
 #include "dkv_fwd_sm90.cuh"
 #include "dkv_launch_impl.cuh"
 
 #include <atomic>
 
+#ifndef DKV_EMULATE
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#endif
+
 namespace dkv {
 
-template <class E, int D, bool kWs>
+template <class E, int D, bool kWs, bool kTma = false>
 cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
-  using K = FwdSm90<D, kWs>;
-  return launch_tiles<K, &dkv_fwd_sm90_kernel<E, D, kWs>>(p, stream);
+  using K = FwdSm90<D, kWs, kTma>;
+  return launch_tiles<K, &dkv_fwd_sm90_kernel<E, D, kWs, kTma>>(p, stream);
 }
 
 bool sm90_forward_supports(int head_dim) { return head_dim == 64 || head_dim == 128 || head_dim == 192 || head_dim == 256; }
+
+int encode_tma_desc(TmaDesc& d, void* ptr, bool bf16, int64_t rows, int64_t heads, int64_t cols, int64_t row_stride,
+                    int64_t head_stride, int box_rows) {
+  d = TmaDesc{};
+#ifdef DKV_EMULATE
+  (void)bf16;  // the emulated copy moves 16-bit elements of either type (dkv_emulation.h, tma_load_box)
+  const int64_t fields[7] = {static_cast<int64_t>(reinterpret_cast<uintptr_t>(ptr)), row_stride, head_stride, rows, heads, cols,
+                             box_rows};
+  for (int i = 0; i < 7; ++i) d.words[i] = static_cast<uint64_t>(fields[i]);
+  return 0;
+#else
+  // The driver's encoder, found once through the runtime (no link against libcuda).
+  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found);
+    return err == cudaSuccess && found == cudaDriverEntryPointSuccess ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn)
+                                                                      : nullptr;
+  }();
+  if (encode == nullptr) return -1;
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(head_stride) * 2, static_cast<cuuint64_t>(row_stride) * 2};  // bytes
+  const cuuint32_t box[3] = {64, 1, static_cast<cuuint32_t>(box_rows)}, element_strides[3] = {1, 1, 1};
+  const CUresult res = encode(reinterpret_cast<CUtensorMap*>(d.words), bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                              3, ptr, dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                              CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return res == CUDA_SUCCESS ? 0 : static_cast<int>(res);
+#endif
+}
 
 #ifndef DKV_EMULATE
 DKV_GLOBAL void dkv_wgmma_probe_kernel(int* built) { *built = DKV_HAS_WGMMA; }
@@ -58,11 +93,16 @@ cudaError_t run_fwd_sm90_variant(const FwdParams& p, cudaStream_t stream) {
 }
 
 template <class E>
-cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream, bool warp_specialized) {
-  return warp_specialized ? run_fwd_sm90_variant<E, true>(p, stream) : run_fwd_sm90_variant<E, false>(p, stream);
+cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream, int form) {
+  if (form == 3) {  // the binding checked the head dim and built the tensor maps
+    if (p.head_dim == 64) return launch_fwd_sm90<E, 64, true, true>(p, stream);
+    if (p.head_dim == 128) return launch_fwd_sm90<E, 128, true, true>(p, stream);
+    return static_cast<cudaError_t>(1);  // cudaErrorInvalidValue
+  }
+  return form == 2 ? run_fwd_sm90_variant<E, true>(p, stream) : run_fwd_sm90_variant<E, false>(p, stream);
 }
 
-template cudaError_t run_fwd_sm90<Fp16>(const FwdParams&, cudaStream_t, bool);
-template cudaError_t run_fwd_sm90<Bf16>(const FwdParams&, cudaStream_t, bool);
+template cudaError_t run_fwd_sm90<Fp16>(const FwdParams&, cudaStream_t, int);
+template cudaError_t run_fwd_sm90<Bf16>(const FwdParams&, cudaStream_t, int);
 
 }  // namespace dkv

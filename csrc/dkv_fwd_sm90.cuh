@@ -30,10 +30,18 @@ namespace dkv {
 // one's softmax under the other's matmuls; the producer gives registers back (setmaxnreg) for the
 // consumers' accumulators. With one ring for both, the consumers spent a third of their time waiting
 // for loads (Nsight Compute at (8, 16K, 512): benchmarks/results/raw/profile_h200_fwd_ws_rings.log).
-template <int kHeadDim_, bool kWs_ = false>
+//
+// kTma = true (DUALKV_CUDA_WGMMA=3, opt-in, d = 64 / 128; not yet measured on a GPU): the warp-specialised
+// form with one producer thread filling the rings by bulk tensor copies (TMA boxes of 64 columns x 128
+// rows, 128B-swizzled by the copy engine, completing on the full barriers' transaction counts) instead
+// of 128 threads' cp.async; rows past a tile's valid ones are loaded as they are (masked, as with
+// cp.async's zeros; rows past the tensor land as zeros).
+template <int kHeadDim_, bool kWs_ = false, bool kTma_ = false>
 struct FwdSm90 {
   static constexpr int kHeadDim = kHeadDim_, kWarpGroups = 2, kBlockM = 64 * kWarpGroups;
-  static constexpr bool kWs = kWs_;
+  static constexpr bool kWs = kWs_, kTma = kTma_;
+  static_assert(!kTma || (kWs && kHeadDim <= 128), "the TMA forward: the warp-specialised form at head dims 64 / 128");
+  static constexpr int kTmaBoxRows = 128;  // (kTma) rows of every box: a Q tile and a K / V tile alike
   static constexpr int kThreads = 128 * (kWarpGroups + (kWs ? 1 : 0));
   static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;
   static constexpr int kParts = kHeadDim / 64;             // 64-column swizzled sub-tiles per row
@@ -46,9 +54,9 @@ struct FwdSm90 {
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one H100 / H200 block");
 };
 
-template <class E, int D, bool kWs>
-DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs>::kThreads)) dkv_fwd_sm90_kernel(const DKV_GRID_CONSTANT FwdParams p) {
-  using K = FwdSm90<D, kWs>;
+template <class E, int D, bool kWs, bool kTma = false>
+DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs, kTma>::kThreads)) dkv_fwd_sm90_kernel(const DKV_GRID_CONSTANT FwdParams p) {
+  using K = FwdSm90<D, kWs, kTma>;
   constexpr int kParts = K::kParts, kBlockM = K::kBlockM, kBlockN = K::kBlockN;
   const QueryTile qt = query_tile<kBlockM>(p, p.q_tile_prefix);
   if (qt.s < 0) return;
@@ -87,8 +95,28 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs>::kThreads)) dkv_fwd_sm90_kern
     sm90::load_tile_sw128_async<D, kLoaders, kBlockN>(sV(t), kt.ctx ? p.v_ctx : p.v, kt.row, hk, kt.valid, lt);
   };
   if constexpr (kWs) {
-    sm90::init_ring(full_k, empty_k, kStages);
-    sm90::init_ring(full_v, empty_v, kStages);
+    sm90::init_ring(full_k, empty_k, kStages, kTma ? 1 : 128);
+    sm90::init_ring(full_v, empty_v, kStages, kTma ? 1 : 128);
+    if (tid < 0 && kTma) {  // the producer: one thread, bulk tensor copies
+      sm90::setmaxnreg_dec<sm90::kProducerRegs>();
+      if (thread_idx() != 0) return;
+      auto load_boxes = [&](uint16_t* dst, const TmaDesc& map, int head, int row, uint64_t* bar) {
+        static_assert(!kTma || (K::kBlockM == K::kTmaBoxRows && K::kBlockN == K::kTmaBoxRows), "Q, K and V tiles of one box height");
+        for (int part = 0; part < kParts; ++part)  // part-major: each 64-column part is 128 rows x 128 bytes
+          sm90::tma_load_box(dst + part * K::kTmaBoxRows * 64, map, 64 * part, head, row, bar);
+      };
+      for (int t = 0; t < n_tiles; ++t) {
+        const KvTile kt = walk.tile<kBlockN>(t);
+        if (t >= kStages) sm90::mbar_wait(&empty_k[t % kStages], (t / kStages - 1) & 1);
+        sm90::mbar_arrive_expect_tx(&full_k[t % kStages], (K::kKvTile + (t == 0 ? K::kQTile : 0)) * 2);
+        if (t == 0) load_boxes(sQ, p.tma_q, h, row0 + q0, &full_k[0]);
+        load_boxes(sK(t), kt.ctx ? p.tma_k_ctx : p.tma_k, hk, kt.row, &full_k[t % kStages]);
+        if (t >= kStages) sm90::mbar_wait(&empty_v[t % kStages], (t / kStages - 1) & 1);
+        sm90::mbar_arrive_expect_tx(&full_v[t % kStages], K::kKvTile * 2);
+        load_boxes(sV(t), kt.ctx ? p.tma_v_ctx : p.tma_v, hk, kt.row, &full_v[t % kStages]);
+      }
+      return;
+    }
     if (tid < 0) {  // the producer: Q with K_0, then K_t and V_t, each once its buffer is free
       sm90::setmaxnreg_dec<sm90::kProducerRegs>();
       const int lt = thread_idx();

@@ -19,9 +19,16 @@ struct Bf16;
 template <class E, int D>
 cudaError_t run_fwd(const FwdParams& p, cudaStream_t stream);
 // Forward on Hopper warpgroup MMA (fp16 / bf16, head dims 64 / 128 / 192 / 256; blocks of 128 query rows).
+// form: 1 in turn, 2 warp-specialised, 3 warp-specialised with bulk tensor copies (head dims 64 / 128;
+// p.tma_* filled).
 template <class E>
-cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream, bool warp_specialized);
+cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream, int form);
 bool sm90_forward_supports(int head_dim);
+// (form 3) Fills `d` for a (rows, heads, cols) tensor of 16-bit elements (strides in elements, rows and
+// heads 16-byte aligned): a 3-D view (cols, heads, rows) read in boxes of 64 columns x box_rows rows,
+// 128B-swizzled. Returns 0, a driver error code, or -1 when the driver has no cuTensorMapEncodeTiled.
+int encode_tma_desc(TmaDesc& d, void* ptr, bool bf16, int64_t rows, int64_t heads, int64_t cols, int64_t row_stride,
+                    int64_t head_stride, int box_rows);
 bool sm90_kernels_built(cudaStream_t stream);  // the wgmma kernels were compiled for sm_90a (checked once)
 constexpr int kSm90BlockM = 128;
 // Backward on Hopper warpgroup MMA (fp16 / bf16, head dims 64 / 128 / 192 / 256): dQ on query tiles of

@@ -47,7 +47,16 @@ struct AttnArgs {
 
 constexpr int kNoWindow = 1 << 30;
 
+// A bulk-tensor-copy (TMA) descriptor: on a device the driver's 128-byte CUtensorMap of a 3-D view
+// (head-dim columns, heads, rows) of q, k or v, built by the binding; in the CPU emulation the same
+// view's fields (dkv_emulation.h, tma_load_box). Opaque to the kernels, which only pass its address.
+struct alignas(64) TmaDesc {
+  uint64_t words[16] = {};
+};
+
 struct FwdParams : AttnArgs {
+  // (DUALKV_CUDA_WGMMA=3) boxes of 64 columns x 128 rows of q, k, v, k_ctx, v_ctx.
+  TmaDesc tma_q, tma_k, tma_v, tma_k_ctx, tma_v_ctx;
   TensorRef out;
   float* lse = nullptr;              // (H, total_q)
   const int* q_tile_prefix = nullptr;  // (S+1,) prefix of ceil(len_s / kBlockM)

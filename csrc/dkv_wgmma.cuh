@@ -237,15 +237,52 @@ DKV_DEV void mbar_wait(uint64_t* bar, int parity) {
 #endif
 }
 
+// Bulk tensor copies (TMA): the issuing thread arrives on `bar` announcing the bytes its phase also
+// waits for (mbarrier.arrive.expect_tx), then issues boxes that count them down as they land.
+// tma_load_box copies one box of a TmaDesc (a 3-D view: head-dim columns, heads, rows; the box 64
+// columns of one head by the map's box rows) to 128B-swizzled shared memory at `dst` (1024-byte
+// aligned), starting at (col, head, row); rows outside the tensor land as zeros.
+DKV_DEV void mbar_arrive_expect_tx(uint64_t* bar, int bytes) {
+#if defined(DKV_EMULATE)
+  dkv_emu::tma_expect_tx(bar, bytes);
+#elif DKV_HAS_WGMMA
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(
+                   static_cast<uint32_t>(__cvta_generic_to_shared(bar))),
+               "r"(bytes)
+               : "memory");
+#else
+  (void)bar, (void)bytes;
+#endif
+}
+
+DKV_DEV void tma_load_box(void* dst, const TmaDesc& desc, int col, int head, int row, uint64_t* bar) {
+#if defined(DKV_EMULATE)
+  dkv_emu::tma_load_box(dst, desc.words, col, head, row, bar);
+#elif DKV_HAS_WGMMA
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];\n" ::"r"(
+          static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
+      "l"(reinterpret_cast<uint64_t>(&desc)), "r"(static_cast<uint32_t>(__cvta_generic_to_shared(bar))), "r"(col), "r"(head),
+      "r"(row)
+      : "memory");
+#else
+  (void)dst, (void)desc, (void)col, (void)head, (void)row, (void)bar;
+#endif
+}
+
 // A producer / consumer ring of `stages` buffers: full[i] completes when the producer warpgroup's 128
-// threads have arrived (buffer i landed), empty[i] when both consumer warpgroups' 256 threads have
-// (buffer i read). Thread 0 initialises; the block barrier makes them visible before any use.
-DKV_DEV void init_ring(uint64_t* full, uint64_t* empty, int stages) {
+// threads have arrived (buffer i landed; `full_count` 1 when one thread fills it by bulk tensor
+// copies), empty[i] when both consumer warpgroups' 256 threads have (buffer i read). Thread 0
+// initialises; the block barrier makes them visible before any use.
+DKV_DEV void init_ring(uint64_t* full, uint64_t* empty, int stages, int full_count = 128) {
   if (thread_idx() == 0) {
     for (int st = 0; st < stages; ++st) {
-      mbar_init(&full[st], 128);
+      mbar_init(&full[st], full_count);
       mbar_init(&empty[st], 256);
     }
+#if !defined(DKV_EMULATE) && DKV_HAS_WGMMA
+    if (full_count == 1) asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // for the copy engine
+#endif
   }
   block_sync();
 }

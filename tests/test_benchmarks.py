@@ -271,7 +271,8 @@ def test_cuda_kernel_variants_set_their_environment(monkeypatch):
     layout = cfg.layout(CPU)
     expect = {"dualkv-auto": (None, None), "dualkv-triton": (None, None), "reference": (None, None),
               "dualkv-cuda": (None, None), "dualkv-cuda-mma": ("0", "0"), "dualkv-cuda-mma-bwd": (None, "0"),
-              "dualkv-cuda-ws": ("2", None), "dualkv-cuda-in-turn-fwd": ("1", None),
+              "dualkv-cuda-ws": ("2", None), "dualkv-cuda-tma-fwd": ("3", None),
+              "dualkv-cuda-in-turn-fwd": ("1", None),
               "dualkv-cuda-wgmma-bwd": (None, "1"),
               "dualkv-cuda-wgmma-bwd-overlap": (None, "2"), "dualkv-cuda-fused-dq": (None, "3"),
               "dualkv-pair-fused-dq": (None, "3"), "dualkv-cuda-ws-bwd": (None, "4"), "dualkv-pair-ws-bwd": (None, "4"),

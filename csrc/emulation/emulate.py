@@ -8,7 +8,7 @@ per CUDA thread): keep the shapes tiny.
     python csrc/emulation/emulate.py            # the default case list
     python csrc/emulation/emulate.py --quick    # two cases
     python csrc/emulation/emulate.py --wgmma    # the wgmma building blocks (csrc/dkv_wgmma.cuh) only
-    python csrc/emulation/emulate.py --sm90     # the wgmma forward (DUALKV_CUDA_WGMMA=1, 2)
+    python csrc/emulation/emulate.py --sm90     # the wgmma forward (DUALKV_CUDA_WGMMA=1, 2, 3)
     python csrc/emulation/emulate.py --sm90-bwd # the wgmma dQ and dK/dV kernels (DUALKV_CUDA_WGMMA_BWD=1 .. 6, 8)
 """
 
@@ -176,7 +176,7 @@ SM90_BWD_CASES = [
 def check_bad_kernel_choices() -> bool:
     """An unknown value of a kernel-choice variable is an error naming it, not a silent default."""
     ok = True
-    for name, bad, allowed in (("DUALKV_CUDA_WGMMA", "3", "0, 1, 2"), ("DUALKV_CUDA_WGMMA_BWD", "7", "0, 1, 2, 3, 4, 5, 6, 8")):
+    for name, bad, allowed in (("DUALKV_CUDA_WGMMA", "4", "0, 1, 2, 3"), ("DUALKV_CUDA_WGMMA_BWD", "7", "0, 1, 2, 3, 4, 5, 6, 8")):
         saved = os.environ.get(name)
         os.environ[name] = bad
         try:
@@ -193,6 +193,25 @@ def check_bad_kernel_choices() -> bool:
             else:
                 os.environ[name] = saved
     return ok
+
+
+def check_tma_head_dim() -> bool:
+    """DUALKV_CUDA_WGMMA=3 (bulk tensor copies) at a head dim it lacks is an error naming the head dim."""
+    saved = os.environ.get("DUALKV_CUDA_WGMMA")
+    os.environ["DUALKV_CUDA_WGMMA"] = "3"
+    try:
+        run_case(d=256, dtype=torch.bfloat16, prompts=[20], responses=[[9]], H=1, Hkv=1, backward=False)
+        print("FAIL DUALKV_CUDA_WGMMA=3 ran at d = 256")
+        return False
+    except RuntimeError as err:
+        good = "DUALKV_CUDA_WGMMA=3 (bulk tensor copies): q: expected headdim 64 or 128, got 256" in str(err)
+        print(("ok" if good else "FAIL") + f" DUALKV_CUDA_WGMMA=3 at d = 256 raises: {str(err).splitlines()[0][:120]}")
+        return good
+    finally:
+        if saved is None:
+            os.environ.pop("DUALKV_CUDA_WGMMA", None)
+        else:
+            os.environ["DUALKV_CUDA_WGMMA"] = saved
 
 
 def check_wgmma_path() -> bool:
@@ -240,7 +259,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", type=int, default=None, help="one case of the list (with --sm90-bwd: of its list)")
     ap.add_argument("--wgmma", action="store_true", help="only the wgmma building blocks")
-    ap.add_argument("--sm90", action="store_true", help="the wgmma forward kernels' cases (DUALKV_CUDA_WGMMA=1, 2)")
+    ap.add_argument("--sm90", action="store_true", help="the wgmma forward kernels' cases (DUALKV_CUDA_WGMMA=1, 2, 3)")
     ap.add_argument("--sm90-bwd", action="store_true",
                     help="the wgmma backward's cases (DUALKV_CUDA_WGMMA_BWD=1 .. 6 and 8, with the wgmma forward)")
     ap.add_argument("--forward-only", action="store_true", help="with --sm90: skip the backward")
@@ -258,10 +277,12 @@ def main():
     torch.manual_seed(0)
     if args.sm90:
         ok = check_bad_kernel_choices()
-        for mode in ("1", "2"):  # the wgmma forward, then its warp-specialised form
+        for mode in ("1", "2", "3"):  # the wgmma forward, its warp-specialised form, that form with TMA loads
             os.environ["DUALKV_CUDA_WGMMA"] = mode
             print(f"DUALKV_CUDA_WGMMA={mode}", flush=True)
-            ok = all([run_case(**c, backward=not args.forward_only) for c in SM90_CASES]) and ok
+            cases = [c for c in SM90_CASES if mode != "3" or c["d"] in (64, 128)]  # TMA: head dims 64 / 128
+            ok = all([run_case(**c, backward=not args.forward_only) for c in cases]) and ok
+        ok = check_tma_head_dim() and ok
         print("ALL OK" if ok else "FAILURES")
         sys.exit(0 if ok else 1)
     if args.sm90_bwd:

@@ -166,29 +166,44 @@ def _choose_hopper_kernels(monkeypatch, variable: str, mode: str | None, what: s
         monkeypatch.setenv(variable, mode)
 
 
-@pytest.mark.parametrize("mode", [None, "1", "2"], ids=["default", "in-turn", "warp-specialised"])
+@pytest.mark.parametrize("mode", [None, "1", "2", "3"], ids=["default", "in-turn", "warp-specialised", "tma"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", [c for c in GRID if c[4] in (64, 128, 192, 256)], ids=lambda c: _ids(c))
 def test_wgmma_forward_matches_reference(cuda_backend, case, dtype, mode, monkeypatch):
     """The Hopper wgmma forward (csrc/dkv_fwd_sm90.cuh; d = 64 / 128 / 192 / 256, the default on sm_90)
     in both forms, in-turn (DUALKV_CUDA_WGMMA=1, the default at 192 / 256) and warp-specialised (=2, the
-    default at 64 / 128), on the grid: out / lse / gradients (through the default backward) against the
-    fp32 reference, and the profiler shows that the form asked for ran."""
+    default at 64 / 128) and that one with bulk tensor copies (=3, opt-in at 64 / 128), on the grid: out /
+    lse / gradients (through the default backward) against the fp32 reference, and the profiler shows
+    that the form asked for ran."""
+    if mode == "3" and case[4] > 128:
+        pytest.skip("the TMA forward: head dims 64 / 128 (test_tma_forward_rejects_other_head_dims)")
     _choose_hopper_kernels(monkeypatch, "DUALKV_CUDA_WGMMA", mode, "the wgmma forward")
     r, kernels = _kernels_of(case, dtype)
     _check_against_reference(case, dtype, r)
-    ws = mode == "2" or (mode is None and case[4] <= 128)
-    form = f"dkv_fwd_sm90_kernel<dkv::{'Bf16' if dtype == torch.bfloat16 else 'Fp16'}, {case[4]}, {str(ws).lower()}>"
+    ws = mode in ("2", "3") or (mode is None and case[4] <= 128)
+    flags = f"{str(ws).lower()}, {str(mode == '3').lower()}"
+    form = f"dkv_fwd_sm90_kernel<dkv::{'Bf16' if dtype == torch.bfloat16 else 'Fp16'}, {case[4]}, {flags}>"
     assert any(form in name for name in kernels), f"{form} did not run: {sorted(kernels)}"
 
 
-@pytest.mark.parametrize("mode", [None, "1", "2"], ids=["default", "in-turn", "warp-specialised"])
+def test_tma_forward_rejects_other_head_dims(cuda_backend, monkeypatch):
+    """DUALKV_CUDA_WGMMA=3 (bulk tensor copies) at head dim 256 is an error naming the variable and the head dim."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the TMA forward needs an sm_90 GPU")
+    monkeypatch.setenv("DUALKV_CUDA_WGMMA", "3")
+    with pytest.raises(RuntimeError, match="DUALKV_CUDA_WGMMA=3 .*expected headdim 64 or 128, got 256"):
+        _run_packed(([20], [[9]], 2, 1, 256, None, None), torch.bfloat16, deterministic=False)
+
+
+@pytest.mark.parametrize("mode", [None, "1", "2", "3"], ids=["default", "in-turn", "warp-specialised", "tma"])
 @pytest.mark.parametrize("case", [([1000], [[300, 200]], 4, 2, 128, None, None), ([600], [[250]], 4, 2, 256, None, None),
                                   ([700], [[300, 41]], 4, 2, 128, None, 30.0)], ids=lambda c: _ids(c))
 def test_wgmma_forward_with_growing_scores(cuda_backend, case, mode, monkeypatch):
     """Keys scaled up along the sequence (0.2x to 6x), so that later key tiles raise the row maximum far
     above the running one: the wgmma forward moves its running maximum only past a lag of 2^8 and must
     then rescale O and l; out / lse / gradients against the fp32 reference (bf16)."""
+    if mode == "3" and case[4] > 128:
+        pytest.skip("the TMA forward: head dims 64 / 128")
     _choose_hopper_kernels(monkeypatch, "DUALKV_CUDA_WGMMA", mode, "the wgmma forward")
     r = _run_packed(case, torch.bfloat16, deterministic=False, key_ramp=(0.2, 6.0))
     _check_against_reference(case, torch.bfloat16, r)
@@ -257,7 +272,7 @@ def test_auto_takes_cuda_where_it_measured_faster(cuda_backend, monkeypatch):
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 r = _run_packed(case, torch.bfloat16, deterministic=False, backend="auto")
             kernels = sorted({e.name for e in prof.events() if "kernel" in e.name})
-            cuda_fwd = any(f"dkv_fwd_sm90_kernel<dkv::Bf16, {d}, {'true' if d <= 128 else 'false'}>" in n for n in kernels)
+            cuda_fwd = any(f"dkv_fwd_sm90_kernel<dkv::Bf16, {d}, {'true' if d <= 128 else 'false'}, false>" in n for n in kernels)
             triton_fwd = any(n.startswith("fwd_kernel") for n in kernels)  # Triton names its kernels bare
             # a kernel only the chosen backward runs: the split dQ kernel (256), the ws dK/dV kernel
             # with dQ inside (128: schedule 6), the ws dK/dV kernel with split waits (64: schedule 8)
@@ -362,10 +377,12 @@ def test_non_contiguous_inputs(cuda_backend):
 # ------------------------------------------------------------------------------------ sanitizer
 SANITIZER_SCRIPT = textwrap.dedent(
     """
+    import os
     import torch
     from dualkv.core import PackedLayout, dualkv_attention, flash_attn_dualkv_varlen_func
     torch.manual_seed(0)
-    for d, det, window in ((64, False, None), (128, True, 40), (128, False, None), (256, False, None)):
+    tma = os.environ.get("DUALKV_CUDA_WGMMA") == "3"  # the TMA forward: head dims 64 / 128 only
+    for d, det, window in ((64, False, None), (128, True, 40), (128, False, None), (256, False, None))[: 3 if tma else 4]:
         layout = PackedLayout.from_lengths([70, 5], [[33, 9], [17]], device="cuda")
         T = layout.total_tokens
         q = torch.randn(T, 4, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -395,12 +412,12 @@ def _sanitizer():
 
 # Kernel paths under the sanitizer: the defaults (on sm_90 the wgmma forward and backward), the opt-in
 # Hopper forms (the in-turn forward with the overlapped wgmma backward; the warp-specialised forward at
-# every head dim, 256 included, where it is opt-in; the in-turn and the
+# every head dim, 256 included, where it is opt-in; that one with bulk tensor copies at 64 / 128; the in-turn and the
 # warp-specialised dK/dV kernels that also accumulate dQ; the warp-specialised dK/dV kernel with the
 # in-turn dQ kernel; both warp-specialised) and the mma.sync kernels; all but the first differ from
 # the defaults only on an sm_90 GPU.
 SANITIZER_PATHS = {"default": {}, "hopper-opt-in": {"DUALKV_CUDA_WGMMA": "1", "DUALKV_CUDA_WGMMA_BWD": "2"},
-                   "ws-forward": {"DUALKV_CUDA_WGMMA": "2"},
+                   "ws-forward": {"DUALKV_CUDA_WGMMA": "2"}, "tma-forward": {"DUALKV_CUDA_WGMMA": "3"},
                    "fused-dq": {"DUALKV_CUDA_WGMMA_BWD": "3"}, "ws-dkdv": {"DUALKV_CUDA_WGMMA_BWD": "4"},
                    "ws-both": {"DUALKV_CUDA_WGMMA_BWD": "5"}, "ws-fused-dq": {"DUALKV_CUDA_WGMMA_BWD": "6"},
                    "ws-split": {"DUALKV_CUDA_WGMMA_BWD": "8"},
