@@ -14,7 +14,7 @@
 // V one tile behind K: iteration t loads K_{t+kStages-1} and V_{t+kStages-2} with cp.async
 // (128B-swizzled, made visible to the wgmma proxy by a fence), so every load has kStages - 1 whole
 // iterations to land (kWs = false; the warp-specialised form below has its own rings). The loads
-// are cp.async; no TMA yet (docs/cuda.md).
+// are cp.async, or bulk tensor copies in the opt-in kTma form (docs/cuda.md).
 #pragma once
 
 #include "dkv_fwd.cuh"
@@ -101,7 +101,8 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs, kTma>::kThreads)) dkv_fwd_sm9
       sm90::setmaxnreg_dec<sm90::kProducerRegs>();
       if (thread_idx() != 0) return;
       auto load_boxes = [&](uint16_t* dst, const TmaDesc& map, int head, int row, uint64_t* bar) {
-        static_assert(!kTma || (K::kBlockM == K::kTmaBoxRows && K::kBlockN == K::kTmaBoxRows), "Q, K and V tiles of one box height");
+        static_assert(!kTma || (K::kBlockM == K::kTmaBoxRows && K::kBlockN == K::kTmaBoxRows),
+                      "Q, K and V tiles of one box height");
         for (int part = 0; part < kParts; ++part)  // part-major: each 64-column part is 128 rows x 128 bytes
           sm90::tma_load_box(dst + part * K::kTmaBoxRows * 64, map, 64 * part, head, row, bar);
       };
