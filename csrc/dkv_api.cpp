@@ -54,20 +54,16 @@ void check_qkv_like(const Tensor& t, const char* name, const Tensor& q, int64_t 
 TensorRef ref(const Tensor& t) { return TensorRef{t.data_ptr(), t.stride(0), t.stride(1)}; }
 
 // The bulk-tensor-copy descriptor of a (rows, heads, head dim) tensor read in boxes of 64 columns x
-// box_rows rows (the TMA forward, DUALKV_CUDA_WGMMA=3). The copy engine needs 16-byte aligned rows and
-// heads; anything else is an error naming the tensor.
+// box_rows rows (the TMA forward, DUALKV_CUDA_WGMMA=3). The 16-byte aligned rows and heads the copy
+// engine needs are what check_qkv_like already asked of q, k, v and the context tensors.
 TmaDesc tma_desc(const Tensor& t, const char* name, int box_rows) {
-  const int64_t rs = t.stride(0), hs = t.stride(1);
-  TORCH_CHECK(t.stride(2) == 1 && rs % 8 == 0 && hs % 8 == 0 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, kOps,
-              ": DUALKV_CUDA_WGMMA=3 (bulk tensor copies): ", name,
-              ": expected 16-byte aligned rows and heads (strides multiples of 8 elements, a 16-byte aligned start), got "
-              "strides ", t.strides());
   TmaDesc d;
-  const int status = encode_tma_desc(d, t.data_ptr(), t.scalar_type() == at::kBFloat16, t.size(0), t.size(1), t.size(2), rs,
-                                     hs, box_rows);
-  TORCH_CHECK(status == 0, kOps, ": DUALKV_CUDA_WGMMA=3 (bulk tensor copies): ", name,
-              status < 0 ? ": the driver has no cuTensorMapEncodeTiled" : ": cuTensorMapEncodeTiled failed (CUresult ",
-              status > 0 ? std::to_string(status) + ")" : std::string(), " for shape ", t.sizes(), " and strides ", t.strides());
+  const int status = encode_tma_desc(d, t.data_ptr(), t.scalar_type() == at::kBFloat16, t.size(0), t.size(1), t.size(2),
+                                     t.stride(0), t.stride(1), box_rows);
+  const std::string why = status < 0 ? "the driver has no cuTensorMapEncodeTiled"
+                                     : "cuTensorMapEncodeTiled failed (CUresult " + std::to_string(status) + ")";
+  TORCH_CHECK(status == 0, kOps, ": DUALKV_CUDA_WGMMA=3 (bulk tensor copies): ", name, ": ", why, " for shape ", t.sizes(),
+              " and strides ", t.strides());
   return d;
 }
 

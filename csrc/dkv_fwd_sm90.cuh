@@ -52,6 +52,7 @@ struct FwdSm90 {
   static constexpr int kSmemBytes = (kQTile + 2 * kStages * kKvTile) * 2 + (kWs ? 32 * kStages : 0) + 1024;
   static_assert(kHeadDim % 64 == 0 && kParts >= 1 && kParts <= 4, "head dim: 64, 128, 192 or 256");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one H100 / H200 block");
+  static_assert(!kTma || (kBlockM == kTmaBoxRows && kBlockN == kTmaBoxRows), "(kTma) Q, K and V tiles of one box height");
 };
 
 template <class E, int D, bool kWs, bool kTma = false>
@@ -97,26 +98,30 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs, kTma>::kThreads)) dkv_fwd_sm9
   if constexpr (kWs) {
     sm90::init_ring(full_k, empty_k, kStages, kTma ? 1 : 128);
     sm90::init_ring(full_v, empty_v, kStages, kTma ? 1 : 128);
-    if (tid < 0 && kTma) {  // the producer: one thread, bulk tensor copies
-      sm90::setmaxnreg_dec<sm90::kProducerRegs>();
-      if (thread_idx() != 0) return;
-      auto load_boxes = [&](uint16_t* dst, const TmaDesc& map, int head, int row, uint64_t* bar) {
-        static_assert(!kTma || (K::kBlockM == K::kTmaBoxRows && K::kBlockN == K::kTmaBoxRows),
-                      "Q, K and V tiles of one box height");
-        for (int part = 0; part < kParts; ++part)  // part-major: each 64-column part is 128 rows x 128 bytes
-          sm90::tma_load_box(dst + part * K::kTmaBoxRows * 64, map, 64 * part, head, row, bar);
-      };
-      for (int t = 0; t < n_tiles; ++t) {
-        const KvTile kt = walk.tile<kBlockN>(t);
-        if (t >= kStages) sm90::mbar_wait(&empty_k[t % kStages], (t / kStages - 1) & 1);
-        sm90::mbar_arrive_expect_tx(&full_k[t % kStages], (K::kKvTile + (t == 0 ? K::kQTile : 0)) * 2);
-        if (t == 0) load_boxes(sQ, p.tma_q, h, row0 + q0, &full_k[0]);
-        load_boxes(sK(t), kt.ctx ? p.tma_k_ctx : p.tma_k, hk, kt.row, &full_k[t % kStages]);
-        if (t >= kStages) sm90::mbar_wait(&empty_v[t % kStages], (t / kStages - 1) & 1);
-        sm90::mbar_arrive_expect_tx(&full_v[t % kStages], K::kKvTile * 2);
-        load_boxes(sV(t), kt.ctx ? p.tma_v_ctx : p.tma_v, hk, kt.row, &full_v[t % kStages]);
+    // The producer refills tile t's buffer of a ring once the consumers freed tile t - kStages there.
+    auto wait_empty = [&](uint64_t* empty, int t) {
+      if (t >= kStages) sm90::mbar_wait(&empty[t % kStages], (t / kStages - 1) & 1);
+    };
+    if constexpr (kTma) {
+      if (tid < 0) {  // the producer: one thread, bulk tensor copies
+        sm90::setmaxnreg_dec<sm90::kProducerRegs>();
+        if (thread_idx() != 0) return;
+        auto load_boxes = [&](uint16_t* dst, const TmaDesc& map, int head, int row, uint64_t* bar) {
+          for (int part = 0; part < kParts; ++part)  // part-major: each 64-column part is 128 rows x 128 bytes
+            sm90::tma_load_box(dst + part * K::kTmaBoxRows * 64, map, 64 * part, head, row, bar);
+        };
+        for (int t = 0; t < n_tiles; ++t) {
+          const KvTile kt = walk.tile<kBlockN>(t);
+          wait_empty(empty_k, t);
+          sm90::mbar_arrive_expect_tx(&full_k[t % kStages], (K::kKvTile + (t == 0 ? K::kQTile : 0)) * 2);
+          if (t == 0) load_boxes(sQ, p.tma_q, h, row0 + q0, &full_k[0]);
+          load_boxes(sK(t), kt.ctx ? p.tma_k_ctx : p.tma_k, hk, kt.row, &full_k[t % kStages]);
+          wait_empty(empty_v, t);
+          sm90::mbar_arrive_expect_tx(&full_v[t % kStages], K::kKvTile * 2);
+          load_boxes(sV(t), kt.ctx ? p.tma_v_ctx : p.tma_v, hk, kt.row, &full_v[t % kStages]);
+        }
+        return;
       }
-      return;
     }
     if (tid < 0) {  // the producer: Q with K_0, then K_t and V_t, each once its buffer is free
       sm90::setmaxnreg_dec<sm90::kProducerRegs>();
@@ -135,7 +140,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs, kTma>::kThreads)) dkv_fwd_sm9
           cp_async_wait<1>();
           announce(newest - 1);
         }
-        if (t >= kStages) sm90::mbar_wait(&empty[t % kStages], (t / kStages - 1) & 1);
+        wait_empty(empty, t);
       };
       sm90::load_tile_sw128_async<D, kLoaders, kBlockM>(sQ, p.q, row0 + q0, h, m_valid, lt);
       for (int t = 0; t < n_tiles; ++t) {
