@@ -173,45 +173,44 @@ SM90_BWD_CASES = [
 ]
 
 
+def _restore_env(saved: dict[str, str | None]) -> None:
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+def expect_error(env: dict[str, str], message: str, what: str, **case) -> bool:
+    """run_case(**case) under the kernel-choice variables `env` raises a RuntimeError saying `message`."""
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        run_case(**case)
+        print(f"FAIL {what} was accepted")
+        return False
+    except RuntimeError as err:
+        good = message in str(err)
+        print(("ok" if good else "FAIL") + f" {what} raises: {str(err).splitlines()[0][:120]}")
+        return good
+    finally:
+        _restore_env(saved)
+
+
 def check_bad_kernel_choices() -> bool:
     """An unknown value of a kernel-choice variable is an error naming it, not a silent default."""
-    ok = True
-    for name, bad, allowed in (("DUALKV_CUDA_WGMMA", "4", "0, 1, 2, 3"), ("DUALKV_CUDA_WGMMA_BWD", "7", "0, 1, 2, 3, 4, 5, 6, 8")):
-        saved = os.environ.get(name)
-        os.environ[name] = bad
-        try:
-            run_case(d=64, dtype=torch.bfloat16, prompts=[20], responses=[[9]], H=1, Hkv=1)
-            print(f"FAIL {name}={bad} was accepted")
-            ok = False
-        except RuntimeError as err:
-            good = f"{name}: expected one of {allowed} (or unset), got '{bad}'" in str(err)
-            print(("ok" if good else "FAIL") + f" {name}={bad} raises: {str(err).splitlines()[0][:120]}")
-            ok = ok and good
-        finally:
-            if saved is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = saved
-    return ok
+    small = dict(d=64, dtype=torch.bfloat16, prompts=[20], responses=[[9]], H=1, Hkv=1)
+    return all([expect_error({name: bad}, f"{name}: expected one of {allowed} (or unset), got '{bad}'", f"{name}={bad}", **small)
+                for name, bad, allowed in (("DUALKV_CUDA_WGMMA", "4", "0, 1, 2, 3"),
+                                           ("DUALKV_CUDA_WGMMA_BWD", "7", "0, 1, 2, 3, 4, 5, 6, 8"))])
 
 
 def check_tma_head_dim() -> bool:
     """DUALKV_CUDA_WGMMA=3 (bulk tensor copies) at a head dim it lacks is an error naming the head dim."""
-    saved = os.environ.get("DUALKV_CUDA_WGMMA")
-    os.environ["DUALKV_CUDA_WGMMA"] = "3"
-    try:
-        run_case(d=256, dtype=torch.bfloat16, prompts=[20], responses=[[9]], H=1, Hkv=1, backward=False)
-        print("FAIL DUALKV_CUDA_WGMMA=3 ran at d = 256")
-        return False
-    except RuntimeError as err:
-        good = "DUALKV_CUDA_WGMMA=3 (bulk tensor copies): q: expected headdim 64 or 128, got 256" in str(err)
-        print(("ok" if good else "FAIL") + f" DUALKV_CUDA_WGMMA=3 at d = 256 raises: {str(err).splitlines()[0][:120]}")
-        return good
-    finally:
-        if saved is None:
-            os.environ.pop("DUALKV_CUDA_WGMMA", None)
-        else:
-            os.environ["DUALKV_CUDA_WGMMA"] = saved
+    return expect_error({"DUALKV_CUDA_WGMMA": "3"},
+                        "DUALKV_CUDA_WGMMA=3 (bulk tensor copies): q: expected headdim 64 or 128, got 256",
+                        "DUALKV_CUDA_WGMMA=3 at d = 256", d=256, dtype=torch.bfloat16, prompts=[20], responses=[[9]],
+                        H=1, Hkv=1, backward=False)
 
 
 def check_wgmma_path() -> bool:
@@ -227,11 +226,7 @@ def check_wgmma_path() -> bool:
             ok &= good
             print(f"{'ok' if good else 'FAIL'} wgmma_path with DUALKV_CUDA_WGMMA={fwd} DUALKV_CUDA_WGMMA_BWD={bwd}: {got}")
     finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        _restore_env(saved)
     return ok
 
 

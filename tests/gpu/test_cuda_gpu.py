@@ -166,6 +166,14 @@ def _choose_hopper_kernels(monkeypatch, variable: str, mode: str | None, what: s
         monkeypatch.setenv(variable, mode)
 
 
+def _choose_forward(monkeypatch, mode: str | None, head_dim: int) -> None:
+    """DUALKV_CUDA_WGMMA=mode for a case of this head dim; skip the TMA form (3) where it does not run
+    (head dims other than 64 / 128: test_tma_forward_rejects_other_head_dims)."""
+    if mode == "3" and head_dim not in (64, 128):
+        pytest.skip("the TMA forward: head dims 64 / 128")
+    _choose_hopper_kernels(monkeypatch, "DUALKV_CUDA_WGMMA", mode, "the wgmma forward")
+
+
 @pytest.mark.parametrize("mode", [None, "1", "2", "3"], ids=["default", "in-turn", "warp-specialised", "tma"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", [c for c in GRID if c[4] in (64, 128, 192, 256)], ids=lambda c: _ids(c))
@@ -175,9 +183,7 @@ def test_wgmma_forward_matches_reference(cuda_backend, case, dtype, mode, monkey
     default at 64 / 128) and that one with bulk tensor copies (=3, opt-in at 64 / 128), on the grid: out /
     lse / gradients (through the default backward) against the fp32 reference, and the profiler shows
     that the form asked for ran."""
-    if mode == "3" and case[4] > 128:
-        pytest.skip("the TMA forward: head dims 64 / 128 (test_tma_forward_rejects_other_head_dims)")
-    _choose_hopper_kernels(monkeypatch, "DUALKV_CUDA_WGMMA", mode, "the wgmma forward")
+    _choose_forward(monkeypatch, mode, case[4])
     r, kernels = _kernels_of(case, dtype)
     _check_against_reference(case, dtype, r)
     ws = mode in ("2", "3") or (mode is None and case[4] <= 128)
@@ -202,9 +208,7 @@ def test_wgmma_forward_with_growing_scores(cuda_backend, case, mode, monkeypatch
     """Keys scaled up along the sequence (0.2x to 6x), so that later key tiles raise the row maximum far
     above the running one: the wgmma forward moves its running maximum only past a lag of 2^8 and must
     then rescale O and l; out / lse / gradients against the fp32 reference (bf16)."""
-    if mode == "3" and case[4] > 128:
-        pytest.skip("the TMA forward: head dims 64 / 128")
-    _choose_hopper_kernels(monkeypatch, "DUALKV_CUDA_WGMMA", mode, "the wgmma forward")
+    _choose_forward(monkeypatch, mode, case[4])
     r = _run_packed(case, torch.bfloat16, deterministic=False, key_ramp=(0.2, 6.0))
     _check_against_reference(case, torch.bfloat16, r)
 
