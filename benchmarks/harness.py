@@ -249,7 +249,7 @@ def get_provider(name: str) -> type[Provider]:
     return PROVIDERS[name]
 
 
-KERNEL_CHOICE_VARS = ("DUALKV_CUDA_WGMMA", "DUALKV_CUDA_WGMMA_BWD")
+KERNEL_CHOICE_VARS = ("DUALKV_CUDA_WGMMA", "DUALKV_CUDA_WGMMA_BWD", "DUALKV_CUDA_BWD_TMA")
 
 
 class _DualKV(Provider):
@@ -323,8 +323,8 @@ class DualKVCudaMmaBwd(DualKVCuda):
 
 @register("dualkv-cuda-ws")
 class DualKVCudaWs(DualKVCuda):
-    """The warp-specialised wgmma forward (a producer warpgroup, K and V rings with mbarrier hand-over;
-    the default at d = 64 / 128, opt-in at 192 / 256)."""
+    """The warp-specialised wgmma forward with cp.async loads (a producer warpgroup, K and V rings with
+    mbarrier hand-over; opt-in, the default at d = 64 / 128 before the TMA form)."""
 
     env = {"DUALKV_CUDA_WGMMA": "2"}
 
@@ -332,9 +332,26 @@ class DualKVCudaWs(DualKVCuda):
 @register("dualkv-cuda-tma-fwd")
 class DualKVCudaTmaFwd(DualKVCuda):
     """The warp-specialised wgmma forward with one producer thread issuing bulk tensor copies (TMA;
-    opt-in, d = 64 / 128)."""
+    the default at d = 64 / 128)."""
 
     env = {"DUALKV_CUDA_WGMMA": "3"}
+
+
+@register("dualkv-cuda-tma-bwd")
+class DualKVCudaTmaBwd(DualKVCuda):
+    """The default forward and backward schedule with the warp-specialised dK/dV kernel's loads as bulk
+    tensor copies from one producer thread (DUALKV_CUDA_BWD_TMA=1, the default; schedules 6 / 8, d = 64
+    / 128)."""
+
+    env = {"DUALKV_CUDA_BWD_TMA": "1"}
+
+
+@register("dualkv-cuda-cp-async-bwd")
+class DualKVCudaCpAsyncBwd(DualKVCuda):
+    """The default forward and backward schedule with the dK/dV kernel's producer warpgroup loading by
+    cp.async (DUALKV_CUDA_BWD_TMA=0; the default before the bulk tensor copies)."""
+
+    env = {"DUALKV_CUDA_BWD_TMA": "0"}
 
 
 @register("dualkv-cuda-in-turn-fwd")

@@ -8,11 +8,13 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <limits>
 #include <optional>
 #include <string>
 #include <tuple>
+#include <type_traits>
 
 #ifndef DKV_EMULATE
 #include <ATen/cuda/CUDAContext.h>
@@ -37,41 +39,86 @@ using at::Tensor;
 
 constexpr const char* kOps = "torch.ops.dualkv_cuda";
 
+// Error text built without std::ostream's number inserters: in the GPU build on the H200 machine,
+// c10::str of a number (an int, a shape, a dtype's size) ran this library's own copy of
+// std::ostream::_M_insert<long> and crashed inside it, so every message with a number segfaulted
+// instead of raising (a string goes through c10 unharmed). Integers by std::to_string, doubles by
+// snprintf, shapes as [a, b, c], dtypes and devices by c10's own names.
+void append(std::string& s, const char* v) { s += v; }
+void append(std::string& s, const std::string& v) { s += v; }
+template <class T, std::enable_if_t<std::is_integral_v<T>, int> = 0>
+void append(std::string& s, T v) {
+  s += std::to_string(v);
+}
+void append(std::string& s, double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", v);
+  s += buf;
+}
+void append(std::string& s, c10::IntArrayRef v) {
+  s += "[";
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  s += "]";
+}
+void append(std::string& s, at::ScalarType v) { s += c10::toString(v); }
+void append(std::string& s, const c10::Device& v) { s += v.str(); }
+template <class... Args>
+std::string error_text(const Args&... args) {
+  std::string s;
+  (append(s, args), ...);
+  return s;
+}
+// TORCH_CHECK with its message made by error_text (evaluated only when the check fails).
+#define DKV_CHECK(cond, ...) TORCH_CHECK(cond, ::dkv::error_text(__VA_ARGS__))
+
 void check_qkv_like(const Tensor& t, const char* name, const Tensor& q, int64_t heads, int64_t rows) {
-  TORCH_CHECK(t.dim() == 3, kOps, ": ", name, ": expected a 3-D tensor (tokens, heads, headdim), got shape ", t.sizes());
-  TORCH_CHECK(t.scalar_type() == q.scalar_type(), kOps, ": ", name, ": expected dtype ", q.scalar_type(), " like q, got ",
+  DKV_CHECK(t.dim() == 3, kOps, ": ", name, ": expected a 3-D tensor (tokens, heads, headdim), got shape ", t.sizes());
+  DKV_CHECK(t.scalar_type() == q.scalar_type(), kOps, ": ", name, ": expected dtype ", q.scalar_type(), " like q, got ",
               t.scalar_type());
-  TORCH_CHECK(t.device() == q.device(), kOps, ": ", name, ": expected device ", q.device(), " like q, got ", t.device());
-  TORCH_CHECK(t.size(2) == q.size(2), kOps, ": ", name, ": expected headdim ", q.size(2), ", got ", t.size(2));
-  if (heads >= 0) TORCH_CHECK(t.size(1) == heads, kOps, ": ", name, ": expected ", heads, " heads, got ", t.size(1));
-  if (rows >= 0) TORCH_CHECK(t.size(0) == rows, kOps, ": ", name, ": expected ", rows, " rows, got ", t.size(0));
-  TORCH_CHECK(t.stride(2) == 1, kOps, ": ", name, ": expected a contiguous last (headdim) dimension, got strides ", t.strides());
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(0) % 8 == 0 && t.stride(1) % 8 == 0, kOps,
+  DKV_CHECK(t.device() == q.device(), kOps, ": ", name, ": expected device ", q.device(), " like q, got ", t.device());
+  DKV_CHECK(t.size(2) == q.size(2), kOps, ": ", name, ": expected headdim ", q.size(2), ", got ", t.size(2));
+  if (heads >= 0) DKV_CHECK(t.size(1) == heads, kOps, ": ", name, ": expected ", heads, " heads, got ", t.size(1));
+  if (rows >= 0) DKV_CHECK(t.size(0) == rows, kOps, ": ", name, ": expected ", rows, " rows, got ", t.size(0));
+  DKV_CHECK(t.stride(2) == 1, kOps, ": ", name, ": expected a contiguous last (headdim) dimension, got strides ", t.strides());
+  DKV_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(0) % 8 == 0 && t.stride(1) % 8 == 0, kOps,
               ": ", name, ": expected 16-byte aligned rows (data pointer and row/head strides multiples of 8 elements), got "
               "strides ", t.strides(), "; pass a .contiguous() tensor");
 }
 
 TensorRef ref(const Tensor& t) { return TensorRef{t.data_ptr(), t.stride(0), t.stride(1)}; }
 
-// The bulk-tensor-copy descriptor of a (rows, heads, head dim) tensor read in boxes of 64 columns x
-// box_rows rows (the TMA forward, DUALKV_CUDA_WGMMA=3). The 16-byte aligned rows and heads the copy
-// engine needs are what check_qkv_like already asked of q, k, v and the context tensors.
-TmaDesc tma_desc(const Tensor& t, const char* name, int box_rows) {
-  TmaDesc d;
-  const int status = encode_tma_desc(d, t.data_ptr(), t.scalar_type() == at::kBFloat16, t.size(0), t.size(1), t.size(2),
-                                     t.stride(0), t.stride(1), box_rows);
+// An encoder's status as an error naming the form that asked for the copies (`what`) and the tensor.
+void check_tma_status(int status, const char* what, const char* name, const Tensor& t) {
   const std::string why = status < 0 ? "the driver has no cuTensorMapEncodeTiled"
                                      : "cuTensorMapEncodeTiled failed (CUresult " + std::to_string(status) + ")";
-  TORCH_CHECK(status == 0, kOps, ": DUALKV_CUDA_WGMMA=3 (bulk tensor copies): ", name, ": ", why, " for shape ", t.sizes(),
+  DKV_CHECK(status == 0, kOps, ": ", what, " (bulk tensor copies): ", name, ": ", why, " for shape ", t.sizes(),
               " and strides ", t.strides());
+}
+
+// The bulk-tensor-copy descriptor of a (rows, heads, head dim) tensor read in boxes of 64 columns x
+// box_rows rows (the TMA forward, DUALKV_CUDA_WGMMA=3, and dK/dV kernel, DUALKV_CUDA_BWD_TMA=1). The
+// 16-byte aligned rows and heads the copy engine needs are what check_qkv_like already asked of q, k,
+// v, dout and the context tensors.
+TmaDesc tma_desc(const Tensor& t, const char* name, int box_rows, const char* what) {
+  TmaDesc d;
+  check_tma_status(encode_tma_desc(d, t.data_ptr(), t.scalar_type() == at::kBFloat16, t.size(0), t.size(1), t.size(2),
+                                   t.stride(0), t.stride(1), box_rows),
+                   what, name, t);
+  return d;
+}
+
+// The descriptor of a contiguous fp32 workspace read flat in boxes of `box` elements.
+TmaDesc tma_vec(const Tensor& t, const char* name, int box, const char* what) {
+  TmaDesc d;
+  check_tma_status(encode_tma_vec(d, t.data_ptr<float>(), t.numel(), box), what, name, t);
   return d;
 }
 
 void check_meta(const Tensor& t, const char* name, const Tensor& q, int64_t n) {
-  TORCH_CHECK(t.scalar_type() == at::kInt && t.dim() == 1 && t.is_contiguous(), kOps, ": ", name,
+  DKV_CHECK(t.scalar_type() == at::kInt && t.dim() == 1 && t.is_contiguous(), kOps, ": ", name,
               ": expected a contiguous 1-D int32 tensor, got ", t.scalar_type(), " of shape ", t.sizes());
-  TORCH_CHECK(t.device() == q.device(), kOps, ": ", name, ": expected device ", q.device(), ", got ", t.device());
-  if (n >= 0) TORCH_CHECK(t.size(0) == n, kOps, ": ", name, ": expected ", n, " entries, got ", t.size(0));
+  DKV_CHECK(t.device() == q.device(), kOps, ": ", name, ": expected device ", q.device(), ", got ", t.device());
+  if (n >= 0) DKV_CHECK(t.size(0) == n, kOps, ": ", name, ": expected ", n, " entries, got ", t.size(0));
 }
 
 // Shared checks and the kernel-facing view of the inputs.
@@ -80,33 +127,33 @@ AttnArgs make_args(const Tensor& q, const Tensor& k, const Tensor& v, const std:
                    const Tensor& seg_ctx_len, const Tensor& ctx_key_start, const Tensor& ctx_key_len,
                    const Tensor& ctx_reader_start, const Tensor& ctx_reader_end, double scale, int64_t window,
                    double softcap) {
-  TORCH_CHECK(q.dim() == 3, kOps, ": q: expected a 3-D tensor (tokens, heads, headdim), got shape ", q.sizes());
-  TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16, kOps,
+  DKV_CHECK(q.dim() == 3, kOps, ": q: expected a 3-D tensor (tokens, heads, headdim), got shape ", q.sizes());
+  DKV_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16, kOps,
               ": q: expected float16 or bfloat16, got ", q.scalar_type());
 #ifdef DKV_EMULATE
-  TORCH_CHECK(q.device().is_cpu(), kOps, ": q: the emulation build runs on CPU tensors");
+  DKV_CHECK(q.device().is_cpu(), kOps, ": q: the emulation build runs on CPU tensors");
 #else
-  TORCH_CHECK(q.is_cuda(), kOps, ": q: expected a CUDA tensor, got device ", q.device());
+  DKV_CHECK(q.is_cuda(), kOps, ": q: expected a CUDA tensor, got device ", q.device());
 #endif
   const int64_t T = q.size(0), H = q.size(1), d = q.size(2);
-  TORCH_CHECK(supported_head_dim(static_cast<int>(d)), kOps, ": q: headdim ", d,
+  DKV_CHECK(supported_head_dim(static_cast<int>(d)), kOps, ": q: headdim ", d,
               " is not supported; expected one of 64, 96, 128, 192, 256, 512");
   check_qkv_like(q, "q", q, -1, -1);
   check_qkv_like(k, "k", q, -1, T);
   const int64_t Hkv = k.size(1);
-  TORCH_CHECK(Hkv >= 1 && H % Hkv == 0, kOps, ": k: expected nheads_k to divide nheads, got ", H, " and ", Hkv);
+  DKV_CHECK(Hkv >= 1 && H % Hkv == 0, kOps, ": k: expected nheads_k to divide nheads, got ", H, " and ", Hkv);
   check_qkv_like(v, "v", q, Hkv, T);
-  TORCH_CHECK(k_ctx.has_value() == v_ctx.has_value(), kOps, ": k_ctx/v_ctx: expected both or neither");
+  DKV_CHECK(k_ctx.has_value() == v_ctx.has_value(), kOps, ": k_ctx/v_ctx: expected both or neither");
   int64_t total_ctx = T;
   if (k_ctx.has_value()) {
     check_qkv_like(*k_ctx, "k_ctx", q, Hkv, -1);
     check_qkv_like(*v_ctx, "v_ctx", q, Hkv, k_ctx->size(0));
     total_ctx = k_ctx->size(0);
   }
-  TORCH_CHECK(T + total_ctx < (int64_t{1} << 29), kOps, ": q: expected fewer than 2^29 tokens (with the context), got ",
+  DKV_CHECK(T + total_ctx < (int64_t{1} << 29), kOps, ": q: expected fewer than 2^29 tokens (with the context), got ",
               T + total_ctx);
   check_meta(cu, "cu_seqlens", q, -1);
-  TORCH_CHECK(cu.size(0) >= 1, kOps, ": cu_seqlens: expected at least one entry");
+  DKV_CHECK(cu.size(0) >= 1, kOps, ": cu_seqlens: expected at least one entry");
   const int64_t S = cu.size(0) - 1;
   check_meta(seg_ctx_start, "seg_ctx_start", q, S);
   check_meta(seg_ctx_len, "seg_ctx_len", q, S);
@@ -115,7 +162,7 @@ AttnArgs make_args(const Tensor& q, const Tensor& k, const Tensor& v, const std:
   check_meta(ctx_key_len, "ctx_key_len", q, C);
   check_meta(ctx_reader_start, "ctx_reader_start", q, C);
   check_meta(ctx_reader_end, "ctx_reader_end", q, C);
-  TORCH_CHECK(scale > 0, kOps, ": softmax_scale: expected a positive number, got ", scale);
+  DKV_CHECK(scale > 0, kOps, ": softmax_scale: expected a positive number, got ", scale);
 
   AttnArgs a;
   a.q = ref(q);
@@ -158,7 +205,7 @@ Tensor segment_lengths(const Tensor& cu) { return cu.slice(0, 1) - cu.slice(0, 0
 
 int grid_tiles_bound(int64_t T, int64_t S, int block) {
   const int64_t bound = (T + S * (block - 1)) / block;
-  TORCH_CHECK(bound < std::numeric_limits<int>::max(), kOps, ": too many query tiles (", bound, ")");
+  DKV_CHECK(bound < std::numeric_limits<int>::max(), kOps, ": too many query tiles (", bound, ")");
   return static_cast<int>(bound);
 }
 
@@ -172,9 +219,9 @@ cudaStream_t current_stream() {
 
 void check_launch(cudaError_t err, const char* what) {
 #ifdef DKV_EMULATE
-  TORCH_CHECK(err == cudaSuccess, kOps, ": ", what, " failed");
+  DKV_CHECK(err == cudaSuccess, kOps, ": ", what, " failed");
 #else
-  TORCH_CHECK(err == cudaSuccess, kOps, ": ", what, " launch failed: ", cudaGetErrorString(err));
+  DKV_CHECK(err == cudaSuccess, kOps, ": ", what, " launch failed: ", cudaGetErrorString(err));
 #endif
 }
 
@@ -187,7 +234,7 @@ int kernel_choice(const char* name, const std::string& allowed = "012", int devi
   const std::string choice = flag == nullptr ? "" : flag;
   std::string listed;
   for (const char c : allowed) listed += listed.empty() ? std::string(1, c) : std::string(", ") + c;
-  TORCH_CHECK(choice.empty() || (choice.size() == 1 && allowed.find(choice[0]) != std::string::npos), kOps, ": ", name,
+  DKV_CHECK(choice.empty() || (choice.size() == 1 && allowed.find(choice[0]) != std::string::npos), kOps, ": ", name,
               ": expected one of ", listed, " (or unset), got '", choice, "'");
 #ifdef DKV_EMULATE
   device_default = 0;
@@ -209,15 +256,14 @@ bool hopper_kernels_usable(const Tensor& q) {
 // The wgmma forward (dkv_fwd_sm90.cuh) runs on sm_90 devices for head dims 64 / 128 / 192 / 256, fp16
 // and bf16, when the extension was built for sm_90a (else the mma.sync forward runs);
 // DUALKV_CUDA_WGMMA=0 selects the mma.sync forward, 1 the in-turn wgmma forward (every thread loads and
-// computes), 2 the warp-specialised one (a producer warpgroup, K and V in rings of their own), 3 (opt-in,
-// head dims 64 / 128, not yet measured on a GPU) that one with a single producer thread issuing bulk
-// tensor copies (TMA) instead of cp.async. The
-// default: 2 at head dims 64 and 128 (on an H200 4-12% faster than 1 and than Triton's forward at 128,
-// level to 7% faster at 64: benchmarks/results/attention_h200_ws_fwd_rings*.md), 1 at 192 / 256 (where 2
-// measured 1.9x slower). Returns 0 (mma.sync), 1, 2 or 3.
+// computes), 2 the warp-specialised one (a producer warpgroup's cp.async, K and V in rings of their
+// own), 3 (head dims 64 / 128) that one with a single producer thread issuing bulk tensor copies (TMA).
+// The default: 3 at head dims 64 and 128 (on an H200 its kernel takes 13-25% less time than 2's:
+// benchmarks/results/raw/profile_h200_fwd_tma.log), 1 at 192 / 256 (where 2 measured 1.9x slower).
+// Returns 0 (mma.sync), 1, 2 or 3.
 int use_sm90_forward(const Tensor& q, int head_dim) {
-  const int choice = kernel_choice("DUALKV_CUDA_WGMMA", "0123", head_dim <= 128 ? 2 : 1);
-  TORCH_CHECK(choice != 3 || head_dim == 64 || head_dim == 128, kOps,
+  const int choice = kernel_choice("DUALKV_CUDA_WGMMA", "0123", head_dim <= 128 ? 3 : 1);
+  DKV_CHECK(choice != 3 || head_dim == 64 || head_dim == 128, kOps,
               ": DUALKV_CUDA_WGMMA=3 (bulk tensor copies): q: expected headdim 64 or 128, got ", head_dim);
   return choice > 0 && sm90_forward_supports(head_dim) && hopper_kernels_usable(q) ? choice : 0;
 }
@@ -241,6 +287,17 @@ int use_sm90_forward(const Tensor& q, int head_dim) {
 // benchmarks/results/raw/profile_h200_split.log). 7 (a writer-warp form of 6) was removed. The default:
 // 6 at d = 128, 8 at d = 64. 0 asks for mma.sync. Returns the schedule that runs: 0 (mma.sync), 1 .. 6
 // or 8 (1 for any wgmma choice at 192 / 256, which have one).
+// DUALKV_CUDA_BWD_TMA: 1 (the default) the warp-specialised dK/dV kernel of schedules 6 and 8 (the
+// defaults at head dims 128 and 64) loads by bulk tensor copies from one producer thread
+// (DkdvSm90Ws::kTma; on an H200 the backward takes 5-7% less time than with 0:
+// benchmarks/results/attention_h200_tma.md); 0: by its producer warpgroup's cp.async. Other schedules,
+// and tensors of 2^31 or more (head, row) pairs (the copies' coordinates are 32-bit), load by
+// cp.async either way.
+bool use_bwd_tma(int schedule, int64_t nheads, int64_t total_q) {
+  const int choice = kernel_choice("DUALKV_CUDA_BWD_TMA", "01", 1);
+  return choice == 1 && (schedule == 6 || schedule == 8) && nheads * total_q < (int64_t{1} << 31);
+}
+
 int use_sm90_backward(const Tensor& q, int head_dim) {
   const int choice = kernel_choice("DUALKV_CUDA_WGMMA_BWD", "01234568", head_dim == 128 ? 6 : 8);
   if (choice == 0 || !sm90_bwd_supports(head_dim) || !hopper_kernels_usable(q)) return 0;
@@ -270,7 +327,7 @@ cudaError_t dispatch_fwd(const FwdParams& p, cudaStream_t st) {
     case 192: return run_fwd<E, 192>(p, st);
     case 256: return run_fwd<E, 256>(p, st);
     case 512: return run_fwd<E, 512>(p, st);
-    default: TORCH_CHECK(false, kOps, ": q: unsupported headdim ", p.head_dim);
+    default: DKV_CHECK(false, kOps, ": q: unsupported headdim ", p.head_dim);
   }
 }
 
@@ -283,7 +340,7 @@ cudaError_t dispatch_dq(const BwdParams& p, cudaStream_t st) {
     case 192: return run_dq<E, 192>(p, st);
     case 256: return run_dq<E, 256>(p, st);
     case 512: return run_dq<E, 512>(p, st);
-    default: TORCH_CHECK(false, kOps, ": q: unsupported headdim ", p.head_dim);
+    default: DKV_CHECK(false, kOps, ": q: unsupported headdim ", p.head_dim);
   }
 }
 
@@ -296,7 +353,7 @@ cudaError_t dispatch_dkdv(const BwdParams& p, cudaStream_t st) {
     case 192: return run_dkdv<E, 192>(p, st);
     case 256: return run_dkdv<E, 256>(p, st);
     case 512: return run_dkdv<E, 512>(p, st);
-    default: TORCH_CHECK(false, kOps, ": q: unsupported headdim ", p.head_dim);
+    default: DKV_CHECK(false, kOps, ": q: unsupported headdim ", p.head_dim);
   }
 }
 
@@ -324,15 +381,24 @@ std::tuple<Tensor, Tensor> fwd(const Tensor& q, const Tensor& k, const Tensor& v
   p.q_tile_prefix = tile_prefix.data_ptr<int>();
   p.grid_tiles = grid_tiles_bound(args.total_q, args.layout.num_segments, block_m);
   const cudaStream_t st = current_stream();
-  if (sm90 == 3) {
-    p.tma_q = tma_desc(q, "q", kSm90BlockM);
-    p.tma_k = tma_desc(k, "k", kSm90BlockM);
-    p.tma_v = tma_desc(v, "v", kSm90BlockM);
-    p.tma_k_ctx = k_ctx ? tma_desc(*k_ctx, "k_ctx", kSm90BlockM) : p.tma_k;
-    p.tma_v_ctx = v_ctx ? tma_desc(*v_ctx, "v_ctx", kSm90BlockM) : p.tma_v;
+  int form = sm90;
+  if (form == 3) {
+    // Asked for (DUALKV_CUDA_WGMMA=3), a descriptor the driver cannot build is an error naming it; by
+    // default the forward then runs its cp.async form (2) instead.
+    const bool asked = std::getenv("DUALKV_CUDA_WGMMA") != nullptr && *std::getenv("DUALKV_CUDA_WGMMA") != '\0';
+    const std::pair<const Tensor*, const char*> maps[5] = {
+        {&q, "q"}, {&k, "k"}, {&v, "v"}, {k_ctx ? &*k_ctx : &k, "k_ctx"}, {v_ctx ? &*v_ctx : &v, "v_ctx"}};
+    TmaDesc* descs[5] = {&p.tma_q, &p.tma_k, &p.tma_v, &p.tma_k_ctx, &p.tma_v_ctx};
+    for (int i = 0; i < 5 && form == 3; ++i) {
+      const Tensor& t = *maps[i].first;
+      const int status = encode_tma_desc(*descs[i], t.data_ptr(), bf16, t.size(0), t.size(1), t.size(2), t.stride(0),
+                                         t.stride(1), kSm90BlockM);
+      if (status != 0 && !asked) form = 2;
+      if (asked) check_tma_status(status, "DUALKV_CUDA_WGMMA=3", maps[i].second, t);
+    }
   }
-  if (sm90) {
-    check_launch(bf16 ? run_fwd_sm90<Bf16>(p, st, sm90) : run_fwd_sm90<Fp16>(p, st, sm90), "forward kernel (sm90 wgmma)");
+  if (form) {
+    check_launch(bf16 ? run_fwd_sm90<Bf16>(p, st, form) : run_fwd_sm90<Fp16>(p, st, form), "forward kernel (sm90 wgmma)");
   } else {
     check_launch(bf16 ? dispatch_fwd<Bf16>(p, st) : dispatch_fwd<Fp16>(p, st), "forward kernel");
   }
@@ -350,7 +416,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
   const int64_t T = q.size(0), H = q.size(1);
   check_qkv_like(out, "out", q, H, T);
   check_qkv_like(dout, "dout", q, H, T);
-  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.dim() == 2 && lse.size(0) == H && lse.size(1) == T &&
+  DKV_CHECK(lse.scalar_type() == at::kFloat && lse.dim() == 2 && lse.size(0) == H && lse.size(1) == T &&
                   lse.is_contiguous() && lse.device() == q.device(),
               kOps, ": lse: expected a contiguous float32 (nheads, total_q) = (", H, ", ", T, ") tensor on ", q.device(),
               ", got ", lse.scalar_type(), " of shape ", lse.sizes());
@@ -370,8 +436,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
     dk_ctx = at::empty({0}, q.options());
     dv_ctx = at::empty({0}, q.options());
   }
-  Tensor lse_log2 = at::empty({H, T}, f32);
-  Tensor dsum = at::empty({H, T}, f32);
+  // lse_log2 and dsum (H, T), each followed by kVecTail floats that the bulk tensor copies of the
+  // dK/dV kernel may read past its last row (zeroed when they run), so that no copy runs off the end.
+  constexpr int64_t kVecTail = 128;
+  Tensor lse_log2_buf = at::empty({H * T + kVecTail}, f32), dsum_buf = at::empty({H * T + kVecTail}, f32);
+  Tensor lse_log2 = lse_log2_buf.narrow(0, 0, H * T).view({H, T});
+  Tensor dsum = dsum_buf.narrow(0, 0, H * T).view({H, T});
   Tensor dk_accum, dv_accum;
   const int accum_rows = deterministic ? 0 : args.total_ctx;
   if (accum_rows > 0) {
@@ -429,6 +499,21 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
   p.work_counter = work_counter.data_ptr<int>();
   p.deterministic = deterministic;
   p.dq_accum = fused_dq ? dq_accum.data_ptr<float>() : nullptr;
+  p.tma = use_bwd_tma(sm90, H, T);
+  if (p.tma) {
+    constexpr const char* kTmaBwd = "DUALKV_CUDA_BWD_TMA=1";
+    const int key_rows = sm90_dkdv_block_n(args.head_dim);
+    p.tma_q = tma_desc(q, "q", kSm90DkdvQueryRows, kTmaBwd);
+    p.tma_dout = tma_desc(dout, "dout", kSm90DkdvQueryRows, kTmaBwd);
+    p.tma_k = tma_desc(k, "k", key_rows, kTmaBwd);
+    p.tma_v = tma_desc(v, "v", key_rows, kTmaBwd);
+    p.tma_k_ctx = k_ctx ? tma_desc(*k_ctx, "k_ctx", key_rows, kTmaBwd) : p.tma_k;
+    p.tma_v_ctx = v_ctx ? tma_desc(*v_ctx, "v_ctx", key_rows, kTmaBwd) : p.tma_v;
+    lse_log2_buf.narrow(0, H * T, kVecTail).zero_();
+    dsum_buf.narrow(0, H * T, kVecTail).zero_();
+    p.tma_lse_log2 = tma_vec(lse_log2_buf, "lse_log2", kSm90DkdvVecBox, kTmaBwd);
+    p.tma_dsum = tma_vec(dsum_buf, "dsum", kSm90DkdvVecBox, kTmaBwd);
+  }
 
   const cudaStream_t st = current_stream();
   const bool bf16 = q.scalar_type() == at::kBFloat16;

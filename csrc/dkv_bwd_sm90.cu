@@ -64,7 +64,7 @@ cudaError_t run_dq_sm90(const BwdParams& p, cudaStream_t stream, int schedule) {
 
 // schedule: 1 (in turn), 2 (overlapped), 3 (in turn, dQ accumulated here into p.dq_accum), 4 and 5 (in
 // turn, warp-specialised: a producer warpgroup loads), 6 (warp-specialised, dQ accumulated here), 8 (5
-// with S^T and dP^T in separate commit groups).
+// with S^T and dP^T in separate commit groups); at 6 and 8, p.tma: the loads as bulk tensor copies.
 template <class E, int D>
 cudaError_t launch_dkdv_sm90_schedule(const BwdParams& p, cudaStream_t stream, int schedule) {
   switch (schedule) {
@@ -72,9 +72,12 @@ cudaError_t launch_dkdv_sm90_schedule(const BwdParams& p, cudaStream_t stream, i
     case 3: return launch_dkdv_sm90<E, D, false, true>(p, stream);
     case 4:
     case 5: return launch_persistent<DkdvSm90Ws<D>, &dkv_dkdv_sm90_ws_kernel<E, D>>(p, stream);
-    case 6: return launch_persistent<DkdvSm90Ws<D, true>, &dkv_dkdv_sm90_ws_kernel<E, D, true>>(p, stream);
+    case 6:
+      if (p.tma) return launch_persistent<DkdvSm90Ws<D, true, false, true>, &dkv_dkdv_sm90_ws_kernel<E, D, true, false, true>>(p, stream);
+      return launch_persistent<DkdvSm90Ws<D, true>, &dkv_dkdv_sm90_ws_kernel<E, D, true>>(p, stream);
     case 8:  // 5 with S^T and dP^T waited for apart; under a softcap 5 itself
       if (p.softcap > 0.f) return launch_dkdv_sm90_schedule<E, D>(p, stream, 5);
+      if (p.tma) return launch_persistent<DkdvSm90Ws<D, false, true, true>, &dkv_dkdv_sm90_ws_kernel<E, D, false, true, true>>(p, stream);
       return launch_persistent<DkdvSm90Ws<D, false, true>, &dkv_dkdv_sm90_ws_kernel<E, D, false, true>>(p, stream);
     default: return launch_dkdv_sm90<E, D, false>(p, stream);
   }

@@ -36,6 +36,7 @@
 #pragma once
 
 #include "dkv_bwd.cuh"
+#include "dkv_launch.h"
 #include "dkv_wgmma.cuh"
 
 namespace dkv {
@@ -835,22 +836,34 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
 // groups, and P^T is computed while dP^T still runs; dS^T = P^T (dP^T - D) once it has landed. On an
 // H200 the d = 64 dK/dV kernel 6% faster, at d = 128 it was 1-5% slower, and with dQ inside (6) no
 // faster (benchmarks/results/raw/profile_h200_split.log).
-template <int kHeadDim_, bool kDq_ = false, bool kSplit_ = false>
+//
+// kTma = true (DUALKV_CUDA_BWD_TMA=1, schedules 6 and 8): one producer thread fills the ring by bulk
+// tensor copies instead of 128 threads' cp.async, as the TMA forward does: an item's K / V (boxes of
+// 64 columns x 128 rows) ride on its first reader tile's full barrier with that tile's Q / dO (64
+// rows) and lse_log2 / dsum, all counted as the barrier's transaction bytes. The copy engine reads the
+// flat lse_log2 / dsum from a 16-byte aligned start only (a box at an unaligned element stopped the
+// kernel on an H200), so each is a run of kVecBox = 68 floats from the tile's first row rounded down
+// to a multiple of 4, and the tile's rows start vec_off (its slot says) into it. Rows past a tile's
+// valid queries or keys are loaded as they are: the element-wise step masks them (P^T and dS^T are 0
+// there), where the cp.async loads filled zeros.
+template <int kHeadDim_, bool kDq_ = false, bool kSplit_ = false, bool kTma_ = false>
 struct DkdvSm90Ws {
-  static constexpr bool kDq = kDq_, kSplit = kSplit_;
+  static constexpr bool kDq = kDq_, kSplit = kSplit_, kTma = kTma_;
+  static_assert(!kTma || kDq || kSplit, "(kTma) the bulk-tensor-copy producer: schedules 6 and 8");
   static_assert(!(kDq && kSplit), "the split waits only without dQ (schedule 8; with dQ it measured no faster)");
   static constexpr int kHeadDim = kHeadDim_, kBlockN = 128, kBlockM = 64, kThreads = 384, kStages = kDq ? 2 : 3;
   static constexpr int kParts = kHeadDim / 64;
   static constexpr int kKvTile = kBlockN * kHeadDim, kQTile = kBlockM * kHeadDim;  // elements
   // What a ring buffer holds: a reader tile of `item` (kTile), the item's last (kLast), or the end;
   // (kDq) the tile's first packed row and query head.
+  // (kTma) vec_off: where the tile's rows start in its lse_log2 / dsum buffers.
   struct alignas(16) SlotPlain {
     QTileDesc desc;
-    int item, flags;
+    int item, flags, vec_off = 0;
   };
   struct alignas(16) SlotWithRows {
     QTileDesc desc;
-    int item, flags, row, hq;
+    int item, flags, row, hq, vec_off = 0;
   };
   using Slot = std::conditional_t<kDq, SlotWithRows, SlotPlain>;
   static constexpr int kTile = 1, kLast = 2, kDone = 4;
@@ -861,8 +874,11 @@ struct DkdvSm90Ws {
   static constexpr int kOffQ = 2 * kKvTile * 2, kOffDo = kOffQ + kStages * kQTile * 2;
   static constexpr int kOffDs = kOffDo + kStages * kQTile * 2, kDsBytes = kDq ? 2 * kBlockM * kBlockN * 2 : 0;
   static constexpr int kOffStage = kOffDs + kDsBytes, kStageBytes = kDq ? 2 * kBlockM * kDqAccumPitch * 4 : 0;
-  static constexpr int kOffL = kOffStage + kStageBytes, kOffD = kOffL + kStages * kBlockM * 4;
-  static constexpr int kOffBars = kOffD + kStages * kBlockM * 4;
+  // lse_log2 / dsum buffers of kVecPitch floats (kTma: a kVecBox-float run, 128-byte aligned apart).
+  static constexpr int kVecBox = kBlockM + 4, kVecPitch = kTma ? 96 : kBlockM;
+  static_assert(kVecBox == kSm90DkdvVecBox, "the binding's lse_log2 / dsum maps have boxes of kVecBox floats");
+  static constexpr int kOffL = kOffStage + kStageBytes, kOffD = kOffL + kStages * kVecPitch * 4;
+  static constexpr int kOffBars = kOffD + kStages * kVecPitch * 4;
   static constexpr int kOffSlots = kOffBars + ((2 * kStages + 1) * 8 + 15) / 16 * 16;
   static constexpr int kOffItem = kOffSlots + kStages * static_cast<int>(sizeof(Slot));
   static constexpr int kSmemBytes = kOffItem + 16 + 1024;
@@ -872,11 +888,15 @@ struct DkdvSm90Ws {
   static_assert(kOffDs % 1024 == 0 && kOffStage % 16 == 0, "dS tiles 1024-byte, the staging 16-byte aligned");
   static_assert(kHeadDim == 64 || kHeadDim == 128, "the warp-specialised dK/dV kernel: head dim 64 or 128");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one H100 / H200 block");
+  static_assert(!kTma || (kOffL % 128 == 0 && kOffD % 128 == 0 && kVecPitch * 4 % 128 == 0 && kVecBox <= kVecPitch),
+                "(kTma) the lse_log2 / dsum buffers: bulk tensor copy destinations, 128-byte aligned");
+  // (kTma) the bytes a reader tile's copies bring (Q, dO, lse_log2, dsum), and an item's K and V.
+  static constexpr int kTileTxBytes = 2 * kQTile * 2 + 2 * kVecBox * 4, kKvTxBytes = 2 * kKvTile * 2;
 };
 
-template <class E, int D, bool kDq = false, bool kSplit = false>
+template <class E, int D, bool kDq = false, bool kSplit = false, bool kTma = false>
 DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CONSTANT BwdParams p) {
-  using K = DkdvSm90Ws<D, kDq, kSplit>;
+  using K = DkdvSm90Ws<D, kDq, kSplit, kTma>;
   using Slot = typename K::Slot;
   constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kParts = K::kParts, kStages = K::kStages;
   const int rep = p.nheads / p.nheads_kv;
@@ -899,8 +919,71 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
   int* s_item = reinterpret_cast<int*>(smem + K::kOffItem);
 
   if (thread_idx() == 0) sm90::mbar_init(kv_empty, 256);
-  sm90::init_ring(full, empty, kStages);
+  sm90::init_ring(full, empty, kStages, kTma ? 1 : 128);
 
+  if constexpr (kTma) {
+    if (thread_idx() < 128) {  // the producer: one thread, bulk tensor copies
+      sm90::setmaxnreg_dec<sm90::kProducerRegs>();
+      if (thread_idx() != 0) return;
+      int n_slots = 0;  // slots published so far: slot i goes to buffer i % kStages
+      auto open_slot = [&]() -> int {
+        const int b = n_slots % kStages;
+        if (n_slots >= kStages) sm90::mbar_wait(&empty[b], (n_slots / kStages - 1) & 1);
+        return b;
+      };
+      // A slot's description is written before the arrival that publishes it (its release).
+      auto write_slot = [&](int b, const ReaderTile& rt, int item, int flags, int vec_off) {
+        if constexpr (kDq)
+          slots[b] = Slot{rt.desc, item, flags, rt.row, rt.hq, vec_off};
+        else
+          slots[b] = Slot{rt.desc, item, flags, vec_off};
+      };
+      auto publish_empty = [&](int item, int flags) {  // an end or an item without readers: no copies
+        const int b = open_slot();
+        write_slot(b, ReaderTile{}, item, flags, 0);
+        sm90::mbar_arrive(&full[b]);
+        ++n_slots;
+      };
+      auto boxes = [&](uint16_t* dst, const TmaDesc& map, int head, int row, int rows, uint64_t* bar) {
+        for (int part = 0; part < kParts; ++part)  // part-major: each 64-column part is rows x 128 bytes
+          sm90::tma_load_box(dst + part * rows * 64, map, 64 * part, head, row, bar);
+      };
+      for (int n_items = 0;; ++n_items) {
+        const int item = next_item(p, s_item, [] {});  // this thread alone
+        if (n_items > 0) sm90::mbar_wait(kv_empty, (n_items - 1) & 1);  // K / V of the last item are read
+        if (item >= total_items) {
+          publish_empty(item, K::kDone);
+          break;
+        }
+        const KvItem it = decode_item<kBlockN>(p, item);
+        ReaderCursor<kBlockM> cur;
+        bool have = cur.begin(p, it);
+        if (!have) {
+          publish_empty(item, K::kLast);  // no reader: the consumers store zeros
+          continue;
+        }
+        for (bool first = true; have; first = false) {
+          const int b = open_slot();
+          const ReaderTile rt = reader_tile(cur, it, rep);
+          have = cur.advance(p, it, rep);
+          const int si = rt.hq * p.total_q + rt.row;  // the binding keeps nheads * total_q below 2^31
+          write_slot(b, rt, item, K::kTile | (have ? 0 : K::kLast), si & 3);
+          uint64_t* bar = &full[b];
+          sm90::mbar_arrive_expect_tx(bar, K::kTileTxBytes + (first ? K::kKvTxBytes : 0));
+          if (first) {
+            boxes(sK, it.ctx_tensor ? p.tma_k_ctx : p.tma_k, it.hk, it.key_row0, kBlockN, bar);
+            boxes(sV, it.ctx_tensor ? p.tma_v_ctx : p.tma_v, it.hk, it.key_row0, kBlockN, bar);
+          }
+          boxes(sQ0 + b * K::kQTile, p.tma_q, rt.hq, rt.row, kBlockM, bar);
+          boxes(sdO0 + b * K::kQTile, p.tma_dout, rt.hq, rt.row, kBlockM, bar);
+          sm90::tma_load_vec(sL0 + b * K::kVecPitch, p.tma_lse_log2, si & ~3, bar);
+          sm90::tma_load_vec(sD0 + b * K::kVecPitch, p.tma_dsum, si & ~3, bar);
+          ++n_slots;
+        }
+      }
+      return;
+    }
+  }
   if (thread_idx() < 128) {  // the producer
     sm90::setmaxnreg_dec<sm90::kProducerRegs>();
     const int pt = thread_idx();
@@ -942,7 +1025,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
       while (have) {
         const int b = open_slot();
         const ReaderTile rt = load_reader_tile<D, 128>(p, cur, it, rep, sQ0 + b * K::kQTile, sdO0 + b * K::kQTile,
-                                                       sL0 + b * kBlockM, sD0 + b * kBlockM, pt);
+                                                       sL0 + b * K::kVecPitch, sD0 + b * K::kVecPitch, pt);
         cp_async_commit();
         have = cur.advance(p, it, rep);
         publish(b, rt, item, K::kTile | (have ? 0 : K::kLast));
@@ -978,16 +1061,16 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
           sm90::wgmma_commit();
           sm90::wgmma_wait<1>();  // S^T; dP^T may still run
           sm90::fence_operand<32>(w.st);
-          w.tile_p(slot.desc, sL0 + b * kBlockM, tq, W, score);
+          w.tile_p(slot.desc, sL0 + b * K::kVecPitch + slot.vec_off, tq, W, score);
           sm90::wgmma_wait<0>();
           sm90::fence_operand<32>(w.dpt);
-          w.tile_ds_from_p(sD0 + b * kBlockM, tq);
+          w.tile_ds_from_p(sD0 + b * K::kVecPitch + slot.vec_off, tq);
         } else {
           products.issue_ss(w.st, w.dpt, b);
           sm90::wgmma_commit();
           sm90::wgmma_wait<0>();
           w.pin_ss();
-          w.tile_ds(slot.desc, sL0 + b * kBlockM, sD0 + b * kBlockM, tq, W, score);
+          w.tile_ds(slot.desc, sL0 + b * K::kVecPitch + slot.vec_off, sD0 + b * K::kVecPitch + slot.vec_off, tq, W, score);
         }
         uint16_t* sDs = sDs0 + (n_tiles & 1) * kBlockM * kBlockN;
         if constexpr (kDq) {

@@ -341,13 +341,27 @@ inline void bulk_wait(int n) {
 // the phase completes when the arrival and the transaction count are both done). A copy onto a
 // barrier this thread announced nothing on, or more bytes than announced, is an error.
 //
-// The emulated descriptor (dkv::TmaDesc words): 0 the base pointer, 1 the row stride, 2 the head
-// stride (elements), 3 rows, 4 heads, 5 columns, 6 box rows; a box is 64 columns (128 bytes of 16-bit
-// elements) of one head by `box rows` rows, written 128B-swizzled (chunk c of row r at c ^ (r % 8));
-// rows or heads outside the tensor read as zeros, as the device's out-of-bounds fill does.
+// The emulated descriptors (dkv::TmaDesc words), word 7 their kind. Kind 0, a 3-D view of 16-bit
+// elements: 0 the base pointer, 1 the row stride, 2 the head stride (elements), 3 rows, 4 heads, 5
+// columns, 6 box rows; a box is 64 columns (128 bytes) of one head by `box rows` rows, written
+// 128B-swizzled (chunk c of row r at c ^ (r % 8)); rows or heads outside the tensor read as zeros, as
+// the device's out-of-bounds fill does. Kind 1, a flat fp32 vector: 0 the base pointer, 1 its length,
+// 2 the box length; a box starts at a multiple of 4 elements (16 bytes); elements past the end read
+// as zeros.
+constexpr uint64_t kTmaBox3d = 0, kTmaVec = 1;
 inline void tma_expect_tx(uint64_t* bar, int bytes) {
   require_aligned(bar, 8, "mbarrier");
   self.tma_bytes[bar] += bytes;
+}
+// A copy of `bytes` onto `bar` has landed: count them down; the announced arrival once all have.
+inline void tma_landed(uint64_t* bar, int64_t bytes) {
+  auto it = self.tma_bytes.find(bar);
+  if (it == self.tma_bytes.end() || it->second < bytes)
+    throw std::runtime_error("emulated bulk tensor copy: more bytes than the mbarrier was told to expect");
+  if ((it->second -= bytes) == 0) {
+    self.tma_bytes.erase(it);
+    mbar_arrive(bar);
+  }
 }
 inline void tma_load_box(void* dst, const uint64_t* desc, int col, int head, int row, uint64_t* bar) {
   require_aligned(dst, 1024, "bulk tensor copy destination (128B swizzle)");
@@ -355,6 +369,7 @@ inline void tma_load_box(void* dst, const uint64_t* desc, int col, int head, int
   const int64_t row_stride = static_cast<int64_t>(desc[1]), head_stride = static_cast<int64_t>(desc[2]);
   const int64_t rows = static_cast<int64_t>(desc[3]), heads = static_cast<int64_t>(desc[4]), cols = static_cast<int64_t>(desc[5]);
   const int box_rows = static_cast<int>(desc[6]);
+  if (desc[7] != kTmaBox3d) throw std::runtime_error("emulated bulk tensor copy: a box copy from a vector's descriptor");
   if (col % 8 != 0 || col < 0 || col + 64 > cols) throw std::runtime_error("emulated bulk tensor copy: box columns outside the tensor");
   auto* out = static_cast<unsigned char*>(dst);
   for (int r = 0; r < box_rows; ++r) {
@@ -368,14 +383,18 @@ inline void tma_load_box(void* dst, const uint64_t* desc, int col, int head, int
         std::memset(d, 0, 16);
     }
   }
-  auto it = self.tma_bytes.find(bar);
-  const int64_t bytes = static_cast<int64_t>(box_rows) * 128;
-  if (it == self.tma_bytes.end() || it->second < bytes)
-    throw std::runtime_error("emulated bulk tensor copy: more bytes than the mbarrier was told to expect");
-  if ((it->second -= bytes) == 0) {
-    self.tma_bytes.erase(it);
-    mbar_arrive(bar);
-  }
+  tma_landed(bar, static_cast<int64_t>(box_rows) * 128);
+}
+inline void tma_load_vec(float* dst, const uint64_t* desc, int start, uint64_t* bar) {
+  require_aligned(dst, 128, "bulk tensor copy destination");
+  if (desc[7] != kTmaVec) throw std::runtime_error("emulated bulk tensor copy: a vector copy from a box descriptor");
+  const auto* base = reinterpret_cast<const float*>(desc[0]);
+  const int64_t n = static_cast<int64_t>(desc[1]), box = static_cast<int64_t>(desc[2]);
+  // On an H200 a box at an element not 16-byte aligned stopped the kernel (illegal instruction).
+  if (start < 0 || start % 4 != 0 || box * 4 % 16 != 0)
+    throw std::runtime_error("emulated bulk tensor copy: a vector box not starting or ending on 16 bytes");
+  for (int64_t i = 0; i < box; ++i) dst[i] = start + i < n ? base[start + i] : 0.f;
+  tma_landed(bar, box * 4);
 }
 
 // bar.sync id, count (ids 1 .. 15; 0 is the block's barrier).

@@ -21,6 +21,20 @@ cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
 
 bool sm90_forward_supports(int head_dim) { return head_dim == 64 || head_dim == 128 || head_dim == 192 || head_dim == 256; }
 
+#ifndef DKV_EMULATE
+// The driver's encoder, found once through the runtime (no link against libcuda); null without one.
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found);
+    return err == cudaSuccess && found == cudaDriverEntryPointSuccess ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn)
+                                                                      : nullptr;
+  }();
+  return encode;
+}
+#endif
+
 int encode_tma_desc(TmaDesc& d, void* ptr, bool bf16, int64_t rows, int64_t heads, int64_t cols, int64_t row_stride,
                     int64_t head_stride, int box_rows) {
   d = TmaDesc{};
@@ -31,14 +45,7 @@ int encode_tma_desc(TmaDesc& d, void* ptr, bool bf16, int64_t rows, int64_t head
   for (int i = 0; i < 7; ++i) d.words[i] = static_cast<uint64_t>(fields[i]);
   return 0;
 #else
-  // The driver's encoder, found once through the runtime (no link against libcuda).
-  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found);
-    return err == cudaSuccess && found == cudaDriverEntryPointSuccess ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn)
-                                                                      : nullptr;
-  }();
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
   if (encode == nullptr) return -1;
   const cuuint64_t dims[3] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(rows)};
   const cuuint64_t strides[2] = {static_cast<cuuint64_t>(head_stride) * 2, static_cast<cuuint64_t>(row_stride) * 2};  // bytes
@@ -46,6 +53,25 @@ int encode_tma_desc(TmaDesc& d, void* ptr, bool bf16, int64_t rows, int64_t head
   const CUresult res = encode(reinterpret_cast<CUtensorMap*>(d.words), bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
                               3, ptr, dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
                               CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return res == CUDA_SUCCESS ? 0 : static_cast<int>(res);
+#endif
+}
+
+int encode_tma_vec(TmaDesc& d, float* ptr, int64_t n, int box) {
+  d = TmaDesc{};
+#ifdef DKV_EMULATE
+  const int64_t fields[3] = {static_cast<int64_t>(reinterpret_cast<uintptr_t>(ptr)), n, box};
+  for (int i = 0; i < 3; ++i) d.words[i] = static_cast<uint64_t>(fields[i]);
+  d.words[7] = dkv_emu::kTmaVec;
+  return 0;
+#else
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr) return -1;
+  const cuuint64_t dims[1] = {static_cast<cuuint64_t>(n)}, no_strides[1] = {0};
+  const cuuint32_t boxes[1] = {static_cast<cuuint32_t>(box)}, element_strides[1] = {1};
+  const CUresult res = encode(reinterpret_cast<CUtensorMap*>(d.words), CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 1, ptr, dims,
+                              no_strides, boxes, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                              CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return res == CUDA_SUCCESS ? 0 : static_cast<int>(res);
 #endif
 }

@@ -29,6 +29,9 @@ bool sm90_forward_supports(int head_dim);
 // 128B-swizzled. Returns 0, a driver error code, or -1 when the driver has no cuTensorMapEncodeTiled.
 int encode_tma_desc(TmaDesc& d, void* ptr, bool bf16, int64_t rows, int64_t heads, int64_t cols, int64_t row_stride,
                     int64_t head_stride, int box_rows);
+// (the dK/dV kernel's bulk tensor copies, BwdParams::tma) Fills `d` for a flat fp32 vector of n elements
+// (16-byte aligned) read in boxes of `box` elements; returns as encode_tma_desc.
+int encode_tma_vec(TmaDesc& d, float* ptr, int64_t n, int box);
 bool sm90_kernels_built(cudaStream_t stream);  // the wgmma kernels were compiled for sm_90a (checked once)
 constexpr int kSm90BlockM = 128;
 // Backward on Hopper warpgroup MMA (fp16 / bf16, head dims 64 / 128 / 192 / 256): dQ on query tiles of
@@ -36,12 +39,16 @@ constexpr int kSm90BlockM = 128;
 // 192 / 256, where there is one schedule and no dQ inside the dK/dV kernel).
 template <class E>
 cudaError_t run_dq_sm90(const BwdParams& p, cudaStream_t stream, int schedule);  // 1 .. 5 (not called at 3)
+// dK/dV: schedules 1 .. 6 and 8 (3 and 6: dQ inside); p.tma (tensor maps filled) at 6 and 8 asks for the
+// warp-specialised kernel's loads as bulk tensor copies.
 template <class E>
-cudaError_t run_dkdv_sm90(const BwdParams& p, cudaStream_t stream, int schedule);  // 1 .. 5 (3: fused dQ)
+cudaError_t run_dkdv_sm90(const BwdParams& p, cudaStream_t stream, int schedule);
 bool sm90_bwd_supports(int head_dim);
 bool sm90_bwd_schedules(int head_dim);  // schedules 2 .. 5 exist (head dims 64 / 128)
 int sm90_dq_block_m(int head_dim);
 int sm90_dkdv_block_n(int head_dim);
+constexpr int kSm90DkdvQueryRows = 64;  // query rows of the dK/dV kernels' reader tiles at head dims 64 / 128
+constexpr int kSm90DkdvVecBox = 68;     // (BwdParams::tma) floats of an lse_log2 / dsum copy (DkdvSm90Ws::kVecBox)
 // Backward: dq kernel and dkdv kernel for one head dim.
 template <class E, int D>
 cudaError_t run_dq(const BwdParams& p, cudaStream_t stream);

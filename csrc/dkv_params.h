@@ -47,9 +47,10 @@ struct AttnArgs {
 
 constexpr int kNoWindow = 1 << 30;
 
-// A bulk-tensor-copy (TMA) descriptor: on a device the driver's 128-byte CUtensorMap of a 3-D view
-// (head-dim columns, heads, rows) of q, k or v, built by the binding; in the CPU emulation the same
-// view's fields (dkv_emulation.h, tma_load_box). Opaque to the kernels, which only pass its address.
+// A bulk-tensor-copy (TMA) descriptor: on a device the driver's 128-byte CUtensorMap, built by the
+// binding, of a 3-D view (head-dim columns, heads, rows) of q, k, v or dout, or of a flat fp32 vector
+// (lse_log2, dsum); in the CPU emulation the same view's fields (dkv_emulation.h, tma_load_box /
+// tma_load_vec). Opaque to the kernels, which only pass its address.
 struct alignas(64) TmaDesc {
   uint64_t words[16] = {};
 };
@@ -87,6 +88,11 @@ struct BwdParams : AttnArgs {
   int* work_counter = nullptr;          // dynamic scheduler of the dkdv kernel (zeroed)
   bool deterministic = false;
   int accum_rows = 0;  // rows of dk_accum / dv_accum
+  // (DUALKV_CUDA_BWD_TMA=1: the warp-specialised dK/dV kernel's loads as bulk tensor copies) boxes of
+  // 64 columns x 64 rows of q / dout, x 128 rows of k, v, k_ctx, v_ctx; runs of 64 of lse_log2 / dsum
+  // viewed flat (nheads * total_q).
+  bool tma = false;
+  TmaDesc tma_q, tma_dout, tma_k, tma_v, tma_k_ctx, tma_v_ctx, tma_lse_log2, tma_dsum;
 };
 
 // ---- tile sizes (rows of a query tile = 16 * row warps; kDSplit warps share a row group) ----

@@ -270,6 +270,24 @@ DKV_DEV void tma_load_box(void* dst, const TmaDesc& desc, int col, int head, int
 #endif
 }
 
+// tma_load_vec copies one box of a flat fp32 TmaDesc (a 1-D view, the box the map's box length) to
+// shared memory at `dst` (128-byte aligned), starting at element `start`, a multiple of 4 (16 bytes:
+// on an H200 an unaligned start stopped the kernel with an illegal instruction); elements past the
+// end land as zeros.
+DKV_DEV void tma_load_vec(float* dst, const TmaDesc& desc, int start, uint64_t* bar) {
+#if defined(DKV_EMULATE)
+  dkv_emu::tma_load_vec(dst, desc.words, start, bar);
+#elif DKV_HAS_WGMMA
+  asm volatile(
+      "cp.async.bulk.tensor.1d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3}], [%2];\n" ::"r"(
+          static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
+      "l"(reinterpret_cast<uint64_t>(&desc)), "r"(static_cast<uint32_t>(__cvta_generic_to_shared(bar))), "r"(start)
+      : "memory");
+#else
+  (void)dst, (void)desc, (void)start, (void)bar;
+#endif
+}
+
 // A producer / consumer ring of `stages` buffers: full[i] completes when the producer warpgroup's 128
 // threads have arrived (buffer i landed; `full_count` 1 when one thread fills it by bulk tensor
 // copies), empty[i] when both consumer warpgroups' 256 threads have (buffer i read). Thread 0

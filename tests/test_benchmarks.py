@@ -269,19 +269,20 @@ def test_cuda_kernel_variants_set_their_environment(monkeypatch):
 
     cfg = bench_attention.AttnConfig.parse("N=2,P=40,R=9,H=4,H_kv=2,d=32,dtype=float32")
     layout = cfg.layout(CPU)
-    expect = {"dualkv-auto": (None, None), "dualkv-triton": (None, None), "reference": (None, None),
-              "dualkv-cuda": (None, None), "dualkv-cuda-mma": ("0", "0"), "dualkv-cuda-mma-bwd": (None, "0"),
-              "dualkv-cuda-ws": ("2", None), "dualkv-cuda-tma-fwd": ("3", None),
-              "dualkv-cuda-in-turn-fwd": ("1", None),
-              "dualkv-cuda-wgmma-bwd": (None, "1"),
-              "dualkv-cuda-wgmma-bwd-overlap": (None, "2"), "dualkv-cuda-fused-dq": (None, "3"),
-              "dualkv-pair-fused-dq": (None, "3"), "dualkv-cuda-ws-bwd": (None, "4"), "dualkv-pair-ws-bwd": (None, "4"),
-              "dualkv-pair-in-turn-bwd": (None, "1"), "dualkv-pair-ws-both-bwd": (None, "5"),
-              "dualkv-cuda-ws-both-bwd": (None, "5"), "dualkv-cuda-ws-fused-dq": (None, "6"),
-              "dualkv-pair-ws-fused-dq": (None, "6"), "dualkv-cuda-ws-split-bwd": (None, "8"),
-              "dualkv-pair-ws-split-bwd": (None, "8")}
+    expect = {"dualkv-auto": (None, None, None), "dualkv-triton": (None, None, None), "reference": (None, None, None),
+              "dualkv-cuda": (None, None, None), "dualkv-cuda-mma": ("0", "0", None), "dualkv-cuda-mma-bwd": (None, "0", None),
+              "dualkv-cuda-ws": ("2", None, None), "dualkv-cuda-tma-fwd": ("3", None, None),
+              "dualkv-cuda-tma-bwd": (None, None, "1"), "dualkv-cuda-cp-async-bwd": (None, None, "0"),
+              "dualkv-cuda-in-turn-fwd": ("1", None, None),
+              "dualkv-cuda-wgmma-bwd": (None, "1", None),
+              "dualkv-cuda-wgmma-bwd-overlap": (None, "2", None), "dualkv-cuda-fused-dq": (None, "3", None),
+              "dualkv-pair-fused-dq": (None, "3", None), "dualkv-cuda-ws-bwd": (None, "4", None), "dualkv-pair-ws-bwd": (None, "4", None),
+              "dualkv-pair-in-turn-bwd": (None, "1", None), "dualkv-pair-ws-both-bwd": (None, "5", None),
+              "dualkv-cuda-ws-both-bwd": (None, "5", None), "dualkv-cuda-ws-fused-dq": (None, "6", None),
+              "dualkv-pair-ws-fused-dq": (None, "6", None), "dualkv-cuda-ws-split-bwd": (None, "8", None),
+              "dualkv-pair-ws-split-bwd": (None, "8", None)}
     q, k, v = harness._random_qkv(cfg, CPU, 0)
-    for name, (fwd, bwd) in expect.items():
+    for name, (fwd, bwd, tma) in expect.items():
         cls = harness.get_provider(name)
         backend = "triton+cuda" if "pair" in name else name.removeprefix("dualkv-").split("-")[0]
         assert cls.backend == backend and name in report.PROVIDER_ORDER
@@ -289,9 +290,11 @@ def test_cuda_kernel_variants_set_their_environment(monkeypatch):
             assert "CUDA device" in cls.unsupported(cfg, CPU)
         monkeypatch.setenv("DUALKV_CUDA_WGMMA", "stale")
         monkeypatch.setenv("DUALKV_CUDA_WGMMA_BWD", "stale")
+        monkeypatch.setenv("DUALKV_CUDA_BWD_TMA", "stale")
         ref = type("Probe", (cls,), {"backend": "reference"})(cfg, layout, CPU)  # same env, any device
         ref.forward(q, k, v)
-        assert (os.environ.get("DUALKV_CUDA_WGMMA"), os.environ.get("DUALKV_CUDA_WGMMA_BWD")) == (fwd, bwd), name
+        got = tuple(os.environ.get(n) for n in ("DUALKV_CUDA_WGMMA", "DUALKV_CUDA_WGMMA_BWD", "DUALKV_CUDA_BWD_TMA"))
+        assert got == (fwd, bwd, tma), name
 
 
 def test_reference_provider_end_to_end(tmp_path):

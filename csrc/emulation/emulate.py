@@ -202,7 +202,8 @@ def check_bad_kernel_choices() -> bool:
     small = dict(d=64, dtype=torch.bfloat16, prompts=[20], responses=[[9]], H=1, Hkv=1)
     return all([expect_error({name: bad}, f"{name}: expected one of {allowed} (or unset), got '{bad}'", f"{name}={bad}", **small)
                 for name, bad, allowed in (("DUALKV_CUDA_WGMMA", "4", "0, 1, 2, 3"),
-                                           ("DUALKV_CUDA_WGMMA_BWD", "7", "0, 1, 2, 3, 4, 5, 6, 8"))])
+                                           ("DUALKV_CUDA_WGMMA_BWD", "7", "0, 1, 2, 3, 4, 5, 6, 8"),
+                                           ("DUALKV_CUDA_BWD_TMA", "2", "0, 1"))])
 
 
 def check_tma_head_dim() -> bool:
@@ -288,12 +289,15 @@ def main():
         # and for the default at d = 128 (6) a separate context too
         # and for 5 with split waits (8, the default at d = 64) d = 64 cases with a window, a separate
         # context (also deterministic) and, under a softcap, its fallback to 5
+        # and for 6 and 8 with bulk tensor copies (DUALKV_CUDA_BWD_TMA=1: "6t", "8t") ragged tiles, GQA,
+        # a window, a separate context and (8) the softcap fallback, which loads by cp.async
         quick = {"1": (3, 4, 6, 7), "2": (3, 4, 6), "3": (0, 4, 5), "4": (0, 1, 2), "5": (0, 1), "6": (0, 1, 4, 5, 11),
-                 "8": (0, 1, 3, 4, 5, 6)}
+                 "8": (0, 1, 3, 4, 5, 6), "6t": (0, 1, 4, 11), "8t": (1, 3, 4, 5)}
         ok = check_wgmma_path()
         for mode in quick:  # in turn, overlapped, dQ in the dK/dV kernel, ws dK/dV, both ws, dQ in the ws dK/dV, split waits
-            os.environ["DUALKV_CUDA_WGMMA_BWD"] = mode
-            print(f"DUALKV_CUDA_WGMMA_BWD={mode}", flush=True)
+            os.environ["DUALKV_CUDA_WGMMA_BWD"] = mode[0]
+            os.environ["DUALKV_CUDA_BWD_TMA"] = "1" if mode.endswith("t") else "0"
+            print(f"DUALKV_CUDA_WGMMA_BWD={mode[0]} DUALKV_CUDA_BWD_TMA={os.environ['DUALKV_CUDA_BWD_TMA']}", flush=True)
             cases = [SM90_BWD_CASES[i] for i in quick[mode]] if args.quick else SM90_BWD_CASES
             if args.only is not None:
                 cases = [SM90_BWD_CASES[args.only]]

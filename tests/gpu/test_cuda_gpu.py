@@ -180,14 +180,15 @@ def _choose_forward(monkeypatch, mode: str | None, head_dim: int) -> None:
 def test_wgmma_forward_matches_reference(cuda_backend, case, dtype, mode, monkeypatch):
     """The Hopper wgmma forward (csrc/dkv_fwd_sm90.cuh; d = 64 / 128 / 192 / 256, the default on sm_90)
     in both forms, in-turn (DUALKV_CUDA_WGMMA=1, the default at 192 / 256) and warp-specialised (=2, the
-    default at 64 / 128) and that one with bulk tensor copies (=3, opt-in at 64 / 128), on the grid: out /
+    default before) and that one with bulk tensor copies (=3, the default at 64 / 128), on the grid: out /
     lse / gradients (through the default backward) against the fp32 reference, and the profiler shows
     that the form asked for ran."""
     _choose_forward(monkeypatch, mode, case[4])
     r, kernels = _kernels_of(case, dtype)
     _check_against_reference(case, dtype, r)
     ws = mode in ("2", "3") or (mode is None and case[4] <= 128)
-    flags = f"{str(ws).lower()}, {str(mode == '3').lower()}"
+    tma = mode == "3" or (mode is None and case[4] <= 128)  # the default at 64 / 128
+    flags = f"{str(ws).lower()}, {str(tma).lower()}"
     form = f"dkv_fwd_sm90_kernel<dkv::{'Bf16' if dtype == torch.bfloat16 else 'Fp16'}, {case[4]}, {flags}>"
     assert any(form in name for name in kernels), f"{form} did not run: {sorted(kernels)}"
 
@@ -213,8 +214,9 @@ def test_wgmma_forward_with_growing_scores(cuda_backend, case, mode, monkeypatch
     _check_against_reference(case, torch.bfloat16, r)
 
 
-@pytest.mark.parametrize("mode", [None, "1", "2", "3", "4", "5", "6", "8"],
-                         ids=["default", "in-turn", "overlap", "fused-dq", "ws", "ws-both", "ws-fused-dq", "ws-split"])
+@pytest.mark.parametrize("mode", [None, "1", "2", "3", "4", "5", "6", "8", "6t", "8t"],
+                         ids=["default", "in-turn", "overlap", "fused-dq", "ws", "ws-both", "ws-fused-dq", "ws-split",
+                              "ws-fused-dq-tma", "ws-split-tma"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", [c for c in GRID if c[4] in (64, 128)], ids=lambda c: _ids(c))
@@ -223,20 +225,24 @@ def test_wgmma_backward_matches_reference(cuda_backend, case, dtype, determinist
     (=6 at d = 128, =8 at d = 64), DUALKV_CUDA_WGMMA_BWD=1 (the products of a tile in turn), =4 (the
     dK/dV kernel warp-specialised), =5 (both kernels warp-specialised), =2 (overlapped), =3 and =6 (dQ
     accumulated in the in-turn / warp-specialised dK/dV kernel, no dQ kernel; deterministic=True
-    falls back to 5), =8 (5 with S^T and dP^T waited for apart; 5 itself under a softcap), on the grid
+    falls back to 5), =8 (5 with S^T and dP^T waited for apart; 5 itself under a softcap), and 6 / 8 with
+    DUALKV_CUDA_BWD_TMA=1 (mode "6t" / "8t": the dK/dV kernel's loads as bulk tensor copies), on the grid
     against the fp32 reference, in both accumulation modes, and the profiler shows which kernels ran."""
-    _choose_hopper_kernels(monkeypatch, "DUALKV_CUDA_WGMMA_BWD", mode, "the wgmma backward")
+    tma = mode is not None and mode.endswith("t")
+    _choose_hopper_kernels(monkeypatch, "DUALKV_CUDA_WGMMA_BWD", mode and mode[0], "the wgmma backward")
+    monkeypatch.setenv("DUALKV_CUDA_BWD_TMA", "1" if tma else "0")
     r, kernels = _kernels_of(case, dtype, deterministic)
     _check_against_reference(case, dtype, r)
-    chosen = mode or ("6" if case[4] == 128 else "8")  # the default: 6 at d = 128, 8 at d = 64
+    chosen = mode[0] if mode else ("6" if case[4] == 128 else "8")  # the default: 6 at d = 128, 8 at d = 64
     fused = chosen in ("3", "6") and not deterministic
     runs = "5" if chosen in ("3", "6") and deterministic else chosen  # the schedule that runs
     dkdv = "dkv_dkdv_sm90_ws_kernel" if runs in ("4", "5", "6", "8") else "dkv_dkdv_sm90_kernel"
     dq = "dkv_dq_sm90_ws_kernel" if runs in ("5", "8") else "dkv_dq_sm90_kernel"
     assert any(dkdv in name for name in kernels), f"the dK/dV kernel did not run: {sorted(kernels)}"
-    if runs in ("5", "6", "8"):  # the kernel's template flags: dQ inside (6), split waits (8; 5's kernel under a softcap)
-        split = runs == "8" and case[6] is None
-        flags = f", {case[4]}, {'true' if runs == '6' else 'false'}, {'true' if split else 'false'}>"
+    if runs in ("5", "6", "8"):  # the kernel's template flags: dQ inside (6), split waits (8; 5's kernel under
+        split = runs == "8" and case[6] is None  # a softcap), bulk tensor copies (6 and 8 as such, when asked)
+        copies = tma and (runs == "6" or split)
+        flags = f", {case[4]}, {str(runs == '6').lower()}, {str(split).lower()}, {str(copies).lower()}>"
         assert any(dkdv in name and flags in name for name in kernels), (flags, sorted(kernels))
     if fused:  # no dQ kernel of any schedule
         assert not any("dkv_dq_" in name for name in kernels), sorted(kernels)
@@ -276,12 +282,13 @@ def test_auto_takes_cuda_where_it_measured_faster(cuda_backend, monkeypatch):
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 r = _run_packed(case, torch.bfloat16, deterministic=False, backend="auto")
             kernels = sorted({e.name for e in prof.events() if "kernel" in e.name})
-            cuda_fwd = any(f"dkv_fwd_sm90_kernel<dkv::Bf16, {d}, {'true' if d <= 128 else 'false'}, false>" in n for n in kernels)
+            flags = "true, true" if d <= 128 else "false, false"  # the TMA forward at 64 / 128, in-turn at 256
+            cuda_fwd = any(f"dkv_fwd_sm90_kernel<dkv::Bf16, {d}, {flags}>" in n for n in kernels)
             triton_fwd = any(n.startswith("fwd_kernel") for n in kernels)  # Triton names its kernels bare
             # a kernel only the chosen backward runs: the split dQ kernel (256), the ws dK/dV kernel
             # with dQ inside (128: schedule 6), the ws dK/dV kernel with split waits (64: schedule 8)
-            bwd = {256: "dkv_dq_sm90_split_kernel", 128: "dkv_dkdv_sm90_ws_kernel<dkv::Bf16, 128, true, false>",
-                   64: "dkv_dkdv_sm90_ws_kernel<dkv::Bf16, 64, false, true>"}[d]
+            bwd = {256: "dkv_dq_sm90_split_kernel", 128: "dkv_dkdv_sm90_ws_kernel<dkv::Bf16, 128, true, false, false>",
+                   64: "dkv_dkdv_sm90_ws_kernel<dkv::Bf16, 64, false, true, false>"}[d]
             assert (cuda_fwd, triton_fwd) == (True, False), kernels
             assert any(bwd in n for n in kernels), kernels
             _check_against_reference(case, torch.bfloat16, r)
@@ -418,13 +425,15 @@ def _sanitizer():
 # Hopper forms (the in-turn forward with the overlapped wgmma backward; the warp-specialised forward at
 # every head dim, 256 included, where it is opt-in; that one with bulk tensor copies at 64 / 128; the in-turn and the
 # warp-specialised dK/dV kernels that also accumulate dQ; the warp-specialised dK/dV kernel with the
-# in-turn dQ kernel; both warp-specialised) and the mma.sync kernels; all but the first differ from
+# in-turn dQ kernel; both warp-specialised; the default schedules' dK/dV kernels with bulk tensor
+# copies, beside the TMA forward) and the mma.sync kernels; all but the first differ from
 # the defaults only on an sm_90 GPU.
 SANITIZER_PATHS = {"default": {}, "hopper-opt-in": {"DUALKV_CUDA_WGMMA": "1", "DUALKV_CUDA_WGMMA_BWD": "2"},
                    "ws-forward": {"DUALKV_CUDA_WGMMA": "2"}, "tma-forward": {"DUALKV_CUDA_WGMMA": "3"},
                    "fused-dq": {"DUALKV_CUDA_WGMMA_BWD": "3"}, "ws-dkdv": {"DUALKV_CUDA_WGMMA_BWD": "4"},
                    "ws-both": {"DUALKV_CUDA_WGMMA_BWD": "5"}, "ws-fused-dq": {"DUALKV_CUDA_WGMMA_BWD": "6"},
                    "ws-split": {"DUALKV_CUDA_WGMMA_BWD": "8"},
+                   "tma-dkdv": {"DUALKV_CUDA_WGMMA": "3", "DUALKV_CUDA_BWD_TMA": "1"},
                    "mma-sync": {"DUALKV_CUDA_WGMMA": "0", "DUALKV_CUDA_WGMMA_BWD": "0"}}
 
 
