@@ -262,7 +262,8 @@ bool hopper_kernels_usable(const Tensor& q) {
 // benchmarks/results/raw/profile_h200_fwd_tma.log), 1 at 192 / 256 (where 2 measured 1.9x slower).
 // Returns 0 (mma.sync), 1, 2 or 3.
 int use_sm90_forward(const Tensor& q, int head_dim) {
-  const int choice = kernel_choice("DUALKV_CUDA_WGMMA", "0123", head_dim <= 128 ? 3 : 1);
+  // The default takes the TMA form only where it exists (64 / 128; at 96 no wgmma form runs).
+  const int choice = kernel_choice("DUALKV_CUDA_WGMMA", "0123", head_dim == 64 || head_dim == 128 ? 3 : 1);
   DKV_CHECK(choice != 3 || head_dim == 64 || head_dim == 128, kOps,
               ": DUALKV_CUDA_WGMMA=3 (bulk tensor copies): q: expected headdim 64 or 128, got ", head_dim);
   return choice > 0 && sm90_forward_supports(head_dim) && hopper_kernels_usable(q) ? choice : 0;

@@ -226,11 +226,15 @@ def test_wgmma_backward_matches_reference(cuda_backend, case, dtype, determinist
     dK/dV kernel warp-specialised), =5 (both kernels warp-specialised), =2 (overlapped), =3 and =6 (dQ
     accumulated in the in-turn / warp-specialised dK/dV kernel, no dQ kernel; deterministic=True
     falls back to 5), =8 (5 with S^T and dP^T waited for apart; 5 itself under a softcap), and 6 / 8 with
-    DUALKV_CUDA_BWD_TMA=1 (mode "6t" / "8t": the dK/dV kernel's loads as bulk tensor copies), on the grid
-    against the fp32 reference, in both accumulation modes, and the profiler shows which kernels ran."""
-    tma = mode is not None and mode.endswith("t")
+    DUALKV_CUDA_BWD_TMA=1 (mode "6t" / "8t": the dK/dV kernel's loads as bulk tensor copies, the
+    default; "6" / "8" set it to 0, the producer warpgroup's cp.async), on the grid against the fp32
+    reference, in both accumulation modes, and the profiler shows which kernels ran."""
+    tma = mode is None or mode.endswith("t")
     _choose_hopper_kernels(monkeypatch, "DUALKV_CUDA_WGMMA_BWD", mode and mode[0], "the wgmma backward")
-    monkeypatch.setenv("DUALKV_CUDA_BWD_TMA", "1" if tma else "0")
+    if mode is None:
+        monkeypatch.delenv("DUALKV_CUDA_BWD_TMA", raising=False)
+    else:
+        monkeypatch.setenv("DUALKV_CUDA_BWD_TMA", "1" if tma else "0")
     r, kernels = _kernels_of(case, dtype, deterministic)
     _check_against_reference(case, dtype, r)
     chosen = mode[0] if mode else ("6" if case[4] == 128 else "8")  # the default: 6 at d = 128, 8 at d = 64
@@ -267,8 +271,9 @@ def test_wgmma_split_backward_matches_reference(cuda_backend, case, dtype, deter
 
 def test_auto_takes_cuda_where_it_measured_faster(cuda_backend, monkeypatch):
     """backend="auto" on sm_90 with the wgmma kernels: the CUDA backend at head dims 256, 128 and 64 (bf16;
-    the profiler shows which kernels ran: the in-turn forward at 256, the warp-specialised one at 128 and
-    64; the result matches the reference); with DUALKV_CUDA_WGMMA_BWD=0 (no wgmma backward) Triton."""
+    the profiler shows which kernels ran: the in-turn forward at 256, the TMA one at 128 and 64, whose
+    dK/dV kernels load by bulk tensor copies too; the result matches the reference); with
+    DUALKV_CUDA_WGMMA_BWD=0 (no wgmma backward) Triton."""
     from dualkv.core.backends import resolve_backend
 
     hopper = torch.cuda.get_device_capability()[0] == 9
@@ -286,9 +291,10 @@ def test_auto_takes_cuda_where_it_measured_faster(cuda_backend, monkeypatch):
             cuda_fwd = any(f"dkv_fwd_sm90_kernel<dkv::Bf16, {d}, {flags}>" in n for n in kernels)
             triton_fwd = any(n.startswith("fwd_kernel") for n in kernels)  # Triton names its kernels bare
             # a kernel only the chosen backward runs: the split dQ kernel (256), the ws dK/dV kernel
-            # with dQ inside (128: schedule 6), the ws dK/dV kernel with split waits (64: schedule 8)
-            bwd = {256: "dkv_dq_sm90_split_kernel", 128: "dkv_dkdv_sm90_ws_kernel<dkv::Bf16, 128, true, false, false>",
-                   64: "dkv_dkdv_sm90_ws_kernel<dkv::Bf16, 64, false, true, false>"}[d]
+            # with dQ inside (128: schedule 6), the ws dK/dV kernel with split waits (64: schedule 8),
+            # both with bulk tensor copies
+            bwd = {256: "dkv_dq_sm90_split_kernel", 128: "dkv_dkdv_sm90_ws_kernel<dkv::Bf16, 128, true, false, true>",
+                   64: "dkv_dkdv_sm90_ws_kernel<dkv::Bf16, 64, false, true, true>"}[d]
             assert (cuda_fwd, triton_fwd) == (True, False), kernels
             assert any(bwd in n for n in kernels), kernels
             _check_against_reference(case, torch.bfloat16, r)
@@ -423,17 +429,17 @@ def _sanitizer():
 
 # Kernel paths under the sanitizer: the defaults (on sm_90 the wgmma forward and backward), the opt-in
 # Hopper forms (the in-turn forward with the overlapped wgmma backward; the warp-specialised forward at
-# every head dim, 256 included, where it is opt-in; that one with bulk tensor copies at 64 / 128; the in-turn and the
+# every head dim, 256 included, where it is opt-in, with cp.async at 64 / 128; that one with bulk tensor copies (the
+# default at 64 / 128) asked for; the in-turn and the
 # warp-specialised dK/dV kernels that also accumulate dQ; the warp-specialised dK/dV kernel with the
-# in-turn dQ kernel; both warp-specialised; the default schedules' dK/dV kernels with bulk tensor
-# copies, beside the TMA forward) and the mma.sync kernels; all but the first differ from
+# in-turn dQ kernel; both warp-specialised; the default schedules' dK/dV kernels with cp.async, where
+# the default has bulk tensor copies) and the mma.sync kernels; all but the first differ from
 # the defaults only on an sm_90 GPU.
 SANITIZER_PATHS = {"default": {}, "hopper-opt-in": {"DUALKV_CUDA_WGMMA": "1", "DUALKV_CUDA_WGMMA_BWD": "2"},
                    "ws-forward": {"DUALKV_CUDA_WGMMA": "2"}, "tma-forward": {"DUALKV_CUDA_WGMMA": "3"},
                    "fused-dq": {"DUALKV_CUDA_WGMMA_BWD": "3"}, "ws-dkdv": {"DUALKV_CUDA_WGMMA_BWD": "4"},
-                   "ws-both": {"DUALKV_CUDA_WGMMA_BWD": "5"}, "ws-fused-dq": {"DUALKV_CUDA_WGMMA_BWD": "6"},
-                   "ws-split": {"DUALKV_CUDA_WGMMA_BWD": "8"},
-                   "tma-dkdv": {"DUALKV_CUDA_WGMMA": "3", "DUALKV_CUDA_BWD_TMA": "1"},
+                   "ws-both": {"DUALKV_CUDA_WGMMA_BWD": "5"}, "ws-fused-dq": {"DUALKV_CUDA_WGMMA_BWD": "6", "DUALKV_CUDA_BWD_TMA": "0"},
+                   "ws-split": {"DUALKV_CUDA_WGMMA_BWD": "8", "DUALKV_CUDA_BWD_TMA": "0"},
                    "mma-sync": {"DUALKV_CUDA_WGMMA": "0", "DUALKV_CUDA_WGMMA_BWD": "0"}}
 
 
