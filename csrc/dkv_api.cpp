@@ -227,8 +227,10 @@ void check_launch(cudaError_t err, const char* what) {
 
 // A kernel-choice environment variable: one of the digits in `allowed` ("0": mma.sync, others a Hopper
 // form); unset or empty gives the default, `device_default` on a device and 0 on the CPU emulation (which
-// runs mma.sync unless asked, so that its default cases keep checking the sm_80 path). Any other value
-// is an error naming the variable (a typo must not silently select the default).
+// runs mma.sync unless asked, so that its default cases keep checking the sm_80 path), unless the
+// emulation is asked for the device's defaults (DUALKV_EMULATE_DEVICE_DEFAULTS=1: what an sm_90 GPU
+// would run, checked per head dim by csrc/emulation/emulate.py). Any other value is an error naming the
+// variable (a typo must not silently select the default).
 int kernel_choice(const char* name, const std::string& allowed = "012", int device_default = 1) {
   const char* flag = std::getenv(name);
   const std::string choice = flag == nullptr ? "" : flag;
@@ -237,7 +239,8 @@ int kernel_choice(const char* name, const std::string& allowed = "012", int devi
   DKV_CHECK(choice.empty() || (choice.size() == 1 && allowed.find(choice[0]) != std::string::npos), kOps, ": ", name,
               ": expected one of ", listed, " (or unset), got '", choice, "'");
 #ifdef DKV_EMULATE
-  device_default = 0;
+  const char* device_defaults = std::getenv("DUALKV_EMULATE_DEVICE_DEFAULTS");
+  if (device_defaults == nullptr || std::string(device_defaults) != "1") device_default = 0;
 #endif
   return choice.empty() ? device_default : choice[0] - '0';
 }

@@ -214,6 +214,31 @@ def check_tma_head_dim() -> bool:
                         H=1, Hkv=1, backward=False)
 
 
+def check_device_defaults(backward: bool) -> bool:
+    """Every head dim with the kernel-choice variables unset and the device's defaults
+    (DUALKV_EMULATE_DEVICE_DEFAULTS=1: the forms an sm_90 GPU takes, e.g. the TMA forward and dK/dV
+    kernels at d = 64 / 128, mma.sync at 96 / 512) runs and matches the reference: a default that
+    names a form a head dim lacks fails here, not on the GPU."""
+    names = ("DUALKV_CUDA_WGMMA", "DUALKV_CUDA_WGMMA_BWD", "DUALKV_CUDA_BWD_TMA", "DUALKV_EMULATE_DEVICE_DEFAULTS")
+    saved = {n: os.environ.get(n) for n in names}
+    try:
+        for n in names[:3]:
+            os.environ.pop(n, None)
+        os.environ["DUALKV_EMULATE_DEVICE_DEFAULTS"] = "1"
+        print("device defaults (DUALKV_EMULATE_DEVICE_DEFAULTS=1)", flush=True)
+        ok = True
+        for d in (64, 96, 128, 192, 256, 512):
+            try:
+                ok = run_case(d=d, dtype=torch.bfloat16, prompts=[70], responses=[[33, 9]], H=2, Hkv=1,
+                              backward=backward) and ok
+            except RuntimeError as err:
+                print(f"FAIL d={d} with the device's defaults: {err}")
+                ok = False
+        return ok
+    finally:
+        _restore_env(saved)
+
+
 def check_wgmma_path() -> bool:
     """The extension's answer to backend="auto" (op wgmma_path): the wgmma forward and backward run
     for head dims 64 / 128 / 192 / 256 when both kernel-choice variables allow them, never for 96 / 512."""
@@ -279,6 +304,7 @@ def main():
             cases = [c for c in SM90_CASES if mode != "3" or c["d"] in (64, 128)]  # TMA: head dims 64 / 128
             ok = all([run_case(**c, backward=not args.forward_only) for c in cases]) and ok
         ok = check_tma_head_dim() and ok
+        ok = check_device_defaults(backward=not args.forward_only) and ok
         print("ALL OK" if ok else "FAILURES")
         sys.exit(0 if ok else 1)
     if args.sm90_bwd:
@@ -293,7 +319,7 @@ def main():
         # a window, a separate context and (8) the softcap fallback, which loads by cp.async
         quick = {"1": (3, 4, 6, 7), "2": (3, 4, 6), "3": (0, 4, 5), "4": (0, 1, 2), "5": (0, 1), "6": (0, 1, 4, 5, 11),
                  "8": (0, 1, 3, 4, 5, 6), "6t": (0, 1, 4, 11), "8t": (1, 3, 4, 5)}
-        ok = check_wgmma_path()
+        ok = check_wgmma_path() and check_device_defaults(backward=True)
         for mode in quick:  # in turn, overlapped, dQ in the dK/dV kernel, ws dK/dV, both ws, dQ in the ws dK/dV, split waits
             os.environ["DUALKV_CUDA_WGMMA_BWD"] = mode[0]
             os.environ["DUALKV_CUDA_BWD_TMA"] = "1" if mode.endswith("t") else "0"
