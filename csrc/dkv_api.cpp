@@ -99,11 +99,13 @@ void check_tma_status(int status, const char* what, const char* name, const Tens
 // box_rows rows (the TMA forward, DUALKV_CUDA_WGMMA=3, and dK/dV kernel, DUALKV_CUDA_BWD_TMA=1). The
 // 16-byte aligned rows and heads the copy engine needs are what check_qkv_like already asked of q, k,
 // v, dout and the context tensors.
+int encode_box(TmaDesc& d, const Tensor& t, int box_rows) {  // the encoder's status
+  return encode_tma_desc(d, t.data_ptr(), t.scalar_type() == at::kBFloat16, t.size(0), t.size(1), t.size(2), t.stride(0),
+                         t.stride(1), box_rows);
+}
 TmaDesc tma_desc(const Tensor& t, const char* name, int box_rows, const char* what) {
   TmaDesc d;
-  check_tma_status(encode_tma_desc(d, t.data_ptr(), t.scalar_type() == at::kBFloat16, t.size(0), t.size(1), t.size(2),
-                                   t.stride(0), t.stride(1), box_rows),
-                   what, name, t);
+  check_tma_status(encode_box(d, t, box_rows), what, name, t);
   return d;
 }
 
@@ -231,16 +233,20 @@ void check_launch(cudaError_t err, const char* what) {
 // emulation is asked for the device's defaults (DUALKV_EMULATE_DEVICE_DEFAULTS=1: what an sm_90 GPU
 // would run, checked per head dim by csrc/emulation/emulate.py). Any other value is an error naming the
 // variable (a typo must not silently select the default).
+// An environment variable's value ("" when unset).
+std::string env_value(const char* name) {
+  const char* value = std::getenv(name);
+  return value == nullptr ? "" : value;
+}
+
 int kernel_choice(const char* name, const std::string& allowed = "012", int device_default = 1) {
-  const char* flag = std::getenv(name);
-  const std::string choice = flag == nullptr ? "" : flag;
+  const std::string choice = env_value(name);
   std::string listed;
   for (const char c : allowed) listed += listed.empty() ? std::string(1, c) : std::string(", ") + c;
   DKV_CHECK(choice.empty() || (choice.size() == 1 && allowed.find(choice[0]) != std::string::npos), kOps, ": ", name,
               ": expected one of ", listed, " (or unset), got '", choice, "'");
 #ifdef DKV_EMULATE
-  const char* device_defaults = std::getenv("DUALKV_EMULATE_DEVICE_DEFAULTS");
-  if (device_defaults == nullptr || std::string(device_defaults) != "1") device_default = 0;
+  if (env_value("DUALKV_EMULATE_DEVICE_DEFAULTS") != "1") device_default = 0;
 #endif
   return choice.empty() ? device_default : choice[0] - '0';
 }
@@ -387,19 +393,21 @@ std::tuple<Tensor, Tensor> fwd(const Tensor& q, const Tensor& k, const Tensor& v
   const cudaStream_t st = current_stream();
   int form = sm90;
   if (form == 3) {
-    // Asked for (DUALKV_CUDA_WGMMA=3), a descriptor the driver cannot build is an error naming it; by
-    // default the forward then runs its cp.async form (2) instead.
-    const bool asked = std::getenv("DUALKV_CUDA_WGMMA") != nullptr && *std::getenv("DUALKV_CUDA_WGMMA") != '\0';
-    const std::pair<const Tensor*, const char*> maps[5] = {
-        {&q, "q"}, {&k, "k"}, {&v, "v"}, {k_ctx ? &*k_ctx : &k, "k_ctx"}, {v_ctx ? &*v_ctx : &v, "v_ctx"}};
-    TmaDesc* descs[5] = {&p.tma_q, &p.tma_k, &p.tma_v, &p.tma_k_ctx, &p.tma_v_ctx};
-    for (int i = 0; i < 5 && form == 3; ++i) {
-      const Tensor& t = *maps[i].first;
-      const int status = encode_tma_desc(*descs[i], t.data_ptr(), bf16, t.size(0), t.size(1), t.size(2), t.stride(0),
-                                         t.stride(1), kSm90BlockM);
-      if (status != 0 && !asked) form = 2;
-      if (asked) check_tma_status(status, "DUALKV_CUDA_WGMMA=3", maps[i].second, t);
+    // Asked for (DUALKV_CUDA_WGMMA=3), a map the driver cannot build is an error naming it; by default
+    // the forward then runs its cp.async form (2) instead.
+    const bool asked = !env_value("DUALKV_CUDA_WGMMA").empty();
+    auto map = [&](TmaDesc& d, const Tensor& t, const char* name) {
+      const int status = encode_box(d, t, kSm90BlockM);
+      if (asked) check_tma_status(status, "DUALKV_CUDA_WGMMA=3", name, t);
+      return status == 0;
+    };
+    const bool built = map(p.tma_q, q, "q") && map(p.tma_k, k, "k") && map(p.tma_v, v, "v") &&
+                       (k_ctx ? map(p.tma_k_ctx, *k_ctx, "k_ctx") && map(p.tma_v_ctx, *v_ctx, "v_ctx") : true);
+    if (!k_ctx) {  // context keys are rows of k / v
+      p.tma_k_ctx = p.tma_k;
+      p.tma_v_ctx = p.tma_v;
     }
+    if (!built) form = 2;
   }
   if (form) {
     check_launch(bf16 ? run_fwd_sm90<Bf16>(p, st, form) : run_fwd_sm90<Fp16>(p, st, form), "forward kernel (sm90 wgmma)");

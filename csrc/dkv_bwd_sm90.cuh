@@ -921,71 +921,9 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
   if (thread_idx() == 0) sm90::mbar_init(kv_empty, 256);
   sm90::init_ring(full, empty, kStages, kTma ? 1 : 128);
 
-  if constexpr (kTma) {
-    if (thread_idx() < 128) {  // the producer: one thread, bulk tensor copies
-      sm90::setmaxnreg_dec<sm90::kProducerRegs>();
-      if (thread_idx() != 0) return;
-      int n_slots = 0;  // slots published so far: slot i goes to buffer i % kStages
-      auto open_slot = [&]() -> int {
-        const int b = n_slots % kStages;
-        if (n_slots >= kStages) sm90::mbar_wait(&empty[b], (n_slots / kStages - 1) & 1);
-        return b;
-      };
-      // A slot's description is written before the arrival that publishes it (its release).
-      auto write_slot = [&](int b, const ReaderTile& rt, int item, int flags, int vec_off) {
-        if constexpr (kDq)
-          slots[b] = Slot{rt.desc, item, flags, rt.row, rt.hq, vec_off};
-        else
-          slots[b] = Slot{rt.desc, item, flags, vec_off};
-      };
-      auto publish_empty = [&](int item, int flags) {  // an end or an item without readers: no copies
-        const int b = open_slot();
-        write_slot(b, ReaderTile{}, item, flags, 0);
-        sm90::mbar_arrive(&full[b]);
-        ++n_slots;
-      };
-      auto boxes = [&](uint16_t* dst, const TmaDesc& map, int head, int row, int rows, uint64_t* bar) {
-        for (int part = 0; part < kParts; ++part)  // part-major: each 64-column part is rows x 128 bytes
-          sm90::tma_load_box(dst + part * rows * 64, map, 64 * part, head, row, bar);
-      };
-      for (int n_items = 0;; ++n_items) {
-        const int item = next_item(p, s_item, [] {});  // this thread alone
-        if (n_items > 0) sm90::mbar_wait(kv_empty, (n_items - 1) & 1);  // K / V of the last item are read
-        if (item >= total_items) {
-          publish_empty(item, K::kDone);
-          break;
-        }
-        const KvItem it = decode_item<kBlockN>(p, item);
-        ReaderCursor<kBlockM> cur;
-        bool have = cur.begin(p, it);
-        if (!have) {
-          publish_empty(item, K::kLast);  // no reader: the consumers store zeros
-          continue;
-        }
-        for (bool first = true; have; first = false) {
-          const int b = open_slot();
-          const ReaderTile rt = reader_tile(cur, it, rep);
-          have = cur.advance(p, it, rep);
-          const int si = rt.hq * p.total_q + rt.row;  // the binding keeps nheads * total_q below 2^31
-          write_slot(b, rt, item, K::kTile | (have ? 0 : K::kLast), si & 3);
-          uint64_t* bar = &full[b];
-          sm90::mbar_arrive_expect_tx(bar, K::kTileTxBytes + (first ? K::kKvTxBytes : 0));
-          if (first) {
-            boxes(sK, it.ctx_tensor ? p.tma_k_ctx : p.tma_k, it.hk, it.key_row0, kBlockN, bar);
-            boxes(sV, it.ctx_tensor ? p.tma_v_ctx : p.tma_v, it.hk, it.key_row0, kBlockN, bar);
-          }
-          boxes(sQ0 + b * K::kQTile, p.tma_q, rt.hq, rt.row, kBlockM, bar);
-          boxes(sdO0 + b * K::kQTile, p.tma_dout, rt.hq, rt.row, kBlockM, bar);
-          sm90::tma_load_vec(sL0 + b * K::kVecPitch, p.tma_lse_log2, si & ~3, bar);
-          sm90::tma_load_vec(sD0 + b * K::kVecPitch, p.tma_dsum, si & ~3, bar);
-          ++n_slots;
-        }
-      }
-      return;
-    }
-  }
-  if (thread_idx() < 128) {  // the producer
+  if (thread_idx() < 128) {  // the producer warpgroup (kTma: its first thread alone, bulk tensor copies)
     sm90::setmaxnreg_dec<sm90::kProducerRegs>();
+    if (kTma && thread_idx() != 0) return;
     const int pt = thread_idx();
     int n_slots = 0;  // slots published so far: slot i goes to buffer i % kStages
     auto open_slot = [&]() -> int {  // the next buffer, once the consumers are done with its last use
@@ -993,20 +931,28 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
       if (n_slots >= kStages) sm90::mbar_wait(&empty[b], (n_slots / kStages - 1) & 1);
       return b;
     };
+    // A slot's description is written before the arrival that publishes it (its release).
+    auto write_slot = [&](int b, const ReaderTile& rt, int item, int flags, int vec_off) {
+      if constexpr (kDq)
+        slots[b] = Slot{rt.desc, item, flags, rt.row, rt.hq, vec_off};
+      else
+        slots[b] = Slot{rt.desc, item, flags, vec_off};
+    };
+    // Buffer b published: (cp.async) once this thread's copies (K / V and the tile) have landed; (kTma)
+    // only an end or an item without readers, which have no copies.
     auto publish = [&](int b, const ReaderTile& rt, int item, int flags) {
-      if (pt == 0) {
-        if constexpr (kDq)
-          slots[b] = Slot{rt.desc, item, flags, rt.row, rt.hq};
-        else
-          slots[b] = Slot{rt.desc, item, flags};
+      if (pt == 0) write_slot(b, rt, item, flags, 0);
+      if constexpr (!kTma) {
+        cp_async_wait<0>();
+        sm90::fence_smem_to_async_proxy();  // for the wgmma that read them
       }
-      cp_async_wait<0>();                 // this thread's copies (K / V and the tile) have landed
-      sm90::fence_smem_to_async_proxy();  // for the wgmma that read them
       sm90::mbar_arrive(&full[b]);
       ++n_slots;
     };
     for (int n_items = 0;; ++n_items) {
-      const int item = next_item(p, s_item, [] { sm90::warpgroup_sync(0); });  // the producer warpgroup
+      const int item = next_item(p, s_item, [] {
+        if constexpr (!kTma) sm90::warpgroup_sync(0);  // the producer warpgroup (kTma: this thread alone)
+      });
       if (n_items > 0) sm90::mbar_wait(kv_empty, (n_items - 1) & 1);  // K / V of the last item are read
       if (item >= total_items) {
         publish(open_slot(), ReaderTile{}, item, K::kDone);
@@ -1019,16 +965,37 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
         publish(open_slot(), ReaderTile{}, item, K::kLast);  // no reader: the consumers store zeros
         continue;
       }
-      sm90::load_tile_sw128_async<D, 128, kBlockN>(sK, it.ctx_tensor ? p.k_ctx : p.k, it.key_row0, it.hk, it.nk, pt);
-      sm90::load_tile_sw128_async<D, 128, kBlockN>(sV, it.ctx_tensor ? p.v_ctx : p.v, it.key_row0, it.hk, it.nk, pt);
-      cp_async_commit();
-      while (have) {
-        const int b = open_slot();
-        const ReaderTile rt = load_reader_tile<D, 128>(p, cur, it, rep, sQ0 + b * K::kQTile, sdO0 + b * K::kQTile,
-                                                       sL0 + b * K::kVecPitch, sD0 + b * K::kVecPitch, pt);
+      if constexpr (kTma) {  // every copy of a tile (and, with the first, the item's K / V) onto its full
+        for (bool first = true; have; first = false) {
+          const int b = open_slot();
+          const ReaderTile rt = reader_tile(cur, it, rep);
+          have = cur.advance(p, it, rep);
+          const int si = rt.hq * p.total_q + rt.row;  // the binding keeps nheads * total_q below 2^31
+          write_slot(b, rt, item, K::kTile | (have ? 0 : K::kLast), si & 3);
+          uint64_t* bar = &full[b];
+          sm90::mbar_arrive_expect_tx(bar, K::kTileTxBytes + (first ? K::kKvTxBytes : 0));
+          if (first) {
+            sm90::tma_load_tile<kParts>(sK, it.ctx_tensor ? p.tma_k_ctx : p.tma_k, it.hk, it.key_row0, kBlockN, bar);
+            sm90::tma_load_tile<kParts>(sV, it.ctx_tensor ? p.tma_v_ctx : p.tma_v, it.hk, it.key_row0, kBlockN, bar);
+          }
+          sm90::tma_load_tile<kParts>(sQ0 + b * K::kQTile, p.tma_q, rt.hq, rt.row, kBlockM, bar);
+          sm90::tma_load_tile<kParts>(sdO0 + b * K::kQTile, p.tma_dout, rt.hq, rt.row, kBlockM, bar);
+          sm90::tma_load_vec(sL0 + b * K::kVecPitch, p.tma_lse_log2, si & ~3, bar);
+          sm90::tma_load_vec(sD0 + b * K::kVecPitch, p.tma_dsum, si & ~3, bar);
+          ++n_slots;
+        }
+      } else {
+        sm90::load_tile_sw128_async<D, 128, kBlockN>(sK, it.ctx_tensor ? p.k_ctx : p.k, it.key_row0, it.hk, it.nk, pt);
+        sm90::load_tile_sw128_async<D, 128, kBlockN>(sV, it.ctx_tensor ? p.v_ctx : p.v, it.key_row0, it.hk, it.nk, pt);
         cp_async_commit();
-        have = cur.advance(p, it, rep);
-        publish(b, rt, item, K::kTile | (have ? 0 : K::kLast));
+        while (have) {
+          const int b = open_slot();
+          const ReaderTile rt = load_reader_tile<D, 128>(p, cur, it, rep, sQ0 + b * K::kQTile, sdO0 + b * K::kQTile,
+                                                         sL0 + b * K::kVecPitch, sD0 + b * K::kVecPitch, pt);
+          cp_async_commit();
+          have = cur.advance(p, it, rep);
+          publish(b, rt, item, K::kTile | (have ? 0 : K::kLast));
+        }
       }
     }
     return;

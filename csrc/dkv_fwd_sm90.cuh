@@ -103,57 +103,50 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs, kTma>::kThreads)) dkv_fwd_sm9
     auto wait_empty = [&](uint64_t* empty, int t) {
       if (t >= kStages) sm90::mbar_wait(&empty[t % kStages], (t / kStages - 1) & 1);
     };
-    if constexpr (kTma) {
-      if (tid < 0) {  // the producer: one thread, bulk tensor copies
-        sm90::setmaxnreg_dec<sm90::kProducerRegs>();
+    if (tid < 0) {  // the producer warpgroup
+      sm90::setmaxnreg_dec<sm90::kProducerRegs>();
+      if constexpr (kTma) {  // one thread, bulk tensor copies
         if (thread_idx() != 0) return;
-        auto load_boxes = [&](uint16_t* dst, const TmaDesc& map, int head, int row, uint64_t* bar) {
-          for (int part = 0; part < kParts; ++part)  // part-major: each 64-column part is 128 rows x 128 bytes
-            sm90::tma_load_box(dst + part * K::kTmaBoxRows * 64, map, 64 * part, head, row, bar);
-        };
         for (int t = 0; t < n_tiles; ++t) {
           const KvTile kt = walk.tile<kBlockN>(t);
           wait_empty(empty_k, t);
           sm90::mbar_arrive_expect_tx(&full_k[t % kStages], (K::kKvTile + (t == 0 ? K::kQTile : 0)) * 2);
-          if (t == 0) load_boxes(sQ, p.tma_q, h, row0 + q0, &full_k[0]);
-          load_boxes(sK(t), kt.ctx ? p.tma_k_ctx : p.tma_k, hk, kt.row, &full_k[t % kStages]);
+          if (t == 0) sm90::tma_load_tile<kParts>(sQ, p.tma_q, h, row0 + q0, K::kTmaBoxRows, &full_k[0]);
+          sm90::tma_load_tile<kParts>(sK(t), kt.ctx ? p.tma_k_ctx : p.tma_k, hk, kt.row, K::kTmaBoxRows, &full_k[t % kStages]);
           wait_empty(empty_v, t);
           sm90::mbar_arrive_expect_tx(&full_v[t % kStages], K::kKvTile * 2);
-          load_boxes(sV(t), kt.ctx ? p.tma_v_ctx : p.tma_v, hk, kt.row, &full_v[t % kStages]);
+          sm90::tma_load_tile<kParts>(sV(t), kt.ctx ? p.tma_v_ctx : p.tma_v, hk, kt.row, K::kTmaBoxRows, &full_v[t % kStages]);
         }
-        return;
-      }
-    }
-    if (tid < 0) {  // the producer: Q with K_0, then K_t and V_t, each once its buffer is free
-      sm90::setmaxnreg_dec<sm90::kProducerRegs>();
-      const int lt = thread_idx();
-      // One cp.async group per load, in the order K_0 (with Q), V_0, K_1, V_1, ...: group 2 t + v. A load
-      // is marked full once this thread's copies of it have landed (cp.async groups complete in order):
-      // before each load the producer marks every group but the newest, then waits for the buffer.
-      int announced = 0;  // groups 0 .. announced - 1 are marked full
-      auto announce = [&](int upto) {
-        sm90::fence_smem_to_async_proxy();  // this thread's copies, for the wgmma that reads them
-        for (; announced <= upto; ++announced)
-          sm90::mbar_arrive(announced % 2 ? &full_v[(announced / 2) % kStages] : &full_k[(announced / 2) % kStages]);
-      };
-      auto wait_free = [&](uint64_t* empty, int t, int newest) {
-        if (newest >= 1) {
-          cp_async_wait<1>();
-          announce(newest - 1);
+      } else {  // Q with K_0, then K_t and V_t, each once its buffer is free
+        const int lt = thread_idx();
+        // One cp.async group per load, in the order K_0 (with Q), V_0, K_1, V_1, ...: group 2 t + v. A load
+        // is marked full once this thread's copies of it have landed (cp.async groups complete in order):
+        // before each load the producer marks every group but the newest, then waits for the buffer.
+        int announced = 0;  // groups 0 .. announced - 1 are marked full
+        auto announce = [&](int upto) {
+          sm90::fence_smem_to_async_proxy();  // this thread's copies, for the wgmma that reads them
+          for (; announced <= upto; ++announced)
+            sm90::mbar_arrive(announced % 2 ? &full_v[(announced / 2) % kStages] : &full_k[(announced / 2) % kStages]);
+        };
+        auto wait_free = [&](uint64_t* empty, int t, int newest) {
+          if (newest >= 1) {
+            cp_async_wait<1>();
+            announce(newest - 1);
+          }
+          wait_empty(empty, t);
+        };
+        sm90::load_tile_sw128_async<D, kLoaders, kBlockM>(sQ, p.q, row0 + q0, h, m_valid, lt);
+        for (int t = 0; t < n_tiles; ++t) {
+          wait_free(empty_k, t, 2 * t - 1);
+          load_k(t, lt);
+          cp_async_commit();
+          wait_free(empty_v, t, 2 * t);
+          load_v(t, lt);
+          cp_async_commit();
         }
-        wait_empty(empty, t);
-      };
-      sm90::load_tile_sw128_async<D, kLoaders, kBlockM>(sQ, p.q, row0 + q0, h, m_valid, lt);
-      for (int t = 0; t < n_tiles; ++t) {
-        wait_free(empty_k, t, 2 * t - 1);
-        load_k(t, lt);
-        cp_async_commit();
-        wait_free(empty_v, t, 2 * t);
-        load_v(t, lt);
-        cp_async_commit();
+        cp_async_wait<0>();
+        announce(2 * n_tiles - 1);
       }
-      cp_async_wait<0>();
-      announce(2 * n_tiles - 1);
       return;
     }
     sm90::setmaxnreg_inc<sm90::kConsumerRegs>();

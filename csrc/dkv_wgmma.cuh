@@ -270,6 +270,14 @@ DKV_DEV void tma_load_box(void* dst, const TmaDesc& desc, int col, int head, int
 #endif
 }
 
+// tma_load_tile copies a tile of `rows` rows of kParts 64-column parts, part-major (each part rows x
+// 128 bytes at dst + part * rows * 64 elements), as one box per part of a map whose box height is
+// `rows`.
+template <int kParts>
+DKV_DEV void tma_load_tile(uint16_t* dst, const TmaDesc& map, int head, int row, int rows, uint64_t* bar) {
+  for (int part = 0; part < kParts; ++part) tma_load_box(dst + part * rows * 64, map, 64 * part, head, row, bar);
+}
+
 // tma_load_vec copies one box of a flat fp32 TmaDesc (a 1-D view, the box the map's box length) to
 // shared memory at `dst` (128-byte aligned), starting at element `start`, a multiple of 4 (16 bytes:
 // on an H200 an unaligned start stopped the kernel with an illegal instruction); elements past the

@@ -319,7 +319,8 @@ def main():
         # a window, a separate context and (8) the softcap fallback, which loads by cp.async
         quick = {"1": (3, 4, 6, 7), "2": (3, 4, 6), "3": (0, 4, 5), "4": (0, 1, 2), "5": (0, 1), "6": (0, 1, 4, 5, 11),
                  "8": (0, 1, 3, 4, 5, 6), "6t": (0, 1, 4, 11), "8t": (1, 3, 4, 5)}
-        ok = check_wgmma_path() and check_device_defaults(backward=True)
+        ok = check_wgmma_path()
+        ok = check_device_defaults(backward=True) and ok
         for mode in quick:  # in turn, overlapped, dQ in the dK/dV kernel, ws dK/dV, both ws, dQ in the ws dK/dV, split waits
             os.environ["DUALKV_CUDA_WGMMA_BWD"] = mode[0]
             os.environ["DUALKV_CUDA_BWD_TMA"] = "1" if mode.endswith("t") else "0"
