@@ -922,7 +922,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
   sm90::init_ring(full, empty, kStages, kTma ? 1 : 128);
 
   if (thread_idx() < 128) {  // the producer warpgroup (kTma: its first thread alone, bulk tensor copies)
-    sm90::setmaxnreg_dec<sm90::kProducerRegs>();
+    sm90::setmaxnreg_dec<kTma ? sm90::kTmaProducerRegs : sm90::kProducerRegs>();
     if (kTma && thread_idx() != 0) return;
     const int pt = thread_idx();
     int n_slots = 0;  // slots published so far: slot i goes to buffer i % kStages
@@ -1001,7 +1001,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
     return;
   }
 
-  sm90::setmaxnreg_inc<sm90::kConsumerRegs>();
+  sm90::setmaxnreg_inc<kTma ? sm90::kTmaConsumerRegs : sm90::kConsumerRegs>();
   const int tid = thread_idx() - 128, lane = tid & 31, warp = (tid >> 5) & 3, wg = tid >> 7;  // wg: consumer 0 / 1
   const int g = lane >> 2, tq = lane & 3;
   const DkdvProducts<E, D, kBlockM, kBlockN> products(sK, sV, sQ0, sdO0, wg);
