@@ -294,22 +294,24 @@ int use_sm90_forward(const Tensor& q, int head_dim) {
 // forward+backward 2.3-4.9% faster at d = 128: benchmarks/results/attention_h200_default_sched6.md;
 // with deterministic=True it falls back to 5), 8 schedule 5 with S^T and dP^T waited for apart (5
 // itself under a softcap; its dK/dV kernel 6% faster than 5's at d = 64, 1-5% slower at d = 128:
-// benchmarks/results/raw/profile_h200_split.log). 7 (a writer-warp form of 6) was removed. The default:
-// 6 at d = 128, 8 at d = 64. 0 asks for mma.sync. Returns the schedule that runs: 0 (mma.sync), 1 .. 6
-// or 8 (1 for any wgmma choice at 192 / 256, which have one).
+// benchmarks/results/raw/profile_h200_split.log), 9 schedule 6 with each tile's dQ product issued a tile
+// later, so that the two consumers need not meet every tile (with the TMA producer; under
+// DUALKV_CUDA_BWD_TMA=0, or with deterministic=True, as 6 is). 7 (a writer-warp form of 6) was
+// removed. The default: 6 at d = 128, 8 at d = 64. 0 asks for mma.sync. Returns the schedule that runs:
+// 0 (mma.sync), 1 .. 6, 8 or 9 (1 for any wgmma choice at 192 / 256, which have one).
 // DUALKV_CUDA_BWD_TMA: 1 (the default) the warp-specialised dK/dV kernel of schedules 6 and 8 (the
-// defaults at head dims 128 and 64) loads by bulk tensor copies from one producer thread
+// defaults at head dims 128 and 64; and 9) loads by bulk tensor copies from one producer thread
 // (DkdvSm90Ws::kTma; on an H200 the backward takes 5-7% less time than with 0:
 // benchmarks/results/attention_h200_tma.md); 0: by its producer warpgroup's cp.async. Other schedules,
 // and tensors of 2^31 or more (head, row) pairs (the copies' coordinates are 32-bit), load by
 // cp.async either way.
 bool use_bwd_tma(int schedule, int64_t nheads, int64_t total_q) {
   const int choice = kernel_choice("DUALKV_CUDA_BWD_TMA", "01", 1);
-  return choice == 1 && (schedule == 6 || schedule == 8) && nheads * total_q < (int64_t{1} << 31);
+  return choice == 1 && (schedule == 6 || schedule == 8 || schedule == 9) && nheads * total_q < (int64_t{1} << 31);
 }
 
 int use_sm90_backward(const Tensor& q, int head_dim) {
-  const int choice = kernel_choice("DUALKV_CUDA_WGMMA_BWD", "01234568", head_dim == 128 ? 6 : 8);
+  const int choice = kernel_choice("DUALKV_CUDA_WGMMA_BWD", "012345689", head_dim == 128 ? 6 : 8);
   if (choice == 0 || !sm90_bwd_supports(head_dim) || !hopper_kernels_usable(q)) return 0;
   return sm90_bwd_schedules(head_dim) ? choice : 1;
 }
@@ -462,7 +464,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
   }
 
   int sm90 = use_sm90_backward(q, args.head_dim);
-  bool fused_dq = sm90 == 3 || sm90 == 6;  // dQ accumulated in the dK/dV kernel, no dQ kernel
+  bool fused_dq = sm90 == 3 || sm90 == 6 || sm90 == 9;  // dQ accumulated in the dK/dV kernel, no dQ kernel
   if (fused_dq && deterministic) {  // atomics on dQ are not bit-stable run to run: both kernels ws
     sm90 = 5;
     fused_dq = false;

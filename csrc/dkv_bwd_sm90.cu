@@ -1,11 +1,11 @@
 // dQ and dK/dV on Hopper warpgroup MMA (dkv_bwd_sm90.cuh): fp16 and bf16, head dims 64 and 128 in
-// schedules 1 .. 6 and 8 (launch_dq_sm90_schedule, launch_dkdv_sm90_schedule); at 192 and 256 both kernels with the warpgroups' roles split
+// schedules 1 .. 6, 8 and 9 (launch_dq_sm90_schedule, launch_dkdv_sm90_schedule); at 192 and 256 both kernels with the warpgroups' roles split
 // (one schedule, no dQ inside the dK/dV kernel). The kernels trap unless the unit is built for sm_90a; the
 // binding only calls them on an sm_90 device whose code has wgmma (sm90_kernels_built): by default
 // (schedule 6 at d = 128, 8 at d = 64), unless DUALKV_CUDA_WGMMA_BWD=0 asks for mma.sync; =2 and =3
 // select the overlapped schedule and the dK/dV kernel that also accumulates dQ, =4 the warp-specialised
 // dK/dV kernel, =5 both kernels warp-specialised, =6 the warp-specialised dK/dV kernel that also
-// accumulates dQ, =8 schedule 5 with S^T and dP^T waited for apart.
+// accumulates dQ, =8 schedule 5 with S^T and dP^T waited for apart, =9 schedule 6 with dQ deferred a tile.
 #include "dkv_bwd_sm90.cuh"
 #include "dkv_launch_impl.cuh"
 
@@ -64,7 +64,8 @@ cudaError_t run_dq_sm90(const BwdParams& p, cudaStream_t stream, int schedule) {
 
 // schedule: 1 (in turn), 2 (overlapped), 3 (in turn, dQ accumulated here into p.dq_accum), 4 and 5 (in
 // turn, warp-specialised: a producer warpgroup loads), 6 (warp-specialised, dQ accumulated here), 8 (5
-// with S^T and dP^T in separate commit groups); at 6 and 8, p.tma: the loads as bulk tensor copies.
+// with S^T and dP^T in separate commit groups), 9 (6 with each tile's dQ product deferred by a tile;
+// with the TMA producer only, else 6); at 6, 8 and 9, p.tma: the loads as bulk tensor copies.
 template <class E, int D>
 cudaError_t launch_dkdv_sm90_schedule(const BwdParams& p, cudaStream_t stream, int schedule) {
   switch (schedule) {
@@ -75,6 +76,9 @@ cudaError_t launch_dkdv_sm90_schedule(const BwdParams& p, cudaStream_t stream, i
     case 6:
       if (p.tma) return launch_persistent<DkdvSm90Ws<D, true, false, true>, &dkv_dkdv_sm90_ws_kernel<E, D, true, false, true>>(p, stream);
       return launch_persistent<DkdvSm90Ws<D, true>, &dkv_dkdv_sm90_ws_kernel<E, D, true>>(p, stream);
+    case 9:  // 6 with dQ deferred a tile (the TMA producer's form only)
+      if (p.tma) return launch_persistent<DkdvSm90Ws<D, true, false, true, true>, &dkv_dkdv_sm90_ws_kernel<E, D, true, false, true, true>>(p, stream);
+      return launch_dkdv_sm90_schedule<E, D>(p, stream, 6);
     case 8:  // 5 with S^T and dP^T waited for apart; under a softcap 5 itself
       if (p.softcap > 0.f) return launch_dkdv_sm90_schedule<E, D>(p, stream, 5);
       if (p.tma) return launch_persistent<DkdvSm90Ws<D, false, true, true>, &dkv_dkdv_sm90_ws_kernel<E, D, false, true, true>>(p, stream);

@@ -846,10 +846,21 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
 // to a multiple of 4, and the tile's rows start vec_off (its slot says) into it. Rows past a tile's
 // valid queries or keys are loaded as they are: the element-wise step masks them (P^T and dS^T are 0
 // there), where the cp.async loads filled zeros.
-template <int kHeadDim_, bool kDq_ = false, bool kSplit_ = false, bool kTma_ = false>
+//
+// kDefer = true (DUALKV_CUDA_WGMMA_BWD=9, with kDq and kTma): a tile's dQ product is issued with the
+// next tile's dV / dK (the registers are those of schedule 6: issued with this tile's S^T / dP^T, the
+// dQ accumulators would not fit beside them, ptxas spilled 212 and serialised the products), and
+// staged and added once they are done. A consumer then waits for the other's dS of a tile a whole
+// tile after it was written (the other's arrival on ds_full[other][tile parity]), where schedule 6
+// meets at a named barrier every tile, so the two drift apart and one's element-wise step runs under
+// the other's products. A dS buffer is written again once both consumers' products that read it are
+// done (ds_empty[parity]); an item's last dQ is issued before its K / V are released. At d = 64 each
+// consumer's dQ reads only its own dS, and there is nothing to wait for.
+template <int kHeadDim_, bool kDq_ = false, bool kSplit_ = false, bool kTma_ = false, bool kDefer_ = false>
 struct DkdvSm90Ws {
-  static constexpr bool kDq = kDq_, kSplit = kSplit_, kTma = kTma_;
+  static constexpr bool kDq = kDq_, kSplit = kSplit_, kTma = kTma_, kDefer = kDefer_;
   static_assert(!kTma || kDq || kSplit, "(kTma) the bulk-tensor-copy producer: schedules 6 and 8");
+  static_assert(!kDefer || (kDq && kTma), "(kDefer) the deferred dQ: schedule 6 with the TMA producer");
   static_assert(!(kDq && kSplit), "the split waits only without dQ (schedule 8; with dQ it measured no faster)");
   static constexpr int kHeadDim = kHeadDim_, kBlockN = 128, kBlockM = 64, kThreads = 384, kStages = kDq ? 2 : 3;
   static constexpr int kParts = kHeadDim / 64;
@@ -879,7 +890,9 @@ struct DkdvSm90Ws {
   static_assert(kVecBox == kSm90DkdvVecBox, "the binding's lse_log2 / dsum maps have boxes of kVecBox floats");
   static constexpr int kOffL = kOffStage + kStageBytes, kOffD = kOffL + kStages * kVecPitch * 4;
   static constexpr int kOffBars = kOffD + kStages * kVecPitch * 4;
-  static constexpr int kOffSlots = kOffBars + ((2 * kStages + 1) * 8 + 15) / 16 * 16;
+  // (kDefer) ds_full[consumer][tile parity], ds_empty[tile parity]
+  static constexpr int kBars = 2 * kStages + 1 + (kDefer ? 6 : 0);
+  static constexpr int kOffSlots = kOffBars + (kBars * 8 + 15) / 16 * 16;
   static constexpr int kOffItem = kOffSlots + kStages * static_cast<int>(sizeof(Slot));
   static constexpr int kSmemBytes = kOffItem + 16 + 1024;
   static_assert(kOffQ % 1024 == 0 && kOffDo % 1024 == 0 && kQTile * 2 % 1024 == 0,
@@ -894,9 +907,9 @@ struct DkdvSm90Ws {
   static constexpr int kTileTxBytes = 2 * kQTile * 2 + 2 * kVecBox * 4, kKvTxBytes = 2 * kKvTile * 2;
 };
 
-template <class E, int D, bool kDq = false, bool kSplit = false, bool kTma = false>
+template <class E, int D, bool kDq = false, bool kSplit = false, bool kTma = false, bool kDefer = false>
 DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CONSTANT BwdParams p) {
-  using K = DkdvSm90Ws<D, kDq, kSplit, kTma>;
+  using K = DkdvSm90Ws<D, kDq, kSplit, kTma, kDefer>;
   using Slot = typename K::Slot;
   constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kParts = K::kParts, kStages = K::kStages;
   const int rep = p.nheads / p.nheads_kv;
@@ -915,10 +928,18 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + K::kOffBars);
   uint64_t* empty = full + kStages;
   uint64_t* kv_empty = empty + kStages;
+  uint64_t* ds_full = kv_empty + 1;   // (kDefer) [consumer * 2 + tile parity]: its dS of the tile is stored
+  uint64_t* ds_empty = ds_full + 4;  // (kDefer) [tile parity]: both consumers' dQ products that read it are done
   Slot* slots = reinterpret_cast<Slot*>(smem + K::kOffSlots);
   int* s_item = reinterpret_cast<int*>(smem + K::kOffItem);
 
-  if (thread_idx() == 0) sm90::mbar_init(kv_empty, 256);
+  if (thread_idx() == 0) {
+    sm90::mbar_init(kv_empty, 256);
+    if constexpr (kDefer) {
+      for (int i = 0; i < 4; ++i) sm90::mbar_init(&ds_full[i], 128);
+      for (int i = 0; i < 2; ++i) sm90::mbar_init(&ds_empty[i], 256);
+    }
+  }
   sm90::init_ring(full, empty, kStages, kTma ? 1 : 128);
 
   if (thread_idx() < 128) {  // the producer warpgroup (kTma: its first thread alone, bulk tensor copies)
@@ -1010,6 +1031,26 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
   DkdvWarpgroup<E, D, kBlockM, kBlockN> w(wg, warp, g);
   FusedDq<E, D, kBlockM, kBlockN> fdq;  // (kDq)
   int n_tiles = 0;                      // (kDq) tiles computed: their dS alternate between two buffers
+  // (kDefer) the computed tile whose dQ product is still to come: its index, packed row, head, rows.
+  struct PendingDq {
+    int t = -1, row = 0, hq = 0, m_valid = 0;
+  } pend;
+  bool add_dq = false;                // (kDefer) dQ of pend: its product is done, to be staged and added
+  auto issue_pending_dq = [&] {       // (not committed) once the other consumer's dS of the tile is stored
+    if constexpr (kParts == 2)
+      if (pend.t >= 0) sm90::mbar_wait(&ds_full[(1 - wg) * 2 + (pend.t & 1)], (pend.t >> 1) & 1);
+    fdq.issue(sDs0 + (pend.t & 1) * kBlockM * kBlockN, sK, wg);
+  };
+  auto pending_dq_done = [&] {  // after the wait that ends its product: its dS buffer is free (this consumer's part)
+    sm90::fence_operand<32>(fdq.dq);
+    if constexpr (kParts == 2) sm90::mbar_arrive(&ds_empty[pend.t & 1]);
+    add_dq = true;
+  };
+  auto add_pending_dq = [&] {
+    fdq.add(p, sStage, wg, warp, g, tq, pend.hq, pend.row, pend.m_valid);
+    add_dq = false;
+    pend.t = -1;
+  };
 
   for (int n_slots = 0;;) {  // one item a pass
     w.zero_dkdv();
@@ -1041,28 +1082,49 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
         }
         uint16_t* sDs = sDs0 + (n_tiles & 1) * kBlockM * kBlockN;
         if constexpr (kDq) {
+          // (kDefer, d = 128) the buffer's last tile, two back: both consumers' products that read it are done
+          if constexpr (kDefer && kParts == 2)
+            if (n_tiles >= 2) sm90::mbar_wait(&ds_empty[n_tiles & 1], ((n_tiles >> 1) - 1) & 1);
           fdq.store_ds(sDs, w.dpt, wg, warp, g, tq);
           sm90::fence_smem_to_async_proxy();  // this thread's dS stores, for the other consumer's wgmma
+          if constexpr (kDefer && kParts == 2) sm90::mbar_arrive(&ds_full[wg * 2 + (n_tiles & 1)]);
         }
         w.pack();
         sm90::wgmma_fence();
         products.issue_rs(w.dk, w.dv, w.pa, w.dsa, b);
-        if constexpr (kDq) {  // both consumers' dS (a tile later the other buffer: its readers are done)
+        if constexpr (kDq && !kDefer) {  // both consumers' dS (a tile later the other buffer: its readers are done)
           sm90::named_sync<256>(4);
           fdq.issue(sDs, sK, wg);
         }
+        // (kDefer) the previous tile's dQ, with this tile's dV / dK. Issued at an item's first tile too,
+        // with nothing pending, and its result dropped: a branch around it made ptxas serialise
+        // every product of the kernel.
+        if constexpr (kDefer) issue_pending_dq();
         sm90::wgmma_commit();
         sm90::wgmma_wait<0>();
         w.pin_rs();
-        if constexpr (kDq) {
-          sm90::fence_operand<32>(fdq.dq);
-          ++n_tiles;
+        if constexpr (kDq && !kDefer) sm90::fence_operand<32>(fdq.dq);
+        if constexpr (kDefer) {
+          if (pend.t >= 0) pending_dq_done();
         }
+        if constexpr (kDq) ++n_tiles;
       }
       if (!(slot.flags & K::kDone)) sm90::mbar_arrive(&empty[b]);
-      if constexpr (kDq) {
+      if constexpr (kDq && !kDefer) {
         if (slot.flags & K::kTile)
           fdq.add(p, sStage, wg, warp, g, tq, slot.hq, slot.row, slot.desc.m_valid);
+      }
+      if constexpr (kDefer) {
+        if (add_dq) add_pending_dq();
+        if (slot.flags & K::kTile) pend = PendingDq{n_tiles - 1, slot.row, slot.hq, slot.desc.m_valid};
+        if ((slot.flags & K::kLast) && pend.t >= 0) {  // the item's last dQ, before its K is released
+          sm90::wgmma_fence();
+          issue_pending_dq();
+          sm90::wgmma_commit();
+          sm90::wgmma_wait<0>();
+          pending_dq_done();
+          add_pending_dq();
+        }
       }
       ++n_slots;
       if (slot.flags & (K::kLast | K::kDone)) break;

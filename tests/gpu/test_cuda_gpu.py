@@ -214,9 +214,9 @@ def test_wgmma_forward_with_growing_scores(cuda_backend, case, mode, monkeypatch
     _check_against_reference(case, torch.bfloat16, r)
 
 
-@pytest.mark.parametrize("mode", [None, "1", "2", "3", "4", "5", "6", "8", "6t", "8t"],
+@pytest.mark.parametrize("mode", [None, "1", "2", "3", "4", "5", "6", "8", "6t", "8t", "9t"],
                          ids=["default", "in-turn", "overlap", "fused-dq", "ws", "ws-both", "ws-fused-dq", "ws-split",
-                              "ws-fused-dq-tma", "ws-split-tma"])
+                              "ws-fused-dq-tma", "ws-split-tma", "ws-deferred-dq-tma"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", [c for c in GRID if c[4] in (64, 128)], ids=lambda c: _ids(c))
@@ -227,8 +227,9 @@ def test_wgmma_backward_matches_reference(cuda_backend, case, dtype, determinist
     accumulated in the in-turn / warp-specialised dK/dV kernel, no dQ kernel; deterministic=True
     falls back to 5), =8 (5 with S^T and dP^T waited for apart; 5 itself under a softcap), and 6 / 8 with
     DUALKV_CUDA_BWD_TMA=1 (mode "6t" / "8t": the dK/dV kernel's loads as bulk tensor copies, the
-    default; "6" / "8" set it to 0, the producer warpgroup's cp.async), on the grid against the fp32
-    reference, in both accumulation modes, and the profiler shows which kernels ran."""
+    default; "6" / "8" set it to 0, the producer warpgroup's cp.async), =9 with it ("9t": 6 with each
+    tile's dQ product deferred a tile; deterministic=True falls back to 5), on the grid against the
+    fp32 reference, in both accumulation modes, and the profiler shows which kernels ran."""
     tma = mode is None or mode.endswith("t")
     _choose_hopper_kernels(monkeypatch, "DUALKV_CUDA_WGMMA_BWD", mode and mode[0], "the wgmma backward")
     if mode is None:
@@ -238,15 +239,16 @@ def test_wgmma_backward_matches_reference(cuda_backend, case, dtype, determinist
     r, kernels = _kernels_of(case, dtype, deterministic)
     _check_against_reference(case, dtype, r)
     chosen = mode[0] if mode else ("6" if case[4] == 128 else "8")  # the default: 6 at d = 128, 8 at d = 64
-    fused = chosen in ("3", "6") and not deterministic
-    runs = "5" if chosen in ("3", "6") and deterministic else chosen  # the schedule that runs
-    dkdv = "dkv_dkdv_sm90_ws_kernel" if runs in ("4", "5", "6", "8") else "dkv_dkdv_sm90_kernel"
+    fused = chosen in ("3", "6", "9") and not deterministic
+    runs = "5" if chosen in ("3", "6", "9") and deterministic else chosen  # the schedule that runs
+    dkdv = "dkv_dkdv_sm90_ws_kernel" if runs in ("4", "5", "6", "8", "9") else "dkv_dkdv_sm90_kernel"
     dq = "dkv_dq_sm90_ws_kernel" if runs in ("5", "8") else "dkv_dq_sm90_kernel"
     assert any(dkdv in name for name in kernels), f"the dK/dV kernel did not run: {sorted(kernels)}"
-    if runs in ("5", "6", "8"):  # the kernel's template flags: dQ inside (6), split waits (8; 5's kernel under
-        split = runs == "8" and case[6] is None  # a softcap), bulk tensor copies (6 and 8 as such, when asked)
-        copies = tma and (runs == "6" or split)
-        flags = f", {case[4]}, {str(runs == '6').lower()}, {str(split).lower()}, {str(copies).lower()}>"
+    if runs in ("5", "6", "8", "9"):  # the kernel's template flags: dQ inside (6, 9), split waits (8; 5's kernel
+        split = runs == "8" and case[6] is None  # under a softcap), bulk tensor copies (6, 8 and 9 as such, when
+        copies = tma and (runs in ("6", "9") or split)  # asked), the deferred dQ (9)
+        flags = (f", {case[4]}, {str(runs in ('6', '9')).lower()}, {str(split).lower()}, {str(copies).lower()}, "
+                 f"{str(runs == '9').lower()}>")
         assert any(dkdv in name and flags in name for name in kernels), (flags, sorted(kernels))
     if fused:  # no dQ kernel of any schedule
         assert not any("dkv_dq_" in name for name in kernels), sorted(kernels)
@@ -293,8 +295,8 @@ def test_auto_takes_cuda_where_it_measured_faster(cuda_backend, monkeypatch):
             # a kernel only the chosen backward runs: the split dQ kernel (256), the ws dK/dV kernel
             # with dQ inside (128: schedule 6), the ws dK/dV kernel with split waits (64: schedule 8),
             # both with bulk tensor copies
-            bwd = {256: "dkv_dq_sm90_split_kernel", 128: "dkv_dkdv_sm90_ws_kernel<dkv::Bf16, 128, true, false, true>",
-                   64: "dkv_dkdv_sm90_ws_kernel<dkv::Bf16, 64, false, true, true>"}[d]
+            bwd = {256: "dkv_dq_sm90_split_kernel", 128: "dkv_dkdv_sm90_ws_kernel<dkv::Bf16, 128, true, false, true, false>",
+                   64: "dkv_dkdv_sm90_ws_kernel<dkv::Bf16, 64, false, true, true, false>"}[d]
             assert (cuda_fwd, triton_fwd) == (True, False), kernels
             assert any(bwd in n for n in kernels), kernels
             _check_against_reference(case, torch.bfloat16, r)
@@ -433,13 +435,15 @@ def _sanitizer():
 # default at 64 / 128) asked for; the in-turn and the
 # warp-specialised dK/dV kernels that also accumulate dQ; the warp-specialised dK/dV kernel with the
 # in-turn dQ kernel; both warp-specialised; the default schedules' dK/dV kernels with cp.async, where
-# the default has bulk tensor copies) and the mma.sync kernels; all but the first differ from
+# the default has bulk tensor copies; the fused-dQ kernel with dQ deferred a tile, whose consumers
+# exchange dS through mbarriers) and the mma.sync kernels; all but the first differ from
 # the defaults only on an sm_90 GPU.
 SANITIZER_PATHS = {"default": {}, "hopper-opt-in": {"DUALKV_CUDA_WGMMA": "1", "DUALKV_CUDA_WGMMA_BWD": "2"},
                    "ws-forward": {"DUALKV_CUDA_WGMMA": "2"}, "tma-forward": {"DUALKV_CUDA_WGMMA": "3"},
                    "fused-dq": {"DUALKV_CUDA_WGMMA_BWD": "3"}, "ws-dkdv": {"DUALKV_CUDA_WGMMA_BWD": "4"},
                    "ws-both": {"DUALKV_CUDA_WGMMA_BWD": "5"}, "ws-fused-dq": {"DUALKV_CUDA_WGMMA_BWD": "6", "DUALKV_CUDA_BWD_TMA": "0"},
                    "ws-split": {"DUALKV_CUDA_WGMMA_BWD": "8", "DUALKV_CUDA_BWD_TMA": "0"},
+                   "ws-deferred-dq": {"DUALKV_CUDA_WGMMA_BWD": "9"},
                    "mma-sync": {"DUALKV_CUDA_WGMMA": "0", "DUALKV_CUDA_WGMMA_BWD": "0"}}
 
 
