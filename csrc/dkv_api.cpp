@@ -227,17 +227,18 @@ void check_launch(cudaError_t err, const char* what) {
 #endif
 }
 
+// An environment variable's value ("" when unset).
+std::string env_value(const char* name) {
+  const char* value = std::getenv(name);
+  return value == nullptr ? "" : value;
+}
+
 // A kernel-choice environment variable: one of the digits in `allowed` ("0": mma.sync, others a Hopper
 // form); unset or empty gives the default, `device_default` on a device and 0 on the CPU emulation (which
 // runs mma.sync unless asked, so that its default cases keep checking the sm_80 path), unless the
 // emulation is asked for the device's defaults (DUALKV_EMULATE_DEVICE_DEFAULTS=1: what an sm_90 GPU
 // would run, checked per head dim by csrc/emulation/emulate.py). Any other value is an error naming the
 // variable (a typo must not silently select the default).
-// An environment variable's value ("" when unset).
-std::string env_value(const char* name) {
-  const char* value = std::getenv(name);
-  return value == nullptr ? "" : value;
-}
 
 int kernel_choice(const char* name, const std::string& allowed = "012", int device_default = 1) {
   const std::string choice = env_value(name);

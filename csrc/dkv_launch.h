@@ -39,8 +39,8 @@ constexpr int kSm90BlockM = 128;
 // 192 / 256, where there is one schedule and no dQ inside the dK/dV kernel).
 template <class E>
 cudaError_t run_dq_sm90(const BwdParams& p, cudaStream_t stream, int schedule);  // 1 .. 5 (not called at 3)
-// dK/dV: schedules 1 .. 6 and 8 (3 and 6: dQ inside); p.tma (tensor maps filled) at 6 and 8 asks for the
-// warp-specialised kernel's loads as bulk tensor copies.
+// dK/dV: schedules 1 .. 6, 8 and 9 (3, 6 and 9: dQ inside); p.tma (tensor maps filled) at 6, 8 and 9 asks
+// for the warp-specialised kernel's loads as bulk tensor copies (9 without it runs as 6).
 template <class E>
 cudaError_t run_dkdv_sm90(const BwdParams& p, cudaStream_t stream, int schedule);
 bool sm90_bwd_supports(int head_dim);

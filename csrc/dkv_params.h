@@ -89,8 +89,8 @@ struct BwdParams : AttnArgs {
   bool deterministic = false;
   int accum_rows = 0;  // rows of dk_accum / dv_accum
   // (DUALKV_CUDA_BWD_TMA=1: the warp-specialised dK/dV kernel's loads as bulk tensor copies) boxes of
-  // 64 columns x 64 rows of q / dout, x 128 rows of k, v, k_ctx, v_ctx; runs of 64 of lse_log2 / dsum
-  // viewed flat (nheads * total_q).
+  // 64 columns x 64 rows of q / dout, x 128 rows of k, v, k_ctx, v_ctx; runs of kSm90DkdvVecBox (68)
+  // floats of lse_log2 / dsum viewed flat (nheads * total_q), from 16-byte aligned starts.
   bool tma = false;
   TmaDesc tma_q, tma_dout, tma_k, tma_v, tma_k_ctx, tma_v_ctx, tma_lse_log2, tma_dsum;
 };

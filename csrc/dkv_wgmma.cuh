@@ -322,16 +322,17 @@ DKV_DEV void init_ring(uint64_t* full, uint64_t* empty, int stages, int full_cou
 // 64512 in all. A split asking for more leaves inc waiting for registers that never come: 48 and 232
 // (65536) hung the block on an H200.
 //
-// A producer that is one thread issuing bulk tensor copies (the kTma forms) needs few registers: its
-// warpgroup keeps 24 and each consumer takes 240 (the whole allocation), which at d = 128 leaves the
-// consumers of the TMA dK/dV kernels with no spilled registers (232 spilled 7-10).
+// The TMA dK/dV kernels' producer is one thread issuing bulk tensor copies and needs few registers:
+// its warpgroup keeps 24 and each consumer takes 240 (the whole allocation), which at d = 128 leaves
+// their consumers with no spilled registers (232 spilled 7-10). The TMA forward's consumers spill
+// nothing at 232, so it keeps the first split.
 constexpr int kProducerRegs = 40, kConsumerRegs = 232;
 constexpr int kTmaProducerRegs = 24, kTmaConsumerRegs = 240;
-static_assert(kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0 && 128 * kProducerRegs + 256 * kConsumerRegs <= 384 * 168,
+constexpr bool split_fits(int producer, int consumer) {  // multiples of 8, within the block's allocation
+  return producer % 8 == 0 && consumer % 8 == 0 && 128 * producer + 256 * consumer <= 384 * 168;
+}
+static_assert(split_fits(kProducerRegs, kConsumerRegs) && split_fits(kTmaProducerRegs, kTmaConsumerRegs),
               "setmaxnreg split: multiples of 8 within the 384-thread block's allocation");
-static_assert(kTmaProducerRegs % 8 == 0 && kTmaConsumerRegs % 8 == 0 &&
-                  128 * kTmaProducerRegs + 256 * kTmaConsumerRegs <= 384 * 168,
-              "(kTma) setmaxnreg split: multiples of 8 within the 384-thread block's allocation");
 template <int kRegs>
 DKV_DEV void setmaxnreg_dec() {
 #if DKV_HAS_WGMMA
