@@ -206,7 +206,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dq_sm90_kernel(const DKV_GRID_CONSTAN
   const int row0 = qt.row0, ctx_len = qt.ctx_len, ctx_row0 = qt.ctx_row0, q0 = qt.q0, m_valid = qt.m_valid;
   const int h = qt.h, hk = qt.hk;
   const int W = p.window;
-  const int tid = thread_idx(), lane = tid & 31, warp = (tid >> 5) & 3, wg = tid >> 7;
+  const int tid = thread_idx(), lane = tid & 31, warp = (tid >> 5) & 3, wg = warp_uniform(tid >> 7);
   const int g = lane >> 2, tq = lane & 3;
 
   uint16_t* sQ = reinterpret_cast<uint16_t*>(sm90::dynamic_smem_1024());
@@ -354,14 +354,14 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dq_sm90_ws_kernel(const DKV_GRID_CONS
   }
 
   sm90::setmaxnreg_inc<sm90::kConsumerRegs>();
-  const int tid = thread_idx() - 128, lane = tid & 31, warp = (tid >> 5) & 3, wg = tid >> 7;  // wg: consumer 0 / 1
+  const int tid = thread_idx() - 128, lane = tid & 31, warp = (tid >> 5) & 3, wg = warp_uniform(tid >> 7);  // wg: consumer 0 / 1
   const int g = lane >> 2, tq = lane & 3;
   DqWarpgroup<E, D, kBlockN> w(p, h, row0 + q0, m_valid, wg, warp, g);
   const DqProducts<E, D, kBlockM, kBlockN> products(sQ, sdO, sK(0), sV(0), wg);
   const ScoreFn score = make_score_fn(p.scale, p.softcap);
 
   for (int t = 0; t < n_tiles; ++t) {
-    const int b = t % kStages;
+    const int b = warp_uniform(t % kStages);
     sm90::mbar_wait(&full[b], (t / kStages) & 1);
     // S = Q K^T and dP = dO V^T (as dkv_dq_sm90_kernel), then dS in place of dP and dQ += dS K.
     sm90::wgmma_fence();
@@ -483,6 +483,19 @@ struct DkdvProducts {
   }
   // dV += P^T dO, dK += dS^T Q with the tile in buffer b: queries 16 kq .. 16 kq + 15 are rows 2048
   // bytes apart per step.
+  // dV += P^T dO alone and dK += dS^T Q alone (schedule 6: dQ is issued between them).
+  DKV_DEV void issue_dv(float (&dv)[kParts][32], const uint32_t (&pa)[kBlockM / 16][4], int b) const {
+    issue_rs_one(dv, pa, dout_mn, b);
+  }
+  DKV_DEV void issue_dk(float (&dk)[kParts][32], const uint32_t (&dsa)[kBlockM / 16][4], int b) const {
+    issue_rs_one(dk, dsa, q_mn, b);
+  }
+  DKV_DEV void issue_rs_one(float (&acc)[kParts][32], const uint32_t (&a)[kBlockM / 16][4], uint64_t mn, int b) const {
+    const uint64_t d0 = sm90::desc_here(mn);
+#pragma unroll
+    for (int kq = 0; kq < kBlockM / 16; ++kq)
+      sm90::wgmma_rs_mn_parts<E, kParts>(acc, a[kq], sm90::desc_advance(d0, b * kQTileBytes + kq * 2048), kBlockM * 128);
+  }
   DKV_DEV void issue_rs(float (&dk)[kParts][32], float (&dv)[kParts][32], const uint32_t (&pa)[kBlockM / 16][4],
                         const uint32_t (&dsa)[kBlockM / 16][4], int b) const {
     const uint64_t ddo_mn = sm90::desc_here(dout_mn), dq_mn = sm90::desc_here(q_mn);
@@ -581,15 +594,15 @@ struct FusedDq {
   static constexpr int kParts = D / 64;
   float dq[32];  // dq[4 j + i]: query 16 warp + g + 8 (i / 2), column 64 col_part + 8 j + 2 tq + i % 2
 
-  // dS^T (dpt: key key_in_tile[i / 2], query 8 j + 2 tq + i % 2) as dS: query rows, this
-  // warpgroup's keys in part wg of sDs (K-major for the A operand of dQ = dS K).
-  DKV_DEV static void store_ds(uint16_t* sDs, const float (&dpt)[32], int wg, int warp, int g, int tq) {
-    uint16_t* part = sDs + wg * kBlockM * 64;
+  // dS^T, packed as the A operand of dK += dS^T Q (dsa[kq][i]: the 8 x 8 block of keys 16 warp + 8 (i % 2)
+  // .. and queries 16 kq + 8 (i / 2) ..), as dS: query rows, this warpgroup's keys in part wg of sDs
+  // (K-major for the A operand of dQ = dS K), one transposing stmatrix per 16 queries. Lane l gives
+  // the address of query row 16 kq + 8 (m / 2) + l % 8, keys 16 warp + 8 (m % 2) .., of block m = l / 8.
+  DKV_DEV static void store_ds(uint16_t* sDs, const uint32_t (&dsa)[kBlockM / 16][4], int wg, int warp, int lane) {
+    const int m = lane >> 3, r = lane & 7;
+    uint16_t* row = sDs + wg * kBlockM * 64 + sm90::sw128_offset(8 * (m >> 1) + r, 16 * warp + 8 * (m & 1)) / 2;
 #pragma unroll
-    for (int e = 0; e < 32; ++e) {
-      const int query = 8 * (e / 4) + 2 * tq + (e % 2), key = 16 * warp + g + 8 * ((e / 2) % 2);
-      part[sm90::sw128_offset(query, key) / 2] = from_float<E>(dpt[e]);
-    }
+    for (int kq = 0; kq < kBlockM / 16; ++kq) stsm_x4_trans(dsa[kq], row + kq * 16 * 64);  // 16 rows of 128 bytes on
   }
   // dQ_part = dS K (not committed); both warpgroups' dS must be visible to the async proxy.
   DKV_DEV void issue(const uint16_t* sDs, const uint16_t* sK, int wg) {
@@ -662,7 +675,7 @@ template <class E, int D, bool kOverlap, bool kDq>
 DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONSTANT BwdParams p) {
   using K = DkdvSm90<D, kOverlap, kDq>;
   constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kParts = K::kParts, kQBuffers = K::kQBuffers;
-  const int tid = thread_idx(), lane = tid & 31, warp = (tid >> 5) & 3, wg = tid >> 7;
+  const int tid = thread_idx(), lane = tid & 31, warp = (tid >> 5) & 3, wg = warp_uniform(tid >> 7);
   const int g = lane >> 2, tq = lane & 3;
   const int rep = p.nheads / p.nheads_kv;
   const int W = p.window;
@@ -729,11 +742,11 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
         sm90::wgmma_wait<0>();
         pin_ss();
         elementwise(tile.desc, b);
+        pack();
         if constexpr (kDq) {
-          fdq.store_ds(sDs, w.dpt, wg, warp, g, tq);
+          fdq.store_ds(sDs, w.dsa, wg, warp, lane);
           sm90::fence_smem_to_async_proxy();  // this thread's dS stores, for the other warpgroup's wgmma
         }
-        pack();
         sm90::wgmma_fence();
         issue_rs(b);
         if constexpr (kDq) {  // the barrier (both warpgroups' dS) waits while dV / dK run
@@ -942,8 +955,11 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
   }
   sm90::init_ring(full, empty, kStages, kTma ? 1 : 128);
 
+  // The 24 / 240 split where the consumers need 240 (d = 128 with TMA); at d = 64 they fit in 232 and
+  // the one producer thread, which then has a tile to issue twice as often, keeps 40 (at 24 it spills).
+  constexpr bool kWideSplit = kTma && D == 128;
   if (thread_idx() < 128) {  // the producer warpgroup (kTma: its first thread alone, bulk tensor copies)
-    sm90::setmaxnreg_dec<kTma ? sm90::kTmaProducerRegs : sm90::kProducerRegs>();
+    sm90::setmaxnreg_dec<kWideSplit ? sm90::kTmaProducerRegs : sm90::kProducerRegs>();
     if (kTma && thread_idx() != 0) return;
     const int pt = thread_idx();
     int n_slots = 0;  // slots published so far: slot i goes to buffer i % kStages
@@ -1022,8 +1038,8 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
     return;
   }
 
-  sm90::setmaxnreg_inc<kTma ? sm90::kTmaConsumerRegs : sm90::kConsumerRegs>();
-  const int tid = thread_idx() - 128, lane = tid & 31, warp = (tid >> 5) & 3, wg = tid >> 7;  // wg: consumer 0 / 1
+  sm90::setmaxnreg_inc<kWideSplit ? sm90::kTmaConsumerRegs : sm90::kConsumerRegs>();
+  const int tid = thread_idx() - 128, lane = tid & 31, warp = (tid >> 5) & 3, wg = warp_uniform(tid >> 7);  // wg: consumer 0 / 1
   const int g = lane >> 2, tq = lane & 3;
   const DkdvProducts<E, D, kBlockM, kBlockN> products(sK, sV, sQ0, sdO0, wg);
   // kSplit: no softcap (the launcher runs schedule 5 under one), so no 1 - tanh^2 factor to keep.
@@ -1056,7 +1072,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
     w.zero_dkdv();
     Slot slot;
     for (;;) {  // its slots
-      const int b = n_slots % kStages;
+      const int b = warp_uniform(n_slots % kStages);
       sm90::mbar_wait(&full[b], (n_slots / kStages) & 1);
       slot = slots[b];
       if (slot.flags & K::kTile) {
@@ -1080,40 +1096,47 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
           w.pin_ss();
           w.tile_ds(slot.desc, sL0 + b * K::kVecPitch + slot.vec_off, sD0 + b * K::kVecPitch + slot.vec_off, tq, W, score);
         }
+        w.pack();
         uint16_t* sDs = sDs0 + (n_tiles & 1) * kBlockM * kBlockN;
         if constexpr (kDq) {
           // (kDefer, d = 128) the buffer's last tile, two back: both consumers' products that read it are done
           if constexpr (kDefer && kParts == 2)
             if (n_tiles >= 2) sm90::mbar_wait(&ds_empty[n_tiles & 1], ((n_tiles >> 1) - 1) & 1);
-          fdq.store_ds(sDs, w.dpt, wg, warp, g, tq);
+          fdq.store_ds(sDs, w.dsa, wg, warp, lane);
           sm90::fence_smem_to_async_proxy();  // this thread's dS stores, for the other consumer's wgmma
           if constexpr (kDefer && kParts == 2) sm90::mbar_arrive(&ds_full[wg * 2 + (n_tiles & 1)]);
         }
-        w.pack();
         sm90::wgmma_fence();
-        products.issue_rs(w.dk, w.dv, w.pa, w.dsa, b);
-        if constexpr (kDq && !kDefer) {  // both consumers' dS (a tile later the other buffer: its readers are done)
+        if constexpr (kDq && !kDefer) {
+          // dV, then dQ once both consumers' dS are stored (a tile later the other buffer: its readers
+          // are done), then dK in a group of its own: dQ is staged and added while dK still runs.
+          products.issue_dv(w.dv, w.pa, b);
           sm90::named_sync<256>(4);
           fdq.issue(sDs, sK, wg);
+          sm90::wgmma_commit();
+          products.issue_dk(w.dk, w.dsa, b);
+          sm90::wgmma_commit();
+          sm90::wgmma_wait<1>();
+          sm90::fence_operand<32>(fdq.dq);
+          fdq.add(p, sStage, wg, warp, g, tq, slot.hq, slot.row, slot.desc.m_valid);
+          sm90::wgmma_wait<0>();
+          w.pin_rs();
+        } else {
+          products.issue_rs(w.dk, w.dv, w.pa, w.dsa, b);
+          // (kDefer) the previous tile's dQ, with this tile's dV / dK. Issued at an item's first tile too,
+          // with nothing pending, and its result dropped: a branch around it made ptxas serialise
+          // every product of the kernel.
+          if constexpr (kDefer) issue_pending_dq();
+          sm90::wgmma_commit();
+          sm90::wgmma_wait<0>();
+          w.pin_rs();
         }
-        // (kDefer) the previous tile's dQ, with this tile's dV / dK. Issued at an item's first tile too,
-        // with nothing pending, and its result dropped: a branch around it made ptxas serialise
-        // every product of the kernel.
-        if constexpr (kDefer) issue_pending_dq();
-        sm90::wgmma_commit();
-        sm90::wgmma_wait<0>();
-        w.pin_rs();
-        if constexpr (kDq && !kDefer) sm90::fence_operand<32>(fdq.dq);
         if constexpr (kDefer) {
           if (pend.t >= 0) pending_dq_done();
         }
         if constexpr (kDq) ++n_tiles;
       }
       if (!(slot.flags & K::kDone)) sm90::mbar_arrive(&empty[b]);
-      if constexpr (kDq && !kDefer) {
-        if (slot.flags & K::kTile)
-          fdq.add(p, sStage, wg, warp, g, tq, slot.hq, slot.row, slot.desc.m_valid);
-      }
       if constexpr (kDefer) {
         if (add_dq) add_pending_dq();
         if (slot.flags & K::kTile) pend = PendingDq{n_tiles - 1, slot.row, slot.hq, slot.desc.m_valid};
@@ -1168,7 +1191,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dq_sm90_split_kernel(const DKV_GRID_C
   if (qt.s < 0) return;
   const int row0 = qt.row0, q0 = qt.q0, m_valid = qt.m_valid, h = qt.h, hk = qt.hk;
   const int W = p.window;
-  const int tid = thread_idx(), lane = tid & 31, warp = (tid >> 5) & 3, wg = tid >> 7;
+  const int tid = thread_idx(), lane = tid & 31, warp = (tid >> 5) & 3, wg = warp_uniform(tid >> 7);
   const int g = lane >> 2, tq = lane & 3;
   const bool p_role = wg == 0;  // warpgroup 0: S and F; warpgroup 1: dP and G
 

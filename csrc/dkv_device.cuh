@@ -54,6 +54,7 @@ DKV_DEV void cp_async_wait() {
 
 DKV_DEV void ldsm_x4(uint32_t (&r)[4], const uint16_t* p) { dkv_emu::ldmatrix_x4(r, p, false); }
 DKV_DEV void ldsm_x4_trans(uint32_t (&r)[4], const uint16_t* p) { dkv_emu::ldmatrix_x4(r, p, true); }
+DKV_DEV void stsm_x4_trans(const uint32_t (&r)[4], uint16_t* p) { dkv_emu::stmatrix_x4(r, p, true); }
 
 template <class E>
 DKV_DEV void mma_16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
@@ -61,6 +62,7 @@ DKV_DEV void mma_16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b
 }
 
 DKV_DEV float shfl_xor(float v, int mask) { return dkv_emu::shfl_xor(v, mask); }
+DKV_DEV int warp_uniform(int v) { return v; }
 DKV_DEV bool warp_any(bool pred) { return dkv_emu::warp_any(pred); }
 DKV_DEV float fast_exp2(float x) { return std::exp2(x); }
 DKV_DEV float fast_log2(float x) { return std::log2(x); }
@@ -132,6 +134,18 @@ DKV_DEV void ldsm_x4_trans(uint32_t (&r)[4], const uint16_t* p) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(smem_addr(p)));
 }
+// stmatrix (sm_90): four 8 x 8 b16 matrices from their mma fragments, each stored transposed (lane l
+// gives row l % 8 of matrix l / 8 the address of its 16 bytes).
+DKV_DEV void stsm_x4_trans(const uint32_t (&r)[4], uint16_t* p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(smem_addr(p)), "r"(r[0]),
+               "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
+#else
+  (void)r, (void)p;
+  __trap();  // stmatrix needs sm_90
+#endif
+}
 
 template <class E>
 DKV_DEV void mma_16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
@@ -151,6 +165,9 @@ DKV_DEV void mma_16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b
 }
 
 DKV_DEV float shfl_xor(float v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
+// v, which every lane of the warp holds, as lane 0's: the compiler then knows it is warp-uniform and
+// keeps what is derived from it (shared-memory descriptors of wgmma) in uniform registers.
+DKV_DEV int warp_uniform(int v) { return __shfl_sync(0xffffffffu, v, 0); }
 DKV_DEV bool warp_any(bool pred) { return __any_sync(0xffffffffu, pred); }
 DKV_DEV float fast_exp2(float x) {
   float y;

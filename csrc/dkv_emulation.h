@@ -2,7 +2,7 @@
 // sources can be compiled as plain C++ (-DDKV_EMULATE) and run on a CPU, one OS thread per CUDA
 // thread, to check fragment layouts, masking and index arithmetic against the PyTorch reference.
 //
-// Semantics follow the PTX ISA: mma.sync.m16n8k16 (row.col), ldmatrix.m8n8.x4 (.trans), cp.async
+// Semantics follow the PTX ISA: mma.sync.m16n8k16 (row.col), ldmatrix / stmatrix.m8n8.x4 (.trans), cp.async
 // with zero fill (copies are deferred until cp.async.wait_group, as on the hardware, so a missing
 // wait reads stale shared memory), cp.reduce.async.bulk .add.f32 (likewise deferred, to its
 // cp.async.bulk.wait_group), shfl.sync.bfly, bar.sync, and wgmma.mma_async m64nNk16 with
@@ -147,6 +147,29 @@ inline void ldmatrix_x4(uint32_t (&r)[4], const void* addr, bool trans) {
       hi = r1[l / 4];
     }
     r[i] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+  }
+  warp_sync();
+}
+
+// stmatrix.sync.aligned.m8n8.x4(.trans).shared.b16, ldmatrix's inverse: lane l supplies the address
+// of row (l % 8) of matrix l / 8; lane l's register i holds, of matrix i, row l / 4, columns
+// 2(l % 4), 2(l % 4) + 1 (transposed: column l / 4 of rows 2(l % 4), 2(l % 4) + 1), low half first.
+inline void stmatrix_x4(const uint32_t (&r)[4], void* addr, bool trans) {
+  require_aligned(addr, 16, "stmatrix row");
+  Warp& w = *self.warp;
+  const int l = self.lane;
+  w.ptr[l] = addr;
+  warp_sync();
+  for (int i = 0; i < 4; ++i) {
+    const uint16_t lo = static_cast<uint16_t>(r[i] & 0xffffu), hi = static_cast<uint16_t>(r[i] >> 16);
+    if (!trans) {
+      uint16_t* row = static_cast<uint16_t*>(const_cast<void*>(w.ptr[8 * i + l / 4]));
+      row[2 * (l % 4)] = lo;
+      row[2 * (l % 4) + 1] = hi;
+    } else {
+      static_cast<uint16_t*>(const_cast<void*>(w.ptr[8 * i + 2 * (l % 4)]))[l / 4] = lo;
+      static_cast<uint16_t*>(const_cast<void*>(w.ptr[8 * i + 2 * (l % 4) + 1]))[l / 4] = hi;
+    }
   }
   warp_sync();
 }

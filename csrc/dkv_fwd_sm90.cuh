@@ -67,7 +67,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs, kTma>::kThreads)) dkv_fwd_sm9
   const int W = p.window;
 
   // Consumer threads 0 .. 255 (kWs: threads 128 .. 383; the producer warpgroup is 0 .. 127).
-  const int tid = thread_idx() - (kWs ? 128 : 0), lane = tid & 31, warp = (tid >> 5) & 3, wg = tid >> 7;
+  const int tid = thread_idx() - (kWs ? 128 : 0), lane = tid & 31, warp = (tid >> 5) & 3, wg = warp_uniform(tid >> 7);
   const int g = lane >> 2, tq = lane & 3;
 
   uint16_t* sQ = reinterpret_cast<uint16_t*>(sm90::dynamic_smem_1024());
