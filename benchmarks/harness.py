@@ -408,7 +408,7 @@ class DualKVCudaWsFusedDq(DualKVCuda):
 @register("dualkv-cuda-ws-split-bwd")
 class DualKVCudaWsSplitBwd(DualKVCuda):
     """Schedule 5 with S^T and dP^T waited for apart (P^T computed while dP^T runs; d 64 / 128; the
-    default at d = 64)."""
+    default at d = 64 until 2026-12-02)."""
 
     env = {"DUALKV_CUDA_WGMMA_BWD": "8"}
 
@@ -438,7 +438,7 @@ class DualKVPairWsFusedDq(DualKVCudaWsFusedDq):
 
 @register("dualkv-pair-ws-split-bwd")
 class DualKVPairWsSplitBwd(DualKVCudaWsSplitBwd):
-    """Triton's forward with schedule 8 (5 with S^T and dP^T waited for apart; what ``auto`` runs at d = 64)."""
+    """Triton's forward with schedule 8 (5 with S^T and dP^T waited for apart; what ``auto`` ran at d = 64 until 2026-12-02)."""
 
     backend = "triton+cuda"
 

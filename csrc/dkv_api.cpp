@@ -298,7 +298,8 @@ int use_sm90_forward(const Tensor& q, int head_dim) {
 // benchmarks/results/raw/profile_h200_split.log), 9 schedule 6 with each tile's dQ product issued a tile
 // later, so that the two consumers need not meet every tile (with the TMA producer; under
 // DUALKV_CUDA_BWD_TMA=0, or with deterministic=True, as 6 is). 7 (a writer-warp form of 6) was
-// removed. The default: 6 at d = 128, 8 at d = 64. 0 asks for mma.sync. Returns the schedule that runs:
+// removed. The default: 6 at d = 64 and 128 (at d = 64 since 2026-12-02, when its kernel became faster
+// than 8's two: benchmarks/results/raw/profile_h200_early_dq_ab.log). 0 asks for mma.sync. Returns the schedule that runs:
 // 0 (mma.sync), 1 .. 6, 8 or 9 (1 for any wgmma choice at 192 / 256, which have one).
 // DUALKV_CUDA_BWD_TMA: 1 (the default) the warp-specialised dK/dV kernel of schedules 6 and 8 (the
 // defaults at head dims 128 and 64; and 9) loads by bulk tensor copies from one producer thread
@@ -312,7 +313,7 @@ bool use_bwd_tma(int schedule, int64_t nheads, int64_t total_q) {
 }
 
 int use_sm90_backward(const Tensor& q, int head_dim) {
-  const int choice = kernel_choice("DUALKV_CUDA_WGMMA_BWD", "012345689", head_dim == 128 ? 6 : 8);
+  const int choice = kernel_choice("DUALKV_CUDA_WGMMA_BWD", "012345689", 6);
   if (choice == 0 || !sm90_bwd_supports(head_dim) || !hopper_kernels_usable(q)) return 0;
   return sm90_bwd_schedules(head_dim) ? choice : 1;
 }

@@ -243,39 +243,39 @@ DKV_DEV bool make_view(const BwdParams& p, int r, bool own, const KvItem& it, Se
   return true;
 }
 
-// Walks (owner segment, then reader segments) x (query heads of the group) x (query tiles).
+// Walks (reader segments, then the owner segment) x (query heads of the group) x (query tiles).
 template <int kBlockM>
 struct ReaderCursor {
-  int stage;  // 0: owner, 1: readers, 2: done
+  int stage;  // 0: readers, 1: owner, 2: done
   int r;      // current segment
   int hl;     // query head within the group
   int t;      // tile within the view
   SegView v;
 
-  // Moves to the first non-empty view at or after (stage, r).
+  // Moves to the first non-empty view at or after (stage, r). The readers come first: the blocks on
+  // neighbouring key tiles of one group then sweep the same response query tiles at about the same
+  // time (their Q / dO loads and dQ additions meet in L2), and only then their own, unequal, spans.
   DKV_DEV bool seek(const BwdParams& p, const KvItem& it) {
     for (;;) {
       if (stage == 0) {
-        if (it.owner >= 0 && make_view<kBlockM>(p, it.owner, true, it, v)) return true;
+        if (r < it.rd_end) {
+          if (make_view<kBlockM>(p, r, false, it, v)) return true;
+          ++r;
+          continue;
+        }
         stage = 1;
-        r = it.rd_begin;
         continue;
       }
       if (stage == 1) {
-        if (r >= it.rd_end) {
-          stage = 2;
-          return false;
-        }
-        if (make_view<kBlockM>(p, r, false, it, v)) return true;
-        ++r;
-        continue;
+        if (it.owner >= 0 && make_view<kBlockM>(p, it.owner, true, it, v)) return true;
+        stage = 2;
       }
       return false;
     }
   }
   DKV_DEV bool begin(const BwdParams& p, const KvItem& it) {
     stage = 0;
-    r = it.owner;
+    r = it.rd_begin;
     hl = 0;
     t = 0;
     return seek(p, it);
@@ -286,10 +286,9 @@ struct ReaderCursor {
     if (++hl < rep) return true;
     hl = 0;
     if (stage == 0) {
-      stage = 1;
-      r = it.rd_begin;
-    } else {
       ++r;
+    } else {
+      stage = 2;
     }
     return seek(p, it);
   }

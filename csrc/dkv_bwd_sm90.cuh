@@ -32,7 +32,7 @@
 // never meet at a barrier) with the in-turn dQ kernel; =5 both kernels warp-specialised
 // (dkv_dq_sm90_ws_kernel); =6 the warp-specialised dK/dV kernel with dQ accumulated in it
 // (DkdvSm90Ws::kDq) and no dQ kernel; =8 as 5 with S^T and dP^T waited for apart (DkdvSm90Ws::kSplit).
-// The default: 6 at d = 128 (5 with deterministic=True), 8 at d = 64.
+// The default: 6 at d = 64 and 128 (5 with deterministic=True).
 #pragma once
 
 #include "dkv_bwd.cuh"

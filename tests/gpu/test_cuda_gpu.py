@@ -222,7 +222,7 @@ def test_wgmma_forward_with_growing_scores(cuda_backend, case, mode, monkeypatch
 @pytest.mark.parametrize("case", [c for c in GRID if c[4] in (64, 128)], ids=lambda c: _ids(c))
 def test_wgmma_backward_matches_reference(cuda_backend, case, dtype, deterministic, mode, monkeypatch):
     """The Hopper wgmma dQ and dK/dV kernels (csrc/dkv_bwd_sm90.cuh; d = 64 / 128): the default on sm_90
-    (=6 at d = 128, =8 at d = 64), DUALKV_CUDA_WGMMA_BWD=1 (the products of a tile in turn), =4 (the
+    (=6 at d = 64 and 128), DUALKV_CUDA_WGMMA_BWD=1 (the products of a tile in turn), =4 (the
     dK/dV kernel warp-specialised), =5 (both kernels warp-specialised), =2 (overlapped), =3 and =6 (dQ
     accumulated in the in-turn / warp-specialised dK/dV kernel, no dQ kernel; deterministic=True
     falls back to 5), =8 (5 with S^T and dP^T waited for apart; 5 itself under a softcap), and 6 / 8 with
@@ -238,7 +238,7 @@ def test_wgmma_backward_matches_reference(cuda_backend, case, dtype, determinist
         monkeypatch.setenv("DUALKV_CUDA_BWD_TMA", "1" if tma else "0")
     r, kernels = _kernels_of(case, dtype, deterministic)
     _check_against_reference(case, dtype, r)
-    chosen = mode[0] if mode else ("6" if case[4] == 128 else "8")  # the default: 6 at d = 128, 8 at d = 64
+    chosen = mode[0] if mode else "6"  # the default at d = 64 and 128
     fused = chosen in ("3", "6", "9") and not deterministic
     runs = "5" if chosen in ("3", "6", "9") and deterministic else chosen  # the schedule that runs
     dkdv = "dkv_dkdv_sm90_ws_kernel" if runs in ("4", "5", "6", "8", "9") else "dkv_dkdv_sm90_kernel"
@@ -293,10 +293,9 @@ def test_auto_takes_cuda_where_it_measured_faster(cuda_backend, monkeypatch):
             cuda_fwd = any(f"dkv_fwd_sm90_kernel<dkv::Bf16, {d}, {flags}>" in n for n in kernels)
             triton_fwd = any(n.startswith("fwd_kernel") for n in kernels)  # Triton names its kernels bare
             # a kernel only the chosen backward runs: the split dQ kernel (256), the ws dK/dV kernel
-            # with dQ inside (128: schedule 6), the ws dK/dV kernel with split waits (64: schedule 8),
-            # both with bulk tensor copies
+            # with dQ inside (schedule 6) with bulk tensor copies
             bwd = {256: "dkv_dq_sm90_split_kernel", 128: "dkv_dkdv_sm90_ws_kernel<dkv::Bf16, 128, true, false, true, false>",
-                   64: "dkv_dkdv_sm90_ws_kernel<dkv::Bf16, 64, false, true, true, false>"}[d]
+                   64: "dkv_dkdv_sm90_ws_kernel<dkv::Bf16, 64, true, false, true, false>"}[d]
             assert (cuda_fwd, triton_fwd) == (True, False), kernels
             assert any(bwd in n for n in kernels), kernels
             _check_against_reference(case, torch.bfloat16, r)
