@@ -298,11 +298,12 @@ int use_sm90_forward(const Tensor& q, int head_dim) {
 // benchmarks/results/raw/profile_h200_split.log), 9 schedule 6 with each tile's dQ product issued a tile
 // later, so that the two consumers need not meet every tile (with the TMA producer; under
 // DUALKV_CUDA_BWD_TMA=0, or with deterministic=True, as 6 is). 7 (a writer-warp form of 6) was
-// removed. The default: 6 at d = 64 and 128 (at d = 64 since 2026-12-02, when its kernel became faster
-// than 8's two: benchmarks/results/raw/profile_h200_early_dq_ab.log). 0 asks for mma.sync. Returns the schedule that runs:
-// 0 (mma.sync), 1 .. 6, 8 or 9 (1 for any wgmma choice at 192 / 256, which have one).
+// removed. The default: 6 at d = 64 and 128 (at d = 64 since 2026-12-02, when its one kernel became
+// faster than 8's two: benchmarks/results/raw/profile_h200_early_dq_ab.log, forward+backward in
+// benchmarks/results/attention_h200_d64_sched6.md). 0 asks for mma.sync. Returns the schedule that
+// runs: 0 (mma.sync), 1 .. 6, 8 or 9 (1 for any wgmma choice at 192 / 256, which have one).
 // DUALKV_CUDA_BWD_TMA: 1 (the default) the warp-specialised dK/dV kernel of schedules 6 and 8 (the
-// defaults at head dims 128 and 64; and 9) loads by bulk tensor copies from one producer thread
+// default 6 at head dims 64 and 128; and 9) loads by bulk tensor copies from one producer thread
 // (DkdvSm90Ws::kTma; on an H200 the backward takes 5-7% less time than with 0:
 // benchmarks/results/attention_h200_tma.md); 0: by its producer warpgroup's cp.async. Other schedules,
 // and tensors of 2^31 or more (head, row) pairs (the copies' coordinates are 32-bit), load by

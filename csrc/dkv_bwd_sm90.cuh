@@ -840,11 +840,12 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
 //
 // kDq = true (DUALKV_CUDA_WGMMA_BWD=6): dQ is accumulated here too (FusedDq), as schedule 3 does in
 // the in-turn kernel, so no dQ kernel runs. Each consumer writes its dS into one of two buffers (the
-// tiles alternate), the two consumers meet at a named barrier (they alone: the producer goes on),
-// and each issues its dQ product with dV / dK; the tile's packed row and query head travel in its
-// slot. The ring has 2 buffers instead of 3 to make room for the dS tiles and the dQ staging.
+// tiles alternate) with four transposing stmatrix, issues dV, meets the other at a named barrier
+// (they alone: the producer goes on), issues its dQ product (committed with dV) and then dK, and
+// stages and adds dQ while dK still runs; the tile's packed row and query head travel in its slot.
+// The ring has 2 buffers instead of 3 to make room for the dS tiles and the dQ staging.
 //
-// kSplit = true (DUALKV_CUDA_WGMMA_BWD=8, the default at d = 64; no softcap: the launcher runs 5 under
+// kSplit = true (DUALKV_CUDA_WGMMA_BWD=8, the default at d = 64 until 6 overtook it; no softcap: the launcher runs 5 under
 // one, since P^T's 1 - tanh^2 factor would have to stay live): S^T and dP^T go in separate commit
 // groups, and P^T is computed while dP^T still runs; dS^T = P^T (dP^T - D) once it has landed. On an
 // H200 the d = 64 dK/dV kernel 6% faster, at d = 128 it was 1-5% slower, and with dQ inside (6) no
