@@ -483,6 +483,16 @@ struct DkdvProducts {
   }
   // dV += P^T dO, dK += dS^T Q with the tile in buffer b: queries 16 kq .. 16 kq + 15 are rows 2048
   // bytes apart per step.
+  DKV_DEV void issue_rs(float (&dk)[kParts][32], float (&dv)[kParts][32], const uint32_t (&pa)[kBlockM / 16][4],
+                        const uint32_t (&dsa)[kBlockM / 16][4], int b) const {
+    const uint64_t ddo_mn = sm90::desc_here(dout_mn), dq_mn = sm90::desc_here(q_mn);
+#pragma unroll
+    for (int kq = 0; kq < kBlockM / 16; ++kq) {
+      const uint32_t off = b * kQTileBytes + kq * 2048;
+      sm90::wgmma_rs_mn_parts<E, kParts>(dv, pa[kq], sm90::desc_advance(ddo_mn, off), kBlockM * 128);
+      sm90::wgmma_rs_mn_parts<E, kParts>(dk, dsa[kq], sm90::desc_advance(dq_mn, off), kBlockM * 128);
+    }
+  }
   // dV += P^T dO alone and dK += dS^T Q alone (schedule 6: dQ is issued between them).
   DKV_DEV void issue_dv(float (&dv)[kParts][32], const uint32_t (&pa)[kBlockM / 16][4], int b) const {
     issue_rs_one(dv, pa, dout_mn, b);
@@ -495,16 +505,6 @@ struct DkdvProducts {
 #pragma unroll
     for (int kq = 0; kq < kBlockM / 16; ++kq)
       sm90::wgmma_rs_mn_parts<E, kParts>(acc, a[kq], sm90::desc_advance(d0, b * kQTileBytes + kq * 2048), kBlockM * 128);
-  }
-  DKV_DEV void issue_rs(float (&dk)[kParts][32], float (&dv)[kParts][32], const uint32_t (&pa)[kBlockM / 16][4],
-                        const uint32_t (&dsa)[kBlockM / 16][4], int b) const {
-    const uint64_t ddo_mn = sm90::desc_here(dout_mn), dq_mn = sm90::desc_here(q_mn);
-#pragma unroll
-    for (int kq = 0; kq < kBlockM / 16; ++kq) {
-      const uint32_t off = b * kQTileBytes + kq * 2048;
-      sm90::wgmma_rs_mn_parts<E, kParts>(dv, pa[kq], sm90::desc_advance(ddo_mn, off), kBlockM * 128);
-      sm90::wgmma_rs_mn_parts<E, kParts>(dk, dsa[kq], sm90::desc_advance(dq_mn, off), kBlockM * 128);
-    }
   }
 };
 
@@ -845,8 +845,8 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
 // stages and adds dQ while dK still runs; the tile's packed row and query head travel in its slot.
 // The ring has 2 buffers instead of 3 to make room for the dS tiles and the dQ staging.
 //
-// kSplit = true (DUALKV_CUDA_WGMMA_BWD=8, the default at d = 64 until 6 overtook it; no softcap: the launcher runs 5 under
-// one, since P^T's 1 - tanh^2 factor would have to stay live): S^T and dP^T go in separate commit
+// kSplit = true (DUALKV_CUDA_WGMMA_BWD=8, the default at d = 64 until 6 overtook it; no softcap: the
+// launcher runs 5 under one, since P^T's 1 - tanh^2 factor would have to stay live): S^T and dP^T go in separate commit
 // groups, and P^T is computed while dP^T still runs; dS^T = P^T (dP^T - D) once it has landed. On an
 // H200 the d = 64 dK/dV kernel 6% faster, at d = 128 it was 1-5% slower, and with dQ inside (6) no
 // faster (benchmarks/results/raw/profile_h200_split.log).

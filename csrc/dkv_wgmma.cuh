@@ -323,8 +323,9 @@ DKV_DEV void init_ring(uint64_t* full, uint64_t* empty, int stages, int full_cou
 // (65536) hung the block on an H200.
 //
 // The TMA dK/dV kernels' producer is one thread issuing bulk tensor copies and needs few registers:
-// its warpgroup keeps 24 and each consumer takes 240 (the whole allocation), which at d = 128 leaves
-// their consumers with no spilled registers (232 spilled 7-10). The TMA forward's consumers spill
+// at d = 128 its warpgroup keeps 24 and each consumer takes 240 (the whole allocation), which leaves
+// their consumers with no spilled registers (232 spilled 7-10); at d = 64 the consumers fit in 232 and
+// the producer, issuing a tile twice as often, keeps 40. The TMA forward's consumers spill
 // nothing at 232, so it keeps the first split.
 constexpr int kProducerRegs = 40, kConsumerRegs = 232;
 constexpr int kTmaProducerRegs = 24, kTmaConsumerRegs = 240;
