@@ -103,18 +103,27 @@ int encode_box(TmaDesc& d, const Tensor& t, int box_rows) {  // the encoder's st
   return encode_tma_desc(d, t.data_ptr(), t.scalar_type() == at::kBFloat16, t.size(0), t.size(1), t.size(2), t.stride(0),
                          t.stride(1), box_rows);
 }
-TmaDesc tma_desc(const Tensor& t, const char* name, int box_rows, const char* what) {
-  TmaDesc d;
-  check_tma_status(encode_box(d, t, box_rows), what, name, t);
-  return d;
-}
 
-// The descriptor of a contiguous fp32 workspace read flat in boxes of `box` elements.
-TmaDesc tma_vec(const Tensor& t, const char* name, int box, const char* what) {
-  TmaDesc d;
-  check_tma_status(encode_tma_vec(d, t.data_ptr<float>(), t.numel(), box), what, name, t);
-  return d;
-}
+// The bulk-tensor-copy maps of one kernel launch, the forward's and the dK/dV kernel's alike. When the
+// form was asked for by its variable (`asked`), a map the driver cannot build is an error naming the
+// form (`what`) and the tensor; by default `built` turns false and the caller runs its cp.async form.
+struct TmaMaps {
+  bool asked;
+  const char* what;
+  bool built = true;
+  // (rows, heads, head dim) tensor t in boxes of 64 columns x box_rows rows.
+  void box(TmaDesc& d, const Tensor& t, const char* name, int box_rows) {
+    if (built) note(encode_box(d, t, box_rows), name, t);
+  }
+  // A contiguous fp32 workspace read flat in boxes of `box` elements.
+  void vec(TmaDesc& d, const Tensor& t, const char* name, int box) {
+    if (built) note(encode_tma_vec(d, t.data_ptr<float>(), t.numel(), box), name, t);
+  }
+  void note(int status, const char* name, const Tensor& t) {
+    if (asked) check_tma_status(status, what, name, t);
+    built = status == 0;
+  }
+};
 
 void check_meta(const Tensor& t, const char* name, const Tensor& q, int64_t n) {
   DKV_CHECK(t.scalar_type() == at::kInt && t.dim() == 1 && t.is_contiguous(), kOps, ": ", name,
@@ -400,19 +409,18 @@ std::tuple<Tensor, Tensor> fwd(const Tensor& q, const Tensor& k, const Tensor& v
   if (form == 3) {
     // Asked for (DUALKV_CUDA_WGMMA=3), a map the driver cannot build is an error naming it; by default
     // the forward then runs its cp.async form (2) instead.
-    const bool asked = !env_value("DUALKV_CUDA_WGMMA").empty();
-    auto map = [&](TmaDesc& d, const Tensor& t, const char* name) {
-      const int status = encode_box(d, t, kSm90BlockM);
-      if (asked) check_tma_status(status, "DUALKV_CUDA_WGMMA=3", name, t);
-      return status == 0;
-    };
-    const bool built = map(p.tma_q, q, "q") && map(p.tma_k, k, "k") && map(p.tma_v, v, "v") &&
-                       (k_ctx ? map(p.tma_k_ctx, *k_ctx, "k_ctx") && map(p.tma_v_ctx, *v_ctx, "v_ctx") : true);
-    if (!k_ctx) {  // context keys are rows of k / v
+    TmaMaps maps{!env_value("DUALKV_CUDA_WGMMA").empty(), "DUALKV_CUDA_WGMMA=3"};
+    maps.box(p.tma_q, q, "q", kSm90BlockM);
+    maps.box(p.tma_k, k, "k", kSm90BlockM);
+    maps.box(p.tma_v, v, "v", kSm90BlockM);
+    if (k_ctx) {
+      maps.box(p.tma_k_ctx, *k_ctx, "k_ctx", kSm90BlockM);
+      maps.box(p.tma_v_ctx, *v_ctx, "v_ctx", kSm90BlockM);
+    } else {  // context keys are rows of k / v
       p.tma_k_ctx = p.tma_k;
       p.tma_v_ctx = p.tma_v;
     }
-    if (!built) form = 2;
+    if (!maps.built) form = 2;
   }
   if (form) {
     check_launch(bf16 ? run_fwd_sm90<Bf16>(p, st, form) : run_fwd_sm90<Fp16>(p, st, form), "forward kernel (sm90 wgmma)");
@@ -518,18 +526,28 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
   p.dq_accum = fused_dq ? dq_accum.data_ptr<float>() : nullptr;
   p.tma = use_bwd_tma(sm90, H, T);
   if (p.tma) {
-    constexpr const char* kTmaBwd = "DUALKV_CUDA_BWD_TMA=1";
+    // As the forward: asked for (DUALKV_CUDA_BWD_TMA=1), a map the driver cannot build is an error
+    // naming it; by default the dK/dV kernel then loads by its producer warpgroup's cp.async.
+    TmaMaps maps{!env_value("DUALKV_CUDA_BWD_TMA").empty(), "DUALKV_CUDA_BWD_TMA=1"};
     const int key_rows = sm90_dkdv_block_n(args.head_dim);
-    p.tma_q = tma_desc(q, "q", kSm90DkdvQueryRows, kTmaBwd);
-    p.tma_dout = tma_desc(dout, "dout", kSm90DkdvQueryRows, kTmaBwd);
-    p.tma_k = tma_desc(k, "k", key_rows, kTmaBwd);
-    p.tma_v = tma_desc(v, "v", key_rows, kTmaBwd);
-    p.tma_k_ctx = k_ctx ? tma_desc(*k_ctx, "k_ctx", key_rows, kTmaBwd) : p.tma_k;
-    p.tma_v_ctx = v_ctx ? tma_desc(*v_ctx, "v_ctx", key_rows, kTmaBwd) : p.tma_v;
-    lse_log2_buf.narrow(0, H * T, kVecTail).zero_();
-    dsum_buf.narrow(0, H * T, kVecTail).zero_();
-    p.tma_lse_log2 = tma_vec(lse_log2_buf, "lse_log2", kSm90DkdvVecBox, kTmaBwd);
-    p.tma_dsum = tma_vec(dsum_buf, "dsum", kSm90DkdvVecBox, kTmaBwd);
+    maps.box(p.tma_q, q, "q", kSm90DkdvQueryRows);
+    maps.box(p.tma_dout, dout, "dout", kSm90DkdvQueryRows);
+    maps.box(p.tma_k, k, "k", key_rows);
+    maps.box(p.tma_v, v, "v", key_rows);
+    if (k_ctx) {
+      maps.box(p.tma_k_ctx, *k_ctx, "k_ctx", key_rows);
+      maps.box(p.tma_v_ctx, *v_ctx, "v_ctx", key_rows);
+    } else {
+      p.tma_k_ctx = p.tma_k;
+      p.tma_v_ctx = p.tma_v;
+    }
+    maps.vec(p.tma_lse_log2, lse_log2_buf, "lse_log2", kSm90DkdvVecBox);
+    maps.vec(p.tma_dsum, dsum_buf, "dsum", kSm90DkdvVecBox);
+    p.tma = maps.built;
+    if (p.tma) {  // no copy of a tile's run reads past the vectors' zeroed tails
+      lse_log2_buf.narrow(0, H * T, kVecTail).zero_();
+      dsum_buf.narrow(0, H * T, kVecTail).zero_();
+    }
   }
 
   const cudaStream_t st = current_stream();

@@ -5,6 +5,8 @@
 #include "dkv_launch_impl.cuh"
 
 #include <atomic>
+#include <cstdlib>
+#include <string>
 
 #ifndef DKV_EMULATE
 #include <cuda.h>
@@ -35,10 +37,20 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 }
 #endif
 
+#ifdef DKV_EMULATE
+// DUALKV_EMULATE_TMA_ENCODE_FAILS=1: the emulated encoders fail as a driver without the encoder would
+// (status 1), so that the CPU emulation checks what the binding does then.
+bool emulated_encoder_fails() {
+  const char* v = std::getenv("DUALKV_EMULATE_TMA_ENCODE_FAILS");
+  return v != nullptr && std::string(v) == "1";
+}
+#endif
+
 int encode_tma_desc(TmaDesc& d, void* ptr, bool bf16, int64_t rows, int64_t heads, int64_t cols, int64_t row_stride,
                     int64_t head_stride, int box_rows) {
   d = TmaDesc{};
 #ifdef DKV_EMULATE
+  if (emulated_encoder_fails()) return 1;
   (void)bf16;  // the emulated copy moves 16-bit elements of either type (dkv_emulation.h, tma_load_box)
   const int64_t fields[7] = {static_cast<int64_t>(reinterpret_cast<uintptr_t>(ptr)), row_stride, head_stride, rows, heads, cols,
                              box_rows};
@@ -60,6 +72,7 @@ int encode_tma_desc(TmaDesc& d, void* ptr, bool bf16, int64_t rows, int64_t head
 int encode_tma_vec(TmaDesc& d, float* ptr, int64_t n, int box) {
   d = TmaDesc{};
 #ifdef DKV_EMULATE
+  if (emulated_encoder_fails()) return 1;
   const int64_t fields[3] = {static_cast<int64_t>(reinterpret_cast<uintptr_t>(ptr)), n, box};
   for (int i = 0; i < 3; ++i) d.words[i] = static_cast<uint64_t>(fields[i]);
   d.words[7] = dkv_emu::kTmaVec;

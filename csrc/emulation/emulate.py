@@ -214,6 +214,32 @@ def check_tma_head_dim() -> bool:
                         H=1, Hkv=1, backward=False)
 
 
+def check_tma_fallback(backward: bool) -> bool:
+    """When the driver cannot build a tensor map (DUALKV_EMULATE_TMA_ENCODE_FAILS=1 makes the emulated
+    encoders fail), the device's defaults run the cp.async forms of the forward and dK/dV kernel and
+    match the reference; asked for by its variable, the TMA form is an error naming it and the tensor."""
+    names = ("DUALKV_CUDA_WGMMA", "DUALKV_CUDA_WGMMA_BWD", "DUALKV_CUDA_BWD_TMA", "DUALKV_EMULATE_DEVICE_DEFAULTS",
+             "DUALKV_EMULATE_TMA_ENCODE_FAILS")
+    saved = {n: os.environ.get(n) for n in names}
+    small = dict(dtype=torch.bfloat16, prompts=[70], responses=[[33, 9]], H=2, Hkv=1)
+    try:
+        for n in names[:3]:
+            os.environ.pop(n, None)
+        os.environ["DUALKV_EMULATE_DEVICE_DEFAULTS"] = "1"
+        os.environ["DUALKV_EMULATE_TMA_ENCODE_FAILS"] = "1"
+        print("device defaults, tensor maps failing (DUALKV_EMULATE_TMA_ENCODE_FAILS=1)", flush=True)
+        ok = all([run_case(d=d, backward=backward, **small) for d in (64, 128)])
+        why = "cuTensorMapEncodeTiled failed (CUresult 1)"
+        ok = expect_error({"DUALKV_CUDA_WGMMA": "3"}, f"DUALKV_CUDA_WGMMA=3 (bulk tensor copies): q: {why}",
+                          "DUALKV_CUDA_WGMMA=3 without tensor maps", d=128, backward=False, **small) and ok
+        if backward:
+            ok = expect_error({"DUALKV_CUDA_BWD_TMA": "1"}, f"DUALKV_CUDA_BWD_TMA=1 (bulk tensor copies): q: {why}",
+                              "DUALKV_CUDA_BWD_TMA=1 without tensor maps", d=128, **small) and ok
+        return ok
+    finally:
+        _restore_env(saved)
+
+
 def check_device_defaults(backward: bool) -> bool:
     """Every head dim with the kernel-choice variables unset and the device's defaults
     (DUALKV_EMULATE_DEVICE_DEFAULTS=1: the forms an sm_90 GPU takes, e.g. the TMA forward and dK/dV
@@ -305,6 +331,7 @@ def main():
             ok = all([run_case(**c, backward=not args.forward_only) for c in cases]) and ok
         ok = check_tma_head_dim() and ok
         ok = check_device_defaults(backward=not args.forward_only) and ok
+        ok = check_tma_fallback(backward=not args.forward_only) and ok
         print("ALL OK" if ok else "FAILURES")
         sys.exit(0 if ok else 1)
     if args.sm90_bwd:
@@ -323,6 +350,7 @@ def main():
                  "8": (0, 1, 3, 4, 5, 6), "6t": (0, 1, 4, 11), "8t": (1, 3, 4, 5), "9t": (0, 1, 2, 4, 5, 11)}
         ok = check_wgmma_path()
         ok = check_device_defaults(backward=True) and ok
+        ok = check_tma_fallback(backward=True) and ok
         for mode in quick:  # the schedules above; "t": with the TMA producer
             os.environ["DUALKV_CUDA_WGMMA_BWD"] = mode[0]
             os.environ["DUALKV_CUDA_BWD_TMA"] = "1" if mode.endswith("t") else "0"
