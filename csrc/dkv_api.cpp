@@ -119,6 +119,21 @@ struct TmaMaps {
   void vec(TmaDesc& d, const Tensor& t, const char* name, int box) {
     if (built) note(encode_tma_vec(d, t.data_ptr<float>(), t.numel(), box), name, t);
   }
+  // k, v and the context's keys of a launch (FwdParams or BwdParams): k_ctx / v_ctx when separate,
+  // else the maps of k / v (context keys are rows of k / v).
+  template <class Params>
+  void keys(Params& p, const Tensor& k, const Tensor& v, const std::optional<Tensor>& k_ctx,
+            const std::optional<Tensor>& v_ctx, int box_rows) {
+    box(p.tma_k, k, "k", box_rows);
+    box(p.tma_v, v, "v", box_rows);
+    if (k_ctx) {
+      box(p.tma_k_ctx, *k_ctx, "k_ctx", box_rows);
+      box(p.tma_v_ctx, *v_ctx, "v_ctx", box_rows);
+    } else {
+      p.tma_k_ctx = p.tma_k;
+      p.tma_v_ctx = p.tma_v;
+    }
+  }
   void note(int status, const char* name, const Tensor& t) {
     if (asked) check_tma_status(status, what, name, t);
     built = status == 0;
@@ -411,15 +426,7 @@ std::tuple<Tensor, Tensor> fwd(const Tensor& q, const Tensor& k, const Tensor& v
     // the forward then runs its cp.async form (2) instead.
     TmaMaps maps{!env_value("DUALKV_CUDA_WGMMA").empty(), "DUALKV_CUDA_WGMMA=3"};
     maps.box(p.tma_q, q, "q", kSm90BlockM);
-    maps.box(p.tma_k, k, "k", kSm90BlockM);
-    maps.box(p.tma_v, v, "v", kSm90BlockM);
-    if (k_ctx) {
-      maps.box(p.tma_k_ctx, *k_ctx, "k_ctx", kSm90BlockM);
-      maps.box(p.tma_v_ctx, *v_ctx, "v_ctx", kSm90BlockM);
-    } else {  // context keys are rows of k / v
-      p.tma_k_ctx = p.tma_k;
-      p.tma_v_ctx = p.tma_v;
-    }
+    maps.keys(p, k, v, k_ctx, v_ctx, kSm90BlockM);
     if (!maps.built) form = 2;
   }
   if (form) {
@@ -529,18 +536,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
     // As the forward: asked for (DUALKV_CUDA_BWD_TMA=1), a map the driver cannot build is an error
     // naming it; by default the dK/dV kernel then loads by its producer warpgroup's cp.async.
     TmaMaps maps{!env_value("DUALKV_CUDA_BWD_TMA").empty(), "DUALKV_CUDA_BWD_TMA=1"};
-    const int key_rows = sm90_dkdv_block_n(args.head_dim);
     maps.box(p.tma_q, q, "q", kSm90DkdvQueryRows);
     maps.box(p.tma_dout, dout, "dout", kSm90DkdvQueryRows);
-    maps.box(p.tma_k, k, "k", key_rows);
-    maps.box(p.tma_v, v, "v", key_rows);
-    if (k_ctx) {
-      maps.box(p.tma_k_ctx, *k_ctx, "k_ctx", key_rows);
-      maps.box(p.tma_v_ctx, *v_ctx, "v_ctx", key_rows);
-    } else {
-      p.tma_k_ctx = p.tma_k;
-      p.tma_v_ctx = p.tma_v;
-    }
+    maps.keys(p, k, v, k_ctx, v_ctx, sm90_dkdv_block_n(args.head_dim));
     maps.vec(p.tma_lse_log2, lse_log2_buf, "lse_log2", kSm90DkdvVecBox);
     maps.vec(p.tma_dsum, dsum_buf, "dsum", kSm90DkdvVecBox);
     p.tma = maps.built;
