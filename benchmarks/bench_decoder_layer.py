@@ -19,6 +19,7 @@ peak extra memory, OOM; rho = N(P+R)/(P+NR) (exact, from the sampled lengths) be
 
     python -m benchmarks.bench_decoder_layer --validate
     python -m benchmarks.bench_decoder_layer --points "5K,32;8K,16" --variants dualkv,fa2-replicated
+    python -m benchmarks.bench_decoder_layer --compile    # every variant's layer under torch.compile
     python -m benchmarks.bench_decoder_layer --preset tiny-qwen3 --points "64,3" --device cpu   # smoke test
 """
 
@@ -253,7 +254,8 @@ def validate(variant_name: str, preset: str, device, backend: str, seed: int = 0
 
 
 # ----------------------------------------------------------------------------------------- timing
-def run_point(point: Point, variant_name: str, preset: str, device, timer: Timer, backend: str, seed: int) -> dict:
+def run_point(point: Point, variant_name: str, preset: str, device, timer: Timer, backend: str, seed: int,
+              compile: bool = False) -> dict:
     packed = PackedLayout.from_lengths([point.P], [point.rs])
     row = dict(point=point.name, P=point.P, mb=point.mb, R_mean=round(sum(point.rs) / point.mb, 1),
                T=packed.total_tokens, T_rep=packed.replicated_tokens, rho=round(packed.rho, 4), variant=variant_name,
@@ -262,6 +264,8 @@ def run_point(point: Point, variant_name: str, preset: str, device, timer: Timer
     try:
         block, attn_cfg = build_block(preset, device, torch.bfloat16, seed)
         var = Variant(variant_name, point, attn_cfg, device, backend)
+        if compile:  # the whole layer, one graph per shape (FlexPacked has just reset dynamo's caches)
+            block.compile(dynamic=False)
         gen = torch.Generator(device=device).manual_seed(seed)
         D = block.input_layernorm.weight.shape[0]
         probe = torch.randn(packed.total_tokens, D, generator=gen, device=device, dtype=torch.bfloat16)
@@ -290,6 +294,8 @@ def run_point(point: Point, variant_name: str, preset: str, device, timer: Timer
         if var is not None:
             var.close()
         del var, block
+        if compile:
+            torch._dynamo.reset()
         _free(device)
     return row
 
@@ -364,6 +370,8 @@ def parse_args(argv=None):
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--backend", default="auto", choices=BACKEND_CHOICES, help="dualkv backend of the 'dualkv' variant")
     ap.add_argument("--validate", action="store_true")
+    ap.add_argument("--compile", action="store_true",
+                    help="torch.compile the whole layer (dynamic=False) in every variant, as training with --compile does")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--stem", default=None)
@@ -383,7 +391,7 @@ def main(argv=None) -> Path:
         raise SystemExit(f"--variants: unknown {sorted(unknown)}; expected some of {VARIANTS}")
     points = [make_point(s, args.seed) for s in args.points.split(";") if s.strip()]
     meta = environment(device, MODULE, sys.argv[1:] if argv is None else list(argv))
-    meta.update(preset=args.preset, response_lengths={p.name: p.rs for p in points})
+    meta.update(preset=args.preset, compile=args.compile, response_lengths={p.name: p.rs for p in points})
     card = meta["card"]["name"].replace("NVIDIA ", "").split("(")[0].strip().replace(" ", "-").lower()
     writer = ResultWriter(args.out, args.stem or f"decoder_layer_{card}_{datetime.now(timezone.utc):%Y%m%d-%H%M}", meta, COLUMNS)
     failed = set()
@@ -403,7 +411,7 @@ def main(argv=None) -> Path:
             elif args.deadline_s is not None and time.monotonic() - start > args.deadline_s:
                 row = dict(point=point.name, P=point.P, mb=point.mb, variant=v, status="not run: --deadline-s reached")
             else:
-                row = run_point(point, v, args.preset, device, timer, args.backend, args.seed)
+                row = run_point(point, v, args.preset, device, timer, args.backend, args.seed, args.compile)
             writer.add(row)
             ms = f"{row['fwdbwd_ms']:9.1f} ms" if row["status"] == "ok" else row["status"]
             print(f"P={point.P:<7d} mb={point.mb:<3d} {v:16s} {ms}", flush=True)
@@ -411,7 +419,9 @@ def main(argv=None) -> Path:
     rows = [r for r in writer.rows if "T" in r]
     md = [f"# {writer.stem}", "", f"- {meta['card']['name']}, {meta['date']}: `{meta['command']}`",
           f"- torch {meta['versions']['torch']}, Triton {meta['versions']['triton']}, preset {args.preset}, "
-          f"commit {meta['git_commit']}", "", tables(rows), ""]
+          f"commit {meta['git_commit']}",
+          "- the layer: " + ("torch.compile(dynamic=False) of the whole layer in every variant (warm-up untimed)"
+                             if args.compile else "eager (FlexAttention alone compiled)"), "", tables(rows), ""]
     (writer.dir / f"{writer.stem}.md").write_text("\n".join(md))
     if rows:
         plot(rows, writer.dir / f"{writer.stem}.png", meta["card"]["name"])

@@ -229,6 +229,7 @@ Tensor prefix_of(const Tensor& counts, int block) {
 
 Tensor segment_lengths(const Tensor& cu) { return cu.slice(0, 1) - cu.slice(0, 0, -1); }
 
+
 int grid_tiles_bound(int64_t T, int64_t S, int block) {
   const int64_t bound = (T + S * (block - 1)) / block;
   DKV_CHECK(bound < std::numeric_limits<int>::max(), kOps, ": too many query tiles (", bound, ")");
@@ -255,6 +256,50 @@ void check_launch(cudaError_t err, const char* what) {
 std::string env_value(const char* name) {
   const char* value = std::getenv(name);
   return value == nullptr ? "" : value;
+}
+
+// The reader chunks of the default (atomic) backward, as BwdParams::chunk_end, computed on the device.
+// Consecutive segments that read the same context region form a run; a run is cut into chunks where a
+// segment's first row crosses a multiple of `rows` rows from the run's start, and one dK/dV item per
+// chunk and context tile walks all of the chunk's readers. With short responses (say 500 rows, 32 query
+// tiles over a GQA group of 4 heads) an item a response spends a large share of its time loading its
+// K / V and adding its 128 x d partial dK / dV with fp32 atomics; a chunk of 4 does that once.
+// rows <= 0: every segment is its own chunk.
+Tensor reader_chunk_end(const Tensor& cu_seqlens, const Tensor& seg_ctx_start, const Tensor& seg_ctx_len,
+                        int64_t rows) {
+  const int64_t S = seg_ctx_len.size(0);
+  const Tensor idx = at::arange(S, seg_ctx_len.options().dtype(at::kLong));
+  if (rows <= 0 || S < 2) return (idx + 1).to(at::kInt);
+  const Tensor start = seg_ctx_start.to(at::kLong), len = seg_ctx_len.to(at::kLong);
+  // same[s]: s reads the same non-empty context as s - 1 (s continues a run)
+  Tensor same = at::zeros({S}, idx.options().dtype(at::kBool));
+  same.slice(0, 1).copy_(start.slice(0, 1).eq(start.slice(0, 0, -1)) & len.slice(0, 1).eq(len.slice(0, 0, -1)) &
+                         len.slice(0, 1).gt(0));
+  const Tensor run_first = std::get<0>(at::cummax(at::where(same, at::zeros_like(idx), idx), 0));
+  const Tensor row0 = cu_seqlens.slice(0, 0, -1).to(at::kLong);
+  const Tensor bin = at::div(row0 - row0.index_select(0, run_first), rows, "floor");
+  Tensor lead = same.logical_not();
+  lead.slice(0, 1).logical_or_(bin.slice(0, 1).ne(bin.slice(0, 0, -1)));
+  // next_lead[s]: the first leader after s (S past the last)
+  const Tensor lead_at = at::where(lead, idx, at::full_like(idx, S));
+  const Tensor min_from = at::flip(std::get<0>(at::cummin(at::flip(lead_at, {0}), 0)), {0});
+  Tensor next_lead = at::full_like(idx, S);
+  next_lead.slice(0, 0, -1).copy_(min_from.slice(0, 1));
+  return at::where(lead, next_lead, idx).to(at::kInt);
+}
+
+// DUALKV_CUDA_BWD_CHUNK_ROWS: the query rows of a reader chunk (reader_chunk_end); unset: 8192 (on an H200
+// the dK/dV kernel took 2-4% less time than with none, 16384 was 1.3% slower at (16, 32K, 2K):
+// benchmarks/results/raw/profile_h200_reader_chunks.log); 0: none.
+int64_t reader_chunk_rows() {
+  const std::string value = env_value("DUALKV_CUDA_BWD_CHUNK_ROWS");
+  if (value.empty()) return 8192;
+  char* end = nullptr;
+  const long long rows = std::strtoll(value.c_str(), &end, 10);
+  DKV_CHECK(end != value.c_str() && *end == '\0' && rows >= 0, kOps,
+            ": DUALKV_CUDA_BWD_CHUNK_ROWS: expected a number of rows >= 0 (0: one chunk a segment), got '", value,
+            "'");
+  return rows;
 }
 
 // A kernel-choice environment variable: one of the digits in `allowed` ("0": mma.sync, others a Hopper
@@ -496,7 +541,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
   // dkdv items per segment: its own key tiles (+ its context tiles, by default); deterministic with
   // a separate context adds one group per context region.
   Tensor per_seg = at::div(seg_len + (kv_block - 1), kv_block, "floor");
-  if (!deterministic) per_seg = per_seg + at::div(seg_ctx_len + (kv_block - 1), kv_block, "floor");
+  Tensor chunk_end;
+  if (!deterministic) {  // a chunk's context tiles are its leader's items
+    chunk_end = reader_chunk_end(cu_seqlens, seg_ctx_start, seg_ctx_len, reader_chunk_rows());
+    const Tensor leads = chunk_end.gt(at::arange(chunk_end.size(0), chunk_end.options()));
+    per_seg = per_seg + at::div(seg_ctx_len + (kv_block - 1), kv_block, "floor") * leads;
+  }
   Tensor groups = per_seg;
   if (deterministic && args.ctx_separate) {
     groups = at::cat({per_seg, at::div(ctx_key_len + (kv_block - 1), kv_block, "floor")});
@@ -527,6 +577,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
   p.q_tile_prefix = q_tile_prefix.data_ptr<int>();
   p.grid_tiles = grid_tiles_bound(T, args.layout.num_segments, dq_block);
   p.kv_item_prefix = kv_item_prefix.data_ptr<int>();
+  p.chunk_end = deterministic ? nullptr : chunk_end.data_ptr<int>();
   p.num_item_groups = static_cast<int>(groups.size(0));
   p.work_counter = work_counter.data_ptr<int>();
   p.deterministic = deterministic;

@@ -9,7 +9,7 @@ cudaError_t run_bwd_prep(const BwdParams& p, cudaStream_t stream) {
   const int64_t rows = static_cast<int64_t>(p.total_q) * p.nheads;
   if (rows == 0) return cudaSuccess;
   auto kernel = &dkv_bwd_prep_kernel<E>;
-  DKV_LAUNCH(kernel, dim3(static_cast<unsigned>((rows + 7) / 8)), dim3(256), 0, stream, p);
+  DKV_LAUNCH(kernel, dim3(static_cast<unsigned>((rows + kPrepPairs - 1) / kPrepPairs)), dim3(256), 0, stream, p);
   return last_error();
 }
 

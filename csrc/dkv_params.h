@@ -84,6 +84,11 @@ struct BwdParams : AttnArgs {
   const int* q_tile_prefix = nullptr;   // dq kernel: (S+1,) prefix of ceil(len_s / kBlockM)
   int grid_tiles = 0;
   const int* kv_item_prefix = nullptr;  // dkdv kernel: prefix over the item groups
+  // dkdv kernel, default (atomic) mode: (S,) the end of segment s's reader chunk. chunk_end[s] > s: s
+  // leads a chunk, and its context tiles are walked by segments s .. chunk_end[s] - 1 (consecutive,
+  // reading the same context); chunk_end[s] == s: s is inside another segment's chunk and has no
+  // context items of its own.
+  const int* chunk_end = nullptr;
   int num_item_groups = 0;              // S, or S + C (deterministic, separate context)
   int* work_counter = nullptr;          // dynamic scheduler of the dkdv kernel (zeroed)
   bool deterministic = false;

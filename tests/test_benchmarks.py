@@ -430,3 +430,31 @@ def test_logprob_head_benchmark_bad_arguments(argv, match, capsys):
     with pytest.raises(SystemExit):
         bench_logprobs.parse_args(argv)
     assert match in capsys.readouterr().err
+
+
+def test_env_ab_layouts_and_cpu_refusal():
+    from benchmarks import env_ab
+
+    assert env_ab.parse_layout("4,1K,100", 0) == ("(4,1K,100)", 1024, [100] * 4)
+    name, P, rs = env_ab.parse_layout("dec:5K,32", 0)
+    assert (name, P, len(rs)) == ("dec:5K,32", 5120, 32) and all(131 <= r <= 2048 for r in rs)
+    assert env_ab.parse_layout("dec:5K,32", 0)[2] == rs  # seeded
+    with pytest.raises(ValueError, match="layout: expected 'N,P,R' or 'dec:P,mb'"):
+        env_ab.parse_layout("4,1K", 0)
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="needs a CUDA device"):
+            env_ab.main(["--var", "X", "--values", "0,1", "--layouts", "2,64,8"])
+
+
+def test_decoder_benchmark_compiled_layer_on_cpu(tmp_path):
+    """--compile: every variant's layer under torch.compile; the rows and the report say so."""
+    import json
+
+    path = dl.main(["--preset", "tiny-qwen3", "--points", "64,2,5-9", "--variants", "dualkv", "--backend", "reference",
+                    "--device", "cpu", "--compile", "--out", str(tmp_path), "--stem", "dec", "--budget-ms", "1",
+                    "--max-reps", "1"])
+    data = json.loads(path.read_text())
+    rows = [r for r in data["rows"] if r.get("variant") == "dualkv"]
+    assert rows and rows[0]["status"] == "ok" and rows[0]["fwdbwd_ms"] > 0
+    assert data["meta"]["compile"] is True
+    assert "torch.compile(dynamic=False) of the whole layer" in (tmp_path / "dec.md").read_text()

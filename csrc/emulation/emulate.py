@@ -5,7 +5,7 @@ A debugging tool for kernel development on machines without a GPU: it compiles c
 forward and backward against ``dualkv.core.reference`` on small packed layouts. Slow (one OS thread
 per CUDA thread): keep the shapes tiny.
 
-    python csrc/emulation/emulate.py            # the default case list
+    python csrc/emulation/emulate.py            # the default case list, and the reader chunks
     python csrc/emulation/emulate.py --quick    # two cases
     python csrc/emulation/emulate.py --wgmma    # the wgmma building blocks (csrc/dkv_wgmma.cuh) only
     python csrc/emulation/emulate.py --sm90     # the wgmma forward (DUALKV_CUDA_WGMMA=1, 2, 3)
@@ -265,6 +265,38 @@ def check_device_defaults(backward: bool) -> bool:
         _restore_env(saved)
 
 
+def check_reader_chunks(device_defaults: bool) -> bool:
+    """The default backward's reader chunks (DUALKV_CUDA_BWD_CHUNK_ROWS): every segment its own chunk
+    (0), runs cut into several chunks (40 rows: chunks of one to three responses, ragged), and whole
+    groups in one chunk (the default, 8192) match the reference, with several groups, GQA, a window and
+    a separate context; a bad value is an error naming the variable. device_defaults: the kernels an
+    sm_90 GPU runs (else mma.sync)."""
+    names = ("DUALKV_CUDA_WGMMA", "DUALKV_CUDA_WGMMA_BWD", "DUALKV_CUDA_BWD_TMA", "DUALKV_EMULATE_DEVICE_DEFAULTS",
+             "DUALKV_CUDA_BWD_CHUNK_ROWS")
+    saved = {n: os.environ.get(n) for n in names}
+    cases = [dict(d=128, dtype=torch.bfloat16, prompts=[70, 9], responses=[[33, 20, 45, 1, 7], [17, 80]], H=2, Hkv=1),
+             dict(d=64, dtype=torch.float16, prompts=[90], responses=[[40, 3, 25, 60]], H=2, Hkv=1, window=50),
+             dict(d=64, dtype=torch.bfloat16, prompts=[45], responses=[[30, 12, 25]], H=2, Hkv=1, separate=True)]
+    try:
+        for n in names:
+            os.environ.pop(n, None)
+        if device_defaults:
+            os.environ["DUALKV_EMULATE_DEVICE_DEFAULTS"] = "1"
+        ok = True
+        for rows in ("0", "40", None):
+            if rows is not None:
+                os.environ["DUALKV_CUDA_BWD_CHUNK_ROWS"] = rows
+            print(f"reader chunks: DUALKV_CUDA_BWD_CHUNK_ROWS={rows or 'unset'}"
+                  f"{' (device defaults)' if device_defaults else ''}", flush=True)
+            ok = all([run_case(**c) for c in cases]) and ok
+        ok = expect_error({"DUALKV_CUDA_BWD_CHUNK_ROWS": "many"},
+                          "DUALKV_CUDA_BWD_CHUNK_ROWS: expected a number of rows >= 0 (0: one chunk a segment), got 'many'",
+                          "DUALKV_CUDA_BWD_CHUNK_ROWS=many", **cases[1]) and ok
+        return ok
+    finally:
+        _restore_env(saved)
+
+
 def check_wgmma_path() -> bool:
     """The extension's answer to backend="auto" (op wgmma_path): the wgmma forward and backward run
     for head dims 64 / 128 / 192 / 256 when both kernel-choice variables allow them, never for 96 / 512."""
@@ -351,6 +383,7 @@ def main():
         ok = check_wgmma_path()
         ok = check_device_defaults(backward=True) and ok
         ok = check_tma_fallback(backward=True) and ok
+        ok = check_reader_chunks(device_defaults=True) and ok
         for mode in quick:  # the schedules above; "t": with the TMA producer
             os.environ["DUALKV_CUDA_WGMMA_BWD"] = mode[0]
             os.environ["DUALKV_CUDA_BWD_TMA"] = "1" if mode.endswith("t") else "0"
@@ -365,6 +398,8 @@ def main():
     if args.only is not None:
         cases = [CASES[args.only]]
     ok = all([run_case(**c) for c in cases])
+    if args.only is None:
+        ok = check_reader_chunks(device_defaults=False) and ok
     print("ALL OK" if ok else "FAILURES")
     sys.exit(0 if ok else 1)
 

@@ -1,0 +1,120 @@
+"""Same-process A/B of a kernel-choice environment variable: backward (or forward) time per value.
+
+The CUDA binding reads its variables (``DUALKV_CUDA_BWD_CHUNK_ROWS``, ``DUALKV_CUDA_WGMMA_BWD``, ...)
+on every call, so one process can time several values on the same inputs. Per layout the values
+take turns for ``--rounds`` rounds (the order reversed every other round, so that clock or thermal
+drift does not favour one value); each sample is the mean of ``--calls`` calls. Printed per value:
+the median ms, the minimum, and the median relative to the first value.
+
+    python -m benchmarks.env_ab --var DUALKV_CUDA_BWD_CHUNK_ROWS --values 0,4096,8192,16384 \\
+        --layouts 'dec:5K,32;dec:8K,16;dec:16K,8;8,16K,512;28,4K,2K;16,32K,2K'
+
+A layout is ``N,P,R`` (N responses of R tokens after a prompt of P) or ``dec:P,mb`` (the decoder-layer
+benchmark's point: mb responses of R_i ~ U(131, 2048) tokens, seeded). bf16, H=32, H_kv=8, d=128
+unless ``--heads`` / ``--head-dim`` say otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+import torch
+
+from benchmarks.harness import parse_size
+from dualkv.core import PackedLayout, dualkv_attention
+from dualkv.core.backends import BACKEND_CHOICES
+
+
+def parse_layout(text: str, seed: int) -> tuple[str, int, list[int]]:
+    """(name, P, response lengths) of ``N,P,R`` or ``dec:P,mb``."""
+    text = text.strip()
+    if text.startswith("dec:"):
+        from benchmarks.bench_decoder_layer import make_point
+
+        point = make_point(text[4:], seed)
+        return text, point.P, point.rs
+    parts = text.split(",")
+    if len(parts) != 3:
+        raise ValueError(f"layout: expected 'N,P,R' or 'dec:P,mb', got {text!r}")
+    n, p, r = (parse_size(x) for x in parts)
+    return f"({text})", p, [r] * n
+
+
+def time_values(fn, var: str, values: list[str], rounds: int, calls: int) -> dict[str, list[float]]:
+    """ms per call of ``fn`` under each value of ``var``, ``rounds`` samples each, taking turns."""
+    saved = os.environ.get(var)
+    times: dict[str, list[float]] = {v: [] for v in values}
+    try:
+        for v in values:  # one warm-up call each
+            os.environ[var] = v
+            fn()
+        for rnd in range(rounds):
+            for v in values if rnd % 2 == 0 else values[::-1]:
+                os.environ[var] = v
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(calls):
+                    fn()
+                end.record()
+                torch.cuda.synchronize()
+                times[v].append(start.elapsed_time(end) / calls)
+    finally:
+        if saved is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = saved
+    return times
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--var", required=True, help="the environment variable, e.g. DUALKV_CUDA_BWD_CHUNK_ROWS")
+    ap.add_argument("--values", required=True, help="','-separated values; the first is the baseline")
+    ap.add_argument("--layouts", required=True, help="';'-separated 'N,P,R' or 'dec:P,mb'")
+    ap.add_argument("--backend", default="cuda", choices=BACKEND_CHOICES)
+    ap.add_argument("--forward", action="store_true", help="time the forward instead of the backward")
+    ap.add_argument("--heads", default="32,8", help="H,H_kv")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--calls", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("env_ab: needs a CUDA device")
+    values = [v.strip() for v in args.values.split(",") if v.strip()]
+    H, Hkv = (int(x) for x in args.heads.split(","))
+    d = args.head_dim
+    print(f"{args.var}: {', '.join(values)} ({'forward' if args.forward else 'backward'}, {args.backend}, "
+          f"H={H}, H_kv={Hkv}, d={d}; median ms (min) and median / the first value's)", flush=True)
+    for spec in args.layouts.split(";"):
+        if not spec.strip():
+            continue
+        name, P, rs = parse_layout(spec, args.seed)
+        layout = PackedLayout.from_lengths([P], [rs], device="cuda")
+        T = layout.total_tokens
+        gen = torch.Generator(device="cuda").manual_seed(args.seed)
+        q, k, v, dout = (torch.randn(T, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+                         for h in (H, Hkv, Hkv, H))
+        q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+        if args.forward:
+            def fn():
+                with torch.no_grad():
+                    dualkv_attention(q, k, v, layout, backend=args.backend)
+        else:
+            out = dualkv_attention(q, k, v, layout, backend=args.backend)
+
+            def fn():
+                torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+        times = time_values(fn, args.var, values, args.rounds, args.calls)
+        base = statistics.median(times[values[0]])
+        cells = [f"{v}: {statistics.median(times[v]):8.2f} (min {min(times[v]):8.2f}) {statistics.median(times[v]) / base:5.3f}"
+                 for v in values]
+        print(f"{name:18s} | " + " | ".join(cells), flush=True)
+        del q, k, v, dout
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
