@@ -458,3 +458,15 @@ def test_decoder_benchmark_compiled_layer_on_cpu(tmp_path):
     assert rows and rows[0]["status"] == "ok" and rows[0]["fwdbwd_ms"] > 0
     assert data["meta"]["compile"] is True
     assert "torch.compile(dynamic=False) of the whole layer" in (tmp_path / "dec.md").read_text()
+
+
+def test_profile_decoder_layer_checks_its_arguments():
+    from benchmarks import profile_decoder_layer as pdl
+
+    with pytest.raises(SystemExit, match="--modes: expected some of"):
+        pdl.main(["--modes", "eager,jit"])
+    with pytest.raises(SystemExit, match="--variants: expected some of"):
+        pdl.main(["--variants", "dualkv,magic"])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="needs a CUDA device"):
+            pdl.main(["--points", "64,2"])
