@@ -388,6 +388,22 @@ int use_sm90_backward(const Tensor& q, int head_dim) {
   return sm90_bwd_schedules(head_dim) ? choice : 1;
 }
 
+// The reader chunks the default backward takes for a layout (BwdParams::chunk_end: leaders' chunk
+// ends, s for the other segments); rows < 0: the DUALKV_CUDA_BWD_CHUNK_ROWS setting. For tests and
+// inspection.
+Tensor reader_chunks(const Tensor& cu_seqlens, const Tensor& seg_ctx_start, const Tensor& seg_ctx_len, int64_t rows) {
+  const int64_t S = seg_ctx_len.numel();
+  auto check = [&](const Tensor& t, const char* name, int64_t n) {
+    DKV_CHECK(t.scalar_type() == at::kInt && t.dim() == 1 && t.size(0) == n && t.device() == seg_ctx_len.device(),
+              kOps, ": reader_chunks: ", name, ": expected an int32 vector of ", n, " entries on ", seg_ctx_len.device(),
+              ", got ", t.scalar_type(), " of shape ", t.sizes(), " on ", t.device());
+  };
+  check(cu_seqlens, "cu_seqlens", S + 1);
+  check(seg_ctx_start, "seg_ctx_start", S);
+  check(seg_ctx_len, "seg_ctx_len", S);
+  return reader_chunk_end(cu_seqlens, seg_ctx_start, seg_ctx_len, rows < 0 ? reader_chunk_rows() : rows);
+}
+
 // Whether fwd and bwd run the wgmma kernels, forward and backward, for this head dim on CUDA device
 // `device` (no tensor needed): the Python backends' "auto" asks it before it prefers this extension.
 bool wgmma_path(int64_t device, int64_t head_dim) {
@@ -635,11 +651,13 @@ TORCH_LIBRARY(DKV_OPS_NAMESPACE, m) {
       "Tensor ctx_reader_start, Tensor ctx_reader_end, float softmax_scale, int window, float softcap, "
       "bool deterministic) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("wgmma_path(int device, int head_dim) -> bool", &dkv::wgmma_path);  // no tensor: one kernel for every key
+  m.def("reader_chunks(Tensor cu_seqlens, Tensor seg_ctx_start, Tensor seg_ctx_len, int rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(DKV_OPS_NAMESPACE, DKV_DISPATCH_KEY, m) {
   m.impl("fwd", &dkv::fwd);
   m.impl("bwd", &dkv::bwd);
+  m.impl("reader_chunks", &dkv::reader_chunks);
 }
 
 // Importable as a Python module (setup.py builds dualkv._C); importing it registers the ops.

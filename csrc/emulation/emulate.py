@@ -265,6 +265,35 @@ def check_device_defaults(backward: bool) -> bool:
         _restore_env(saved)
 
 
+def check_chunk_ends() -> bool:
+    """The binding's reader chunks (op reader_chunks) on one layout, against chunk ends worked out by
+    hand: [P70 | 33 20 45 1 7 | P9 | 17 80], segments 0 .. 8; the first group's responses start 0, 33,
+    53, 98 and 99 rows into their run, so 40-row bins make segments 1, 3 and 4 leaders."""
+    layout = PackedLayout.from_lengths([70, 9], [[33, 20, 45, 1, 7], [17, 80]])
+    meta = AttnMeta.from_layout(layout)
+    args = (meta.cu_seqlens, meta.seg_ctx_start, meta.seg_ctx_len)
+    want = {0: [1, 2, 3, 4, 5, 6, 7, 8, 9], 40: [1, 3, 2, 4, 6, 5, 7, 9, 8], 8192: [1, 6, 2, 3, 4, 5, 7, 9, 8]}
+    ok = True
+    saved = {"DUALKV_CUDA_BWD_CHUNK_ROWS": os.environ.pop("DUALKV_CUDA_BWD_CHUNK_ROWS", None)}
+    try:
+        for rows, ends in [*want.items(), (-1, want[8192])]:  # -1: the variable's default
+            got = torch.ops.dualkv_cuda_emu.reader_chunks(*args, rows).tolist()
+            good = got == ends
+            ok &= good
+            print(f"{'ok' if good else 'FAIL'} reader chunk ends at {rows} rows: {got}", flush=True)
+        try:
+            torch.ops.dualkv_cuda_emu.reader_chunks(meta.cu_seqlens[:-1], *args[1:], 0)
+            print("FAIL reader_chunks accepted a short cu_seqlens")
+            ok = False
+        except RuntimeError as err:
+            good = "reader_chunks: cu_seqlens: expected an int32 vector of 10 entries" in str(err)
+            ok &= good
+            print(f"{'ok' if good else 'FAIL'} reader_chunks with a short cu_seqlens raises: {str(err).splitlines()[0][:110]}")
+    finally:
+        _restore_env(saved)
+    return ok
+
+
 def check_reader_chunks(device_defaults: bool) -> bool:
     """The default backward's reader chunks (DUALKV_CUDA_BWD_CHUNK_ROWS): every segment its own chunk
     (0), runs cut into several chunks (40 rows: chunks of one to three responses, ragged), and whole
@@ -383,6 +412,7 @@ def main():
         ok = check_wgmma_path()
         ok = check_device_defaults(backward=True) and ok
         ok = check_tma_fallback(backward=True) and ok
+        ok = check_chunk_ends() and ok
         ok = check_reader_chunks(device_defaults=True) and ok
         for mode in quick:  # the schedules above; "t": with the TMA producer
             os.environ["DUALKV_CUDA_WGMMA_BWD"] = mode[0]

@@ -256,6 +256,30 @@ def test_wgmma_backward_matches_reference(cuda_backend, case, dtype, determinist
         assert any(dq in name for name in kernels), sorted(kernels)
 
 
+@pytest.mark.parametrize("rows", ["0", "300", None], ids=["one-a-response", "300-rows", "default"])
+@pytest.mark.parametrize("case", [([129, 7], [[300, 1, 250, 64, 400, 2], [90, 513]], 8, 2, 128, None, None),
+                                  ([200], [[150, 260, 33, 128]], 4, 1, 64, 180, None)], ids=lambda c: _ids(c))
+def test_reader_chunks_match_reference(cuda_backend, case, rows, monkeypatch):
+    """The default backward with every response its own dK/dV item (DUALKV_CUDA_BWD_CHUNK_ROWS=0),
+    chunks of about 300 rows (one to three responses, ragged) and the default (8192: a whole group),
+    several groups, GQA and a window; reader_chunks gives the chunk ends of that layout."""
+    if rows is None:
+        monkeypatch.delenv("DUALKV_CUDA_BWD_CHUNK_ROWS", raising=False)
+    else:
+        monkeypatch.setenv("DUALKV_CUDA_BWD_CHUNK_ROWS", rows)
+    r = _run_packed(case, torch.bfloat16, False)
+    _check_against_reference(case, torch.bfloat16, r)
+    meta = AttnMeta.from_layout(r["layout"])
+    ends = torch.ops.dualkv_cuda.reader_chunks(meta.cu_seqlens, meta.seg_ctx_start, meta.seg_ctx_len, -1).tolist()
+    S = len(ends)
+    leaders = [s for s in range(S) if ends[s] > s]
+    covered = sorted(t for s in leaders for t in range(s, ends[s]))
+    assert covered == list(range(S)), ends  # the chunks split the segments
+    n_leaders = {"0": S, "300": None, None: 2 * len(case[0])}[rows]  # default: each prompt, each group's responses
+    assert n_leaders is None or len(leaders) == n_leaders, ends
+    assert rows != "300" or S > len(leaders) > 2 * len(case[0]), ends
+
+
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", [c for c in GRID if c[4] in (192, 256)], ids=lambda c: _ids(c))
