@@ -254,6 +254,33 @@ def validate(variant_name: str, preset: str, device, backend: str, seed: int = 0
 
 
 # ----------------------------------------------------------------------------------------- timing
+def prepare_layer(point: Point, variant_name: str, preset: str, device, backend: str, seed: int,
+                  compile: bool = False):
+    """One variant's layer on a point, ready to time: (block, variant, x, fwdbwd), fwdbwd() a forward +
+    backward of the loss w.r.t. x and every parameter. compile: the whole layer, one graph per shape
+    (FlexPacked has just reset dynamo's caches). The variant is closed again if a step here fails."""
+    block, attn_cfg = build_block(preset, device, torch.bfloat16, seed)
+    var = Variant(variant_name, point, attn_cfg, device, backend)
+    try:
+        if compile:
+            block.compile(dynamic=False)
+        T = var.packed.total_tokens
+        gen = torch.Generator(device=device).manual_seed(seed)
+        D = block.input_layernorm.weight.shape[0]
+        probe = torch.randn(T, D, generator=gen, device=device, dtype=torch.bfloat16)
+        x = var.tokens(torch.randn(T, D, generator=gen, device=device, dtype=torch.bfloat16))
+        x.requires_grad_()
+        wrt = [x] + list(block.parameters())
+    except BaseException:
+        var.close()
+        raise
+
+    def fwdbwd():
+        torch.autograd.grad(layer_loss(block, attn_cfg, var, x, probe), wrt)
+
+    return block, var, x, fwdbwd
+
+
 def run_point(point: Point, variant_name: str, preset: str, device, timer: Timer, backend: str, seed: int,
               compile: bool = False) -> dict:
     packed = PackedLayout.from_lengths([point.P], [point.rs])
@@ -262,21 +289,8 @@ def run_point(point: Point, variant_name: str, preset: str, device, timer: Timer
                status="ok")
     var = block = None
     try:
-        block, attn_cfg = build_block(preset, device, torch.bfloat16, seed)
-        var = Variant(variant_name, point, attn_cfg, device, backend)
-        if compile:  # the whole layer, one graph per shape (FlexPacked has just reset dynamo's caches)
-            block.compile(dynamic=False)
-        gen = torch.Generator(device=device).manual_seed(seed)
-        D = block.input_layernorm.weight.shape[0]
-        probe = torch.randn(packed.total_tokens, D, generator=gen, device=device, dtype=torch.bfloat16)
-        x = var.tokens(torch.randn(packed.total_tokens, D, generator=gen, device=device, dtype=torch.bfloat16))
-        x.requires_grad_()
+        block, var, x, fwdbwd = prepare_layer(point, variant_name, preset, device, backend, seed, compile)
         row["input_gib"] = x.numel() * x.element_size() / 2**30
-        wrt = [x] + list(block.parameters())
-
-        def fwdbwd():
-            torch.autograd.grad(layer_loss(block, attn_cfg, var, x, probe), wrt)
-
         t0 = time.perf_counter()
         fwdbwd()
         _sync(device)

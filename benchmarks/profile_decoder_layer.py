@@ -1,8 +1,8 @@
 """Where a decoder layer's time goes: bench_decoder_layer's layer, forward+backward, under torch.profiler.
 
-Per (point, mode, variant): the median of 5 event-timed calls after two warm-up calls, then (eager
-mode, or every mode with ``--profile-all``) one more call under torch.profiler and its costliest
-kernels, each with its total time and number of launches.
+Per (point, mode, variant): the median of 5 calls timed by the harness's Timer after two warm-up
+calls, then (eager mode, or every mode with ``--profile-all``) one more call under torch.profiler and
+its costliest kernels, each with its total time.
 
     python -m benchmarks.profile_decoder_layer --points '5K,32;8K,16' --modes eager,compile \\
         --variants dualkv,flex-packed
@@ -18,64 +18,43 @@ import time
 import torch
 
 from benchmarks import bench_decoder_layer as dl
+from benchmarks.harness import Timer
+from benchmarks.kernel_once import kernel_times
 
 MODES = ("eager", "compile")
 
 
 def kernel_table(fn, top: int) -> list[str]:
-    """Lines 'ms  calls x  name' of the ``top`` costliest kernels of one call of ``fn``, and their total."""
+    """Lines 'ms  name' of the ``top`` costliest kernels of one call of ``fn``, and their total."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-    events.sort(key=lambda e: -e.self_device_time_total)
-    total = sum(e.self_device_time_total for e in events) / 1e3
-    lines = [f"   kernel total {total:.2f} ms"]
-    lines += [f"   {e.self_device_time_total / 1e3:8.2f} ms {e.count:4d}x  {e.key[:110]}" for e in events[:top]]
-    return lines
+    kernels = kernel_times(prof, 1, "cuda")
+    lines = [f"   kernel total {sum(ms for _, ms in kernels):.2f} ms"]
+    return lines + [f"   {ms:8.2f} ms  {name[:110]}" for name, ms in kernels[:top]]
 
 
 def profile_one(point: dl.Point, mode: str, variant: str, preset: str, backend: str, seed: int, table: bool,
                 top: int) -> list[str]:
     device = torch.device("cuda")
-    block, attn_cfg = dl.build_block(preset, device, torch.bfloat16, seed)
-    var = dl.Variant(variant, point, attn_cfg, device, backend)
+    block, var, x, fwdbwd = dl.prepare_layer(point, variant, preset, device, backend, seed, mode == "compile")
     try:
-        if mode == "compile":
-            block.compile(dynamic=False)
-        T = var.packed.total_tokens
-        D = block.input_layernorm.weight.shape[0]
-        gen = torch.Generator(device=device).manual_seed(seed)
-        probe = torch.randn(T, D, generator=gen, device=device, dtype=torch.bfloat16)
-        x = var.tokens(torch.randn(T, D, generator=gen, device=device, dtype=torch.bfloat16)).requires_grad_()
-        wrt = [x] + list(block.parameters())
-
-        def fn():
-            torch.autograd.grad(dl.layer_loss(block, attn_cfg, var, x, probe), wrt)
-
         t0 = time.perf_counter()
-        fn()
-        fn()
+        fwdbwd()
+        fwdbwd()
         torch.cuda.synchronize()
         warmup = time.perf_counter() - t0
-        times = []
-        for _ in range(5):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        times.sort()
-        lines = [f"== {point.P},{point.mb} {mode} {variant}: median {times[2]:.2f} ms (min {times[0]:.2f}, "
-                 f"max {times[-1]:.2f}) warmup {warmup:.1f}s T={T}"]
+        t = Timer(device, budget_ms=float("inf"), max_reps=6).measure(fwdbwd)
+        lines = [f"== {point.P},{point.mb} {mode} {variant}: median {t.median_ms:.2f} ms (min {min(t.times_ms):.2f}, "
+                 f"max {max(t.times_ms):.2f}, {t.reps} calls) warmup {warmup:.1f}s T={x.shape[0]}"]
         if table:
-            lines += kernel_table(fn, top)
+            lines += kernel_table(fwdbwd, top)
         return lines
     finally:
         var.close()
+        del block, var, x, fwdbwd
         torch._dynamo.reset()
         torch.cuda.empty_cache()
 

@@ -391,15 +391,10 @@ int use_sm90_backward(const Tensor& q, int head_dim) {
 // ends, s for the other segments); rows < 0: the DUALKV_CUDA_BWD_CHUNK_ROWS setting. For tests and
 // inspection.
 Tensor reader_chunks(const Tensor& cu_seqlens, const Tensor& seg_ctx_start, const Tensor& seg_ctx_len, int64_t rows) {
-  const int64_t S = seg_ctx_len.numel();
-  auto check = [&](const Tensor& t, const char* name, int64_t n) {
-    DKV_CHECK(t.scalar_type() == at::kInt && t.dim() == 1 && t.size(0) == n && t.device() == seg_ctx_len.device(),
-              kOps, ": reader_chunks: ", name, ": expected an int32 vector of ", n, " entries on ", seg_ctx_len.device(),
-              ", got ", t.scalar_type(), " of shape ", t.sizes(), " on ", t.device());
-  };
-  check(cu_seqlens, "cu_seqlens", S + 1);
-  check(seg_ctx_start, "seg_ctx_start", S);
-  check(seg_ctx_len, "seg_ctx_len", S);
+  check_meta(seg_ctx_len, "seg_ctx_len", seg_ctx_len, -1);
+  const int64_t S = seg_ctx_len.size(0);
+  check_meta(cu_seqlens, "cu_seqlens", seg_ctx_len, S + 1);
+  check_meta(seg_ctx_start, "seg_ctx_start", seg_ctx_len, S);
   return reader_chunk_end(cu_seqlens, seg_ctx_start, seg_ctx_len, rows < 0 ? reader_chunk_rows() : rows);
 }
 
