@@ -81,10 +81,15 @@ def main(argv=None) -> None:
     ap.add_argument("--calls", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    values = [v.strip() for v in args.values.split(",") if v.strip()]
+    try:
+        H, Hkv = (int(x) for x in args.heads.split(","))
+    except ValueError:
+        raise SystemExit(f"--heads: expected 'H,H_kv' (two whole numbers), got {args.heads!r}") from None
+    if not values:
+        raise SystemExit("--values: expected at least one value")
     if not torch.cuda.is_available():
         raise SystemExit("env_ab: needs a CUDA device")
-    values = [v.strip() for v in args.values.split(",") if v.strip()]
-    H, Hkv = (int(x) for x in args.heads.split(","))
     d = args.head_dim
     print(f"{args.var}: {', '.join(values)} ({'forward' if args.forward else 'backward'}, {args.backend}, "
           f"H={H}, H_kv={Hkv}, d={d}; median ms (min) and median / the first value's)", flush=True)
@@ -97,7 +102,8 @@ def main(argv=None) -> None:
         gen = torch.Generator(device="cuda").manual_seed(args.seed)
         q, k, v, dout = (torch.randn(T, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
                          for h in (H, Hkv, Hkv, H))
-        q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+        for t in (q, k, v):
+            t.requires_grad_()
         if args.forward:
             def fn():
                 with torch.no_grad():

@@ -441,6 +441,10 @@ def test_env_ab_layouts_and_cpu_refusal():
     assert env_ab.parse_layout("dec:5K,32", 0)[2] == rs  # seeded
     with pytest.raises(ValueError, match="layout: expected 'N,P,R' or 'dec:P,mb'"):
         env_ab.parse_layout("4,1K", 0)
+    with pytest.raises(SystemExit, match="--heads: expected 'H,H_kv' \\(two whole numbers\\), got '32'"):
+        env_ab.main(["--var", "X", "--values", "0,1", "--layouts", "2,64,8", "--heads", "32"])
+    with pytest.raises(SystemExit, match="--values: expected at least one value"):
+        env_ab.main(["--var", "X", "--values", ",", "--layouts", "2,64,8"])
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="needs a CUDA device"):
             env_ab.main(["--var", "X", "--values", "0,1", "--layouts", "2,64,8"])
