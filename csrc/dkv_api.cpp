@@ -263,7 +263,12 @@ std::string env_value(const char* name) {
 // chunk and context tile walks all of the chunk's readers. With short responses (say 500 rows, 32 query
 // tiles over a GQA group of 4 heads) an item a response spends a large share of its time loading its
 // K / V and adding its 128 x d partial dK / dV with fp32 atomics; a chunk of 4 does that once.
-// rows <= 0: every segment is its own chunk.
+// rows <= 0: every segment is its own chunk. A segment whose context is longer than kChunkMaxContext
+// keys is its own chunk too: on an H200 chunks of 4096 or 8192 rows made the backward 3-4% slower at
+// P = 64K and 128K (16 responses of 2K) while they saved 2-5% at P <= 32K
+// (benchmarks/results/raw/profile_h200_reader_chunks.log).
+constexpr int64_t kChunkMaxContext = 32768;
+
 Tensor reader_chunk_end(const Tensor& cu_seqlens, const Tensor& seg_ctx_start, const Tensor& seg_ctx_len,
                         int64_t rows) {
   const int64_t S = seg_ctx_len.size(0);
@@ -277,7 +282,7 @@ Tensor reader_chunk_end(const Tensor& cu_seqlens, const Tensor& seg_ctx_start, c
   const Tensor run_first = std::get<0>(at::cummax(at::where(same, at::zeros_like(idx), idx), 0));
   const Tensor row0 = cu_seqlens.slice(0, 0, -1).to(at::kLong);
   const Tensor bin = at::div(row0 - row0.index_select(0, run_first), rows, "floor");
-  Tensor lead = same.logical_not();
+  Tensor lead = same.logical_not() | len.gt(kChunkMaxContext);
   lead.slice(0, 1).logical_or_(bin.slice(0, 1).ne(bin.slice(0, 0, -1)));
   // next_lead[s]: the first leader after s (S past the last)
   const Tensor lead_at = at::where(lead, idx, at::full_like(idx, S));
@@ -290,6 +295,7 @@ Tensor reader_chunk_end(const Tensor& cu_seqlens, const Tensor& seg_ctx_start, c
 // DUALKV_CUDA_BWD_CHUNK_ROWS: the query rows of a reader chunk (reader_chunk_end); unset: 8192 (on an H200
 // the backward took 0.1-5.5% less time than with none on six layouts up to P = 32K, and 16384 was 1.3%
 // slower than none at (16, 32K, 2K): benchmarks/results/raw/profile_h200_reader_chunks.log); 0: none.
+// Contexts longer than kChunkMaxContext keys are never chunked.
 int64_t reader_chunk_rows() {
   const std::string value = env_value("DUALKV_CUDA_BWD_CHUNK_ROWS");
   if (value.empty()) return 8192;

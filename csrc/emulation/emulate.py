@@ -268,7 +268,8 @@ def check_device_defaults(backward: bool) -> bool:
 def check_chunk_ends() -> bool:
     """The binding's reader chunks (op reader_chunks) on one layout, against chunk ends worked out by
     hand: [P70 | 33 20 45 1 7 | P9 | 17 80], segments 0 .. 8; the first group's responses start 0, 33,
-    53, 98 and 99 rows into their run, so 40-row bins make segments 1, 3 and 4 leaders."""
+    53, 98 and 99 rows into their run, so 40-row bins make segments 1, 3 and 4 leaders; and one whose
+    first prompt is longer than the chunked limit (32768 keys)."""
     layout = PackedLayout.from_lengths([70, 9], [[33, 20, 45, 1, 7], [17, 80]])
     meta = AttnMeta.from_layout(layout)
     args = (meta.cu_seqlens, meta.seg_ctx_start, meta.seg_ctx_len)
@@ -281,6 +282,13 @@ def check_chunk_ends() -> bool:
             good = got == ends
             ok &= good
             print(f"{'ok' if good else 'FAIL'} reader chunk ends at {rows} rows: {got}", flush=True)
+        # [P40000 | 3 5 | P9 | 17 80]: a context past 32768 keys is never chunked, a short one still is
+        long_meta = AttnMeta.from_layout(PackedLayout.from_lengths([40000, 9], [[3, 5], [17, 80]]))
+        got = torch.ops.dualkv_cuda_emu.reader_chunks(long_meta.cu_seqlens, long_meta.seg_ctx_start,
+                                                      long_meta.seg_ctx_len, 8192).tolist()
+        good = got == [1, 2, 3, 4, 6, 5]
+        ok &= good
+        print(f"{'ok' if good else 'FAIL'} reader chunk ends with a 40000-key context at 8192 rows: {got}", flush=True)
         try:
             torch.ops.dualkv_cuda_emu.reader_chunks(meta.cu_seqlens[:-1], *args[1:], 0)
             print("FAIL reader_chunks accepted a short cu_seqlens")
