@@ -624,8 +624,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
     }
     check_launch(bf16 ? run_dkdv_sm90<Bf16>(p, st, sm90) : run_dkdv_sm90<Fp16>(p, st, sm90), "dk/dv kernel (sm90 wgmma)");
     if (fused_dq) {  // dQ = scale * sum of dS K, cast once
-      const Tensor rows = dq_accum.mul_(args.scale).narrow(3, 0, 64).permute({2, 0, 1, 3});  // (T, H, d / 64, 64)
-      dq.view({T, args.nheads, args.head_dim / 64, 64}).copy_(rows);
+      check_launch(bf16 ? run_dq_convert<Bf16>(p, st) : run_dq_convert<Fp16>(p, st), "dq convert kernel");
     }
   } else {
     check_launch(bf16 ? dispatch_dq<Bf16>(p, st) : dispatch_dq<Fp16>(p, st), "dq kernel");

@@ -629,4 +629,29 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_convert_kernel(const DKV_GRID_CONSTAN
   }
 }
 
+// ----------------------------------------------------------------------------------------------
+// dQ of the fused wgmma dK/dV kernel: dq (total_q, H, d) = scale * the fp32 workspace dq_accum
+// (H, d / 64, total_q, kDqAccumPitch), cast once. A thread takes 4 columns of one (row, head) pair, in
+// dq's order (its writes one run); it reads them as one 16-byte load. (Before: a scale pass over the
+// whole padded workspace, then a strided cast copy: two passes and twice the bytes.)
+constexpr int kDqConvertCols = 4;
+
+template <class E>
+DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_convert_dq_kernel(const DKV_GRID_CONSTANT BwdParams p) {
+  const int64_t i = static_cast<int64_t>(block_idx_x()) * 256 + thread_idx();
+  const int per_pair = p.head_dim / kDqConvertCols;
+  if (i >= static_cast<int64_t>(p.total_q) * p.nheads * per_pair) return;
+  const int c4 = static_cast<int>(i % per_pair);
+  const int64_t pair = i / per_pair;  // t * H + h
+  const int h = static_cast<int>(pair % p.nheads);
+  const int t = static_cast<int>(pair / p.nheads);
+  const int col = kDqConvertCols * c4, part = col / 64;
+  const int64_t run = (static_cast<int64_t>(h) * (p.head_dim / 64) + part) * p.total_q + t;
+  float a[4];
+  load_f32x4(a, p.dq_accum + run * kDqAccumPitch + col % 64);
+  uint16_t* dst = static_cast<uint16_t*>(p.dq.ptr) + p.dq.offset(t, h) + col;
+  store_u32(dst, pack2<E>(a[0] * p.scale, a[1] * p.scale));
+  store_u32(dst + 2, pack2<E>(a[2] * p.scale, a[3] * p.scale));
+}
+
 }  // namespace dkv

@@ -92,6 +92,10 @@ DKV_DEV uint32_t pack2(float lo, float hi) {
   return static_cast<uint32_t>(from_float<E>(lo)) | (static_cast<uint32_t>(from_float<E>(hi)) << 16);
 }
 DKV_DEV void load_16B(uint32_t (&r)[4], const uint16_t* p) { std::memcpy(r, p, 16); }
+DKV_DEV void load_f32x4(float (&r)[4], const float* p) {
+  dkv_emu::require_aligned(p, 16, "16-byte load");
+  std::memcpy(r, p, 16);
+}
 DKV_DEV void store_u32(uint16_t* p, uint32_t v) { std::memcpy(p, &v, 4); }
 
 #else  // device
@@ -218,6 +222,14 @@ DKV_DEV uint32_t pack2(float lo, float hi) {
 }
 DKV_DEV void load_16B(uint32_t (&r)[4], const uint16_t* p) {
   const uint4 v = *reinterpret_cast<const uint4*>(p);
+  r[0] = v.x;
+  r[1] = v.y;
+  r[2] = v.z;
+  r[3] = v.w;
+}
+// r = p[0 .. 3] as one 16-byte load; p 16-byte aligned.
+DKV_DEV void load_f32x4(float (&r)[4], const float* p) {
+  const float4 v = *reinterpret_cast<const float4*>(p);
   r[0] = v.x;
   r[1] = v.y;
   r[2] = v.z;

@@ -54,10 +54,13 @@ template <class E, int D>
 cudaError_t run_dq(const BwdParams& p, cudaStream_t stream);
 template <class E, int D>
 cudaError_t run_dkdv(const BwdParams& p, cudaStream_t stream);
-// Head-dim independent backward pieces: dsum / lse_log2 before, the fp32 -> dtype cast after.
+// Head-dim independent backward pieces: dsum / lse_log2 before, the fp32 -> dtype casts after.
 template <class E>
 cudaError_t run_bwd_prep(const BwdParams& p, cudaStream_t stream);
 template <class E>
 cudaError_t run_bwd_convert(const BwdParams& p, cudaStream_t stream);
+// dq = scale * the fused dK/dV kernel's fp32 dQ workspace (BwdParams::dq_accum), cast once.
+template <class E>
+cudaError_t run_dq_convert(const BwdParams& p, cudaStream_t stream);
 
 }  // namespace dkv
