@@ -7,10 +7,13 @@
 //                         tile (BLOCK_N keys of one kv head) and the query tiles that read it, for
 //                         every query head of the GQA group; dK/dV accumulate in registers
 //   dkv_convert_kernel    casts the fp32 context accumulators to the input dtype, once
+//   dkv_convert_dq_kernel scales and casts the fp32 dQ workspace of the sm_90 dK/dV kernel that
+//                         computes dQ too (dkv_bwd_sm90.cuh), once
 //
 // Context (shared prompt) keys are read by the N responses of the group. Default mode: one item per
-// (reader segment, context tile), partial dK/dV added with fp32 atomics into a workspace, then the
-// convert kernel casts once; response keys (read by their own segment only) are written directly.
+// (reader chunk, context tile), a chunk being consecutive responses (BwdParams::chunk_end; one
+// response where the prompt is longer than 32768 keys), partial dK/dV added with fp32 atomics into a
+// workspace, then the convert kernel casts once; response keys (read by their own segment only) are written directly.
 // Deterministic mode: one item per key tile walks the owner segment AND every reader segment of the
 // region, so each key row has one writer and no atomics are needed.
 #pragma once
