@@ -624,7 +624,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
     }
     check_launch(bf16 ? run_dkdv_sm90<Bf16>(p, st, sm90) : run_dkdv_sm90<Fp16>(p, st, sm90), "dk/dv kernel (sm90 wgmma)");
     if (fused_dq) {  // dQ = scale * sum of dS K, cast once
-      check_launch(bf16 ? run_dq_convert<Bf16>(p, st) : run_dq_convert<Fp16>(p, st), "dq convert kernel");
+      check_launch(bf16 ? run_convert_dq<Bf16>(p, st) : run_convert_dq<Fp16>(p, st), "dq convert kernel");
     }
   } else {
     check_launch(bf16 ? dispatch_dq<Bf16>(p, st) : dispatch_dq<Fp16>(p, st), "dq kernel");

@@ -13,7 +13,8 @@
 // Context (shared prompt) keys are read by the N responses of the group. Default mode: one item per
 // (reader chunk, context tile), a chunk being consecutive responses (BwdParams::chunk_end; one
 // response where the prompt is longer than 32768 keys), partial dK/dV added with fp32 atomics into a
-// workspace, then the convert kernel casts once; response keys (read by their own segment only) are written directly.
+// workspace, then the convert kernel casts once; response keys (read by their own segment only) are
+// written directly.
 // Deterministic mode: one item per key tile walks the owner segment AND every reader segment of the
 // region, so each key row has one writer and no atomics are needed.
 #pragma once

@@ -22,7 +22,7 @@ cudaError_t run_bwd_convert(const BwdParams& p, cudaStream_t stream) {
 }
 
 template <class E>
-cudaError_t run_dq_convert(const BwdParams& p, cudaStream_t stream) {
+cudaError_t run_convert_dq(const BwdParams& p, cudaStream_t stream) {
   const int64_t threads = static_cast<int64_t>(p.total_q) * p.nheads * (p.head_dim / kDqConvertCols);
   if (threads == 0) return cudaSuccess;
   auto kernel = &dkv_convert_dq_kernel<E>;
@@ -34,7 +34,7 @@ template cudaError_t run_bwd_prep<Fp16>(const BwdParams&, cudaStream_t);
 template cudaError_t run_bwd_prep<Bf16>(const BwdParams&, cudaStream_t);
 template cudaError_t run_bwd_convert<Fp16>(const BwdParams&, cudaStream_t);
 template cudaError_t run_bwd_convert<Bf16>(const BwdParams&, cudaStream_t);
-template cudaError_t run_dq_convert<Fp16>(const BwdParams&, cudaStream_t);
-template cudaError_t run_dq_convert<Bf16>(const BwdParams&, cudaStream_t);
+template cudaError_t run_convert_dq<Fp16>(const BwdParams&, cudaStream_t);
+template cudaError_t run_convert_dq<Bf16>(const BwdParams&, cudaStream_t);
 
 }  // namespace dkv

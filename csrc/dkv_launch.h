@@ -61,6 +61,6 @@ template <class E>
 cudaError_t run_bwd_convert(const BwdParams& p, cudaStream_t stream);
 // dq = scale * the fused dK/dV kernel's fp32 dQ workspace (BwdParams::dq_accum), cast once.
 template <class E>
-cudaError_t run_dq_convert(const BwdParams& p, cudaStream_t stream);
+cudaError_t run_convert_dq(const BwdParams& p, cudaStream_t stream);
 
 }  // namespace dkv
