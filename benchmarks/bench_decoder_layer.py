@@ -20,6 +20,7 @@ peak extra memory, OOM; rho = N(P+R)/(P+NR) (exact, from the sampled lengths) be
     python -m benchmarks.bench_decoder_layer --validate
     python -m benchmarks.bench_decoder_layer --points "5K,32;8K,16" --variants dualkv,fa2-replicated
     python -m benchmarks.bench_decoder_layer --compile    # every variant's layer under torch.compile
+    python -m benchmarks.bench_decoder_layer --fused-ops off   # eager norms / RoPE / SwiGLU as PyTorch ops
     python -m benchmarks.bench_decoder_layer --preset tiny-qwen3 --points "64,3" --device cpu   # smoke test
 """
 
@@ -46,6 +47,7 @@ from benchmarks.peers import FA2Piece, FlexPacked, _FA2Varlen
 from benchmarks.report import ResultWriter, environment
 from dualkv.core import PackedLayout, dualkv_attention
 from dualkv.core.backends import BACKEND_CHOICES
+from dualkv.models.fused import FUSED_MODES, set_fused_ops, use_liger
 
 MODULE = "benchmarks.bench_decoder_layer"
 SWEEP = "5K,32;8K,16;16K,8;32K,4;64K,4;128K,8"
@@ -386,6 +388,9 @@ def parse_args(argv=None):
     ap.add_argument("--validate", action="store_true")
     ap.add_argument("--compile", action="store_true",
                     help="torch.compile the whole layer (dynamic=False) in every variant, as training with --compile does")
+    ap.add_argument("--fused-ops", default="auto", choices=FUSED_MODES,
+                    help="the eager layer's RMSNorm, RoPE and SwiGLU: Liger's fused kernels (auto: on CUDA where "
+                         "installed) or PyTorch's ops (off); the same in every variant (dualkv.models.fused)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--stem", default=None)
@@ -404,8 +409,11 @@ def main(argv=None) -> Path:
     if unknown:
         raise SystemExit(f"--variants: unknown {sorted(unknown)}; expected some of {VARIANTS}")
     points = [make_point(s, args.seed) for s in args.points.split(";") if s.strip()]
+    set_fused_ops(args.fused_ops)
+    fused = not args.compile and use_liger(torch.empty(0, device=device))
     meta = environment(device, MODULE, sys.argv[1:] if argv is None else list(argv))
-    meta.update(preset=args.preset, compile=args.compile, response_lengths={p.name: p.rs for p in points})
+    meta.update(preset=args.preset, compile=args.compile, fused_ops=args.fused_ops, liger_ops=fused,
+                response_lengths={p.name: p.rs for p in points})
     card = meta["card"]["name"].replace("NVIDIA ", "").split("(")[0].strip().replace(" ", "-").lower()
     writer = ResultWriter(args.out, args.stem or f"decoder_layer_{card}_{datetime.now(timezone.utc):%Y%m%d-%H%M}", meta, COLUMNS)
     failed = set()
@@ -435,7 +443,9 @@ def main(argv=None) -> Path:
           f"- torch {meta['versions']['torch']}, Triton {meta['versions']['triton']}, preset {args.preset}, "
           f"commit {meta['git_commit']}",
           "- the layer: " + ("torch.compile(dynamic=False) of the whole layer in every variant (warm-up untimed)"
-                             if args.compile else "eager (FlexAttention alone compiled)"), "", tables(rows), ""]
+                             if args.compile else "eager (FlexAttention alone compiled)")
+          + "; RMSNorm, RoPE and SwiGLU: " + ("Liger's fused kernels" if fused else "PyTorch's ops")
+          + f" (--fused-ops {args.fused_ops})", "", tables(rows), ""]
     (writer.dir / f"{writer.stem}.md").write_text("\n".join(md))
     if rows:
         plot(rows, writer.dir / f"{writer.stem}.png", meta["card"]["name"])

@@ -59,6 +59,7 @@ from benchmarks.harness import _is_oom, fmt_size, parse_size
 from benchmarks.report import ResultWriter, environment
 from dualkv.core.backends import BACKEND_CHOICES
 from dualkv.core.logprobs import LOGPROB_IMPLS
+from dualkv.models.fused import use_liger
 
 MODULE = "benchmarks.bench_policy_step"
 PACKINGS = ("dualkv", "replicated")
@@ -403,7 +404,8 @@ def _run(args, argv) -> Path:
                 activation_checkpointing=args.activation_checkpointing, compile=args.compile,
                 keep_attention=args.keep_attention, warmup=args.warmup, steps=args.steps, seed=args.seed,
                 world_size=_world(), sp=args.sp, attention_backend=args.attention_backend,
-                logprobs_impl=_logprobs_impl_run(args, device))
+                logprobs_impl=_logprobs_impl_run(args, device),
+                liger_ops=not args.compile and use_liger(torch.empty(0, device=device)))
     card = meta["card"]["name"].split()[-1].lower() if device.type == "cuda" else "cpu"
     stem = args.stem or f"policy_step_{card}_{datetime.now(timezone.utc):%Y%m%d-%H%M}"
     main_rank = _rank() == 0
@@ -466,6 +468,7 @@ def write_report(writer) -> Path:
                   f"{meta['kl_beta']}, AdamW, activation checkpointing {'on' if meta['activation_checkpointing'] else 'off'}"
                   f"{' (keeping attention outputs)' if meta.get('keep_attention') else ''}"
                   f"{', torch.compile per decoder layer' if meta.get('compile') else ''}"
+                  f"{', Liger ' + v['liger-kernel'] + ' fused norms / RoPE / SwiGLU' if meta.get('liger_ops') else ''}"
                   f"{', attention backend ' + meta['attention_backend'] if meta.get('attention_backend', 'auto') != 'auto' else ''}"
                   f"{', log-prob head ' + meta['logprobs_impl'] if meta.get('logprobs_impl', 'torch') != 'torch' else ''}"
                   f"{_ranks_text(meta)}\n\n"

@@ -63,12 +63,13 @@ def environment(device: torch.device, module: str, argv: list[str] | None = None
         versions["triton"] = triton.__version__
     except ImportError:
         versions["triton"] = None
-    try:
-        from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
-        versions["dualkv"] = version("dualkv")
-    except Exception:
-        versions["dualkv"] = None
+    for package in ("dualkv", "liger-kernel"):
+        try:
+            versions[package] = version(package)
+        except PackageNotFoundError:
+            versions[package] = None
     if device.type == "cuda":
         versions["cudnn"] = torch.backends.cudnn.version()
         props = torch.cuda.get_device_properties(device)

@@ -33,12 +33,15 @@ from .config import (
     from_hf_config,
     to_hf_config,
 )
+from .fused import fused_ops, set_fused_ops
 from .model import CausalLM
 from .moe import RouterStats, load_balancing_loss
 from .presets import PRESETS, get_preset, list_presets, preset_hf_config
 
 __all__ = [
     "CausalLM",
+    "fused_ops",
+    "set_fused_ops",
     "ModelConfig",
     "LayerConfig",
     "AttentionConfig",

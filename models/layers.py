@@ -7,7 +7,9 @@ Shape legend (suffixes on tensor names):
 Example: ``x_TD`` is (T, D), ``q_THd`` is (T, H, d), ``cos_Td`` is (T, d).
 
 Every op here is per token except attention, which goes through ``self.attn_fn`` (by default
-``dualkv.core.dualkv_attention``; ``dualkv.parallel`` swaps it from outside).
+``dualkv.core.dualkv_attention``; ``dualkv.parallel`` swaps it from outside). RMSNorm, RoPE and the
+gated activation take Liger-Kernel's fused Triton kernels on CUDA where it is installed
+(``fused.py``); otherwise, and under ``torch.compile``, PyTorch's ops below.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch import nn
 
 from dualkv.core import dualkv_attention
 
+from . import fused
 from .config import AttentionConfig, RopeConfig
 
 __all__ = [
@@ -31,6 +34,8 @@ __all__ = [
     "rope_inv_freq",
     "rope_tables",
     "apply_rope",
+    "apply_rope_qk",
+    "gated_activation",
     "BlockInputs",
     "BlockOutput",
 ]
@@ -90,6 +95,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Liger's kernel where the weight's dtype is the input's (a bf16 input with an fp32 weight
+        # gives an fp32 product in the qwen3 style, which Liger does not).
+        if (self.weight is None or self.weight.dtype == x.dtype) and fused.use_liger(x):
+            return fused.liger_rms_norm(x, self.weight, self.eps, self.style)
         # F.rms_norm: one fused kernel (forward and backward) where PyTorch has one, e.g. on CUDA.
         shape = (x.shape[-1],)
         if self.style == "qwen3":
@@ -165,7 +174,22 @@ def apply_rope(x_THd: torch.Tensor, cos_Td: torch.Tensor, sin_Td: torch.Tensor) 
     return x_THd * cos_Td[:, None, :] + _rotate_half(x_THd) * sin_Td[:, None, :]
 
 
+def apply_rope_qk(q_THd, k_TKd, cos_Td, sin_Td, k_aliases_v: bool = False):
+    """``apply_rope`` of q and of k; one fused kernel where Liger's are used. Liger rotates in place, so
+    ``k_aliases_v`` (k shares storage with v, e.g. k = v without norms) keeps PyTorch's ops."""
+    if not k_aliases_v and fused.use_liger(q_THd, k_TKd, cos_Td):
+        return fused.liger_rope_qk(q_THd, k_TKd, cos_Td, sin_Td)
+    return apply_rope(q_THd, cos_Td, sin_Td), apply_rope(k_TKd, cos_Td, sin_Td)
+
+
 # --------------------------------------------------------------------------------------- MLP
+
+def gated_activation(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(gate) * up (``silu`` or ``gelu_tanh``); one fused kernel where Liger's are used."""
+    if fused.use_liger(gate, up):
+        return fused.liger_gated(gate, up, activation)
+    return activation_fn(activation)(gate) * up
+
 
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)): SwiGLU (silu) or GeGLU (gelu_tanh)."""
@@ -175,10 +199,11 @@ class GatedMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-        self.act = activation_fn(activation)
+        activation_fn(activation)  # checks the name
+        self.activation = activation
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x_TD)) * self.up_proj(x_TD))
+        return self.down_proj(gated_activation(self.gate_proj(x_TD), self.up_proj(x_TD), self.activation))
 
 
 # --------------------------------------------------------------------------------------- attention
@@ -208,8 +233,8 @@ class Attention(nn.Module):
             self.v_norm = RMSNorm(d, norm_eps, norm_style, with_scale=False)
         self.attn_fn = dualkv_attention
 
-    def project_kv(self, x_TD: torch.Tensor, cos_Td: torch.Tensor, sin_Td: torch.Tensor):
-        """k_TKd (normed, rotated) and v_TKd (normed) of this layer's own projections."""
+    def project_kv(self, x_TD: torch.Tensor):
+        """k_TKd and v_TKd (both normed, neither rotated yet) of this layer's own projections."""
         cfg = self.cfg
         k_TKd = self.k_proj(x_TD).view(x_TD.shape[0], cfg.num_kv_heads, cfg.head_dim)
         v_TKd = k_TKd if cfg.k_eq_v else self.v_proj(x_TD).view_as(k_TKd)
@@ -217,7 +242,7 @@ class Attention(nn.Module):
             k_TKd = self.k_norm(k_TKd)
         if cfg.v_norm:
             v_TKd = self.v_norm(v_TKd)
-        return apply_rope(k_TKd, cos_Td, sin_Td), v_TKd
+        return k_TKd, v_TKd
 
     def forward(self, x_TD, cos_Td, sin_Td, layout, shared_kv=None):
         """Returns (out_TD, (k_TKd, v_TKd)); ``shared_kv`` replaces the own k/v (KV-sharing layers)."""
@@ -225,13 +250,15 @@ class Attention(nn.Module):
         q_THd = self.q_proj(x_TD).view(x_TD.shape[0], cfg.num_heads, cfg.head_dim)
         if cfg.qk_norm:
             q_THd = self.q_norm(q_THd)
-        q_THd = apply_rope(q_THd, cos_Td, sin_Td)
         if cfg.kv_source is None:
-            k_TKd, v_TKd = self.project_kv(x_TD, cos_Td, sin_Td)
+            k_TKd, v_TKd = self.project_kv(x_TD)
+            aliased = cfg.k_eq_v and not cfg.qk_norm and not cfg.v_norm  # v is then k's own tensor
+            q_THd, k_TKd = apply_rope_qk(q_THd, k_TKd, cos_Td, sin_Td, k_aliases_v=aliased)
         elif shared_kv is None:
             raise ValueError(f"shared_kv: this layer reuses layer {cfg.kv_source}'s keys and values; got none")
         else:
-            k_TKd, v_TKd = shared_kv
+            k_TKd, v_TKd = shared_kv  # rotated by the layer that made them
+            q_THd = apply_rope(q_THd, cos_Td, sin_Td)
         out_THd = self.attn_fn(
             q_THd.contiguous(), k_TKd.contiguous(), v_TKd.contiguous(), layout,
             softmax_scale=cfg.scale, window=cfg.window, softcap=cfg.softcap,

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import MoEConfig
-from .layers import RMSNorm, activation_fn
+from .layers import RMSNorm, activation_fn, gated_activation
 
 __all__ = [
     "Experts",
@@ -148,12 +148,13 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(E, hidden_size, Fi))
         nn.init.normal_(self.gate_up_proj, std=0.02)
         nn.init.normal_(self.down_proj, std=0.02)
-        self.act = activation_fn(cfg.activation)
+        activation_fn(cfg.activation)  # checks the name
+        self.activation = cfg.activation
         self.backend = "auto"
 
     def _glu(self, h_n2F: torch.Tensor) -> torch.Tensor:
         gate_nF, up_nF = h_n2F.chunk(2, dim=-1)
-        return self.act(gate_nF) * up_nF
+        return gated_activation(gate_nF, up_nF, self.activation)
 
     def _grouped(self, x_nD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         grouped_mm = _grouped_mm_fn()
