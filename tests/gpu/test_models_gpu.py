@@ -7,11 +7,13 @@ transformers' own bf16 run makes (2x for log-probs, 3x for gradients, plus a sma
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 import dualkv.models as M
-from dualkv.core import PackedLayout
+from dualkv.core import PackedLayout, dualkv_attention
 from dualkv.models import fused
 from dualkv.models.reference import hf_model, hf_response_logprobs
 
@@ -165,6 +167,8 @@ def test_fused_ops_as_accurate_as_pytorch_ops(name):
     gradients (two bf16 runs can differ by as much as either differs from fp32: MoE routing flips)."""
     layout = rollout(1024, SHAPES, seed=4)
     ref = M.build_model(small_config(name), dtype=torch.float32, device=DEVICE, seed=0)
+    # fp32 attention through the PyTorch reference: the fast backends would autotune fp32 kernels.
+    ref.set_attn_fn(functools.partial(dualkv_attention, backend="reference"))
     out = {}
     for tag, dtype, mode in (("ref", torch.float32, "off"), ("off", torch.bfloat16, "off"),
                              ("liger", torch.bfloat16, "liger")):
