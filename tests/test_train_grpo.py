@@ -140,6 +140,20 @@ def test_logprobs_impl_reaches_policy_and_reference(tmp_path, monkeypatch):
         assert fused[0][key] == pytest.approx(plain[0][key], rel=1e-4, abs=1e-6), key
 
 
+def test_fused_ops_flag_sets_the_mode(tmp_path):
+    """--fused-ops reaches dualkv.models.fused when the trainer builds its models (process-wide)."""
+    from dualkv.models import fused
+
+    cfg = _config(tmp_path, "--fused-ops", "off", "--steps", "1")
+    assert cfg.parallel.fused_ops == "off"
+    trainer = Trainer(cfg)
+    try:
+        assert fused.get_fused_ops() == "off"
+    finally:
+        trainer.close()
+        fused.set_fused_ops("auto")
+
+
 def test_bad_arguments_and_rollout_files_are_rejected(tmp_path):
     parse = build_parser().parse_args
     cfg = config_from_args(parse(["--activation-checkpointing", "--checkpoint-keep-attention"]))
@@ -151,6 +165,10 @@ def test_bad_arguments_and_rollout_files_are_rejected(tmp_path):
         ParallelConfig(attention_backend="fast")
     with pytest.raises(ValueError, match=r"logprobs_impl: expected None or one of \('auto', 'torch', 'triton'\), got 'fused'"):
         ParallelConfig(logprobs_impl="fused")
+    with pytest.raises(ValueError, match=r"fused_ops: expected one of \('auto', 'liger', 'off'\), got 'on'"):
+        ParallelConfig(fused_ops="on")
+    with pytest.raises(SystemExit):
+        parse(["--fused-ops", "on"])
     with pytest.raises(ValueError, match="checkpoint_keep_attention: needs activation_checkpointing"):
         config_from_args(parse(["--checkpoint-keep-attention"]))
     with pytest.raises(ValueError, match="mini_batches: expected a divisor of groups=6, got 4"):

@@ -43,7 +43,9 @@ class ParallelConfig:
     ``auto`` takes at head dims 64, 128 and 256 on Hopper, otherwise adds the prompt's gradients with fp32
     atomics); logprobs_impl: how the log-prob head reduces each chunk of logits, ``"auto"``,
     ``"torch"`` or ``"triton"`` (``CausalLM.logprobs_impl``; None leaves the model's, which reads
-    ``DUALKV_LOGPROBS_IMPL``, default auto)."""
+    ``DUALKV_LOGPROBS_IMPL``, default auto); fused_ops: the eager layers' RMSNorm, RoPE and gated
+    activation, Liger-Kernel's fused kernels or PyTorch's ops (``dualkv.models.set_fused_ops``: "auto",
+    "liger" or "off"; a process-wide setting)."""
 
     sp: int = 1
     param_dtype: str = "bf16"
@@ -53,10 +55,15 @@ class ParallelConfig:
     attention_backend: str = "auto"
     deterministic_attention: bool = False
     logprobs_impl: str | None = None
+    fused_ops: str = "auto"
 
     def __post_init__(self) -> None:
         from dualkv.core.backends import split_backend
         from dualkv.core.logprobs import LOGPROB_IMPLS
+        from dualkv.models.fused import FUSED_MODES
+
+        if self.fused_ops not in FUSED_MODES:
+            raise ValueError(f"fused_ops: expected one of {FUSED_MODES}, got {self.fused_ops!r}")
 
         if self.logprobs_impl is not None and self.logprobs_impl not in LOGPROB_IMPLS:
             raise ValueError(f"logprobs_impl: expected None or one of {LOGPROB_IMPLS}, got {self.logprobs_impl!r}")
@@ -179,6 +186,7 @@ def parallelize_policy(model: torch.nn.Module, ctx: DistContext, cfg: ParallelCo
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
+    from dualkv.models import set_fused_ops
     from dualkv.parallel import parallelize_sequence
 
     if not trainable:
@@ -192,6 +200,7 @@ def parallelize_policy(model: torch.nn.Module, ctx: DistContext, cfg: ParallelCo
         model.set_attn_fn(functools.partial(dualkv_attention, **options))
     if cfg.logprobs_impl is not None:
         model.logprobs_impl = cfg.logprobs_impl
+    set_fused_ops(cfg.fused_ops)
     if cfg.activation_checkpointing and trainable:
         model.set_activation_checkpointing(True, keep_attention=cfg.checkpoint_keep_attention)
     if ctx.sp_size > 1:

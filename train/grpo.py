@@ -22,6 +22,7 @@ import torch
 
 from dualkv.core.backends import BACKEND_CHOICES
 from dualkv.core.logprobs import LOGPROB_IMPLS
+from dualkv.models.fused import FUSED_MODES
 
 from .arithmetic import ArithmeticConfig
 from .distributed import ParallelConfig
@@ -110,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how the log-prob head reduces each chunk of logits: PyTorch ops on an fp32 copy (torch), one "
                         "Triton kernel per direction (triton), or triton for fp16 / bf16 on CUDA and torch otherwise "
                         "(auto); default: $DUALKV_LOGPROBS_IMPL, else auto")
+    d.add_argument("--fused-ops", choices=FUSED_MODES, default="auto",
+                   help="the eager layers' RMSNorm, RoPE and SwiGLU: Liger-Kernel's fused Triton kernels (liger; auto: "
+                        "on CUDA where it is installed) or PyTorch's ops (off); compiled layers always use PyTorch's")
     d.add_argument("--cpu-threads", type=int, default=None,
                    help="intra-op threads of a CPU run (default: $OMP_NUM_THREADS, else 1: small models run fastest "
                         "on one thread)")
@@ -152,7 +156,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                                 compile=args.compile, checkpoint_keep_attention=args.checkpoint_keep_attention,
                                 attention_backend=args.attention_backend,
                                 deterministic_attention=args.deterministic_attention,
-                                logprobs_impl=args.logprobs_impl),
+                                logprobs_impl=args.logprobs_impl, fused_ops=args.fused_ops),
     )
 
 
