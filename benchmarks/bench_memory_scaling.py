@@ -43,6 +43,7 @@ import torch
 from benchmarks.harness import _is_oom, fmt_size, parse_size
 from benchmarks.report import ResultWriter, environment
 from dualkv.core import PackedLayout
+from dualkv.models.fused import FUSED_MODES, set_fused_ops, use_liger
 
 MODULE = "benchmarks.bench_memory_scaling"
 PACKINGS = ("dualkv", "replicated")
@@ -262,6 +263,9 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--keep-attention", action="store_true",
                     help="checkpointed layers keep their attention outputs (the memory that costs)")
+    ap.add_argument("--fused-ops", choices=FUSED_MODES, default="auto",
+                    help="RMSNorm, RoPE and SwiGLU: Liger's fused kernels (auto: on CUDA where installed; they keep "
+                         "no fp32 copies) or PyTorch's ops (off)")
     ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                     help="measure nothing: one report (table, fit, plot) from earlier results of the same settings")
     return ap.parse_args(argv)
@@ -280,9 +284,11 @@ def main(argv=None) -> Path:
     bad = set(packings) - set(PACKINGS)
     if bad:
         raise SystemExit(f"--packings: expected a subset of {PACKINGS}, got {sorted(bad)}")
+    set_fused_ops(args.fused_ops)
     meta = environment(device, MODULE, sys.argv[1:] if argv is None else list(argv))
     meta.update(preset=args.preset, layers=args.layers, dtype="bfloat16", activation_checkpointing=True,
-                keep_attention=args.keep_attention,
+                keep_attention=args.keep_attention, fused_ops=args.fused_ops,
+                liger_ops=use_liger(torch.empty(0, device=device)),
                 response_lengths=f"U{tuple(args.response_range)}", seed=args.seed)
     card = meta["card"]["name"].split()[-1].lower() if device.type == "cuda" else "cpu"
     stem = args.stem or f"memory_scaling_{card}_{datetime.now(timezone.utc):%Y%m%d-%H%M}"
@@ -307,7 +313,8 @@ def main(argv=None) -> Path:
     return write_report(writer)
 
 
-SETTINGS = ("preset", "layers", "dtype", "activation_checkpointing", "keep_attention", "response_lengths", "seed")
+SETTINGS = ("preset", "layers", "dtype", "activation_checkpointing", "keep_attention", "response_lengths", "seed",
+            "liger_ops")
 
 
 def merge(paths: list[str], out: str, stem: str) -> Path:
@@ -338,6 +345,7 @@ def write_report(writer) -> Path:
             f"(commit {meta.get('git_commit')})\n- model {meta['preset']}"
             f"{layers}, bf16 weights, random init, "
             f"activation checkpointing on every layer{' (keeping attention outputs)' if meta.get('keep_attention') else ''}"
+            f"{', Liger ' + str(v.get('liger-kernel')) + ' fused norms / RoPE / SwiGLU' if meta.get('liger_ops') else ''}"
             f", GRPO loss over response_logprobs; R_i ~ {r_range}, "
             f"seed {meta['seed']}\n\n")
     md.write_text(head + tables(rows, fits))

@@ -59,7 +59,7 @@ from benchmarks.harness import _is_oom, fmt_size, parse_size
 from benchmarks.report import ResultWriter, environment
 from dualkv.core.backends import BACKEND_CHOICES
 from dualkv.core.logprobs import LOGPROB_IMPLS
-from dualkv.models.fused import use_liger
+from dualkv.models.fused import FUSED_MODES, fused_ops, use_liger
 
 MODULE = "benchmarks.bench_policy_step"
 PACKINGS = ("dualkv", "replicated")
@@ -91,7 +91,7 @@ def train_config(args, packing: str, mb: int):
         parallel=ParallelConfig(sp=args.sp, param_dtype="bf16" if cuda else "fp32",
                                 activation_checkpointing=args.activation_checkpointing, compile=args.compile,
                                 checkpoint_keep_attention=args.keep_attention, attention_backend=args.attention_backend,
-                                logprobs_impl=args.logprobs_impl),
+                                logprobs_impl=args.logprobs_impl, fused_ops=args.fused_ops),
     )
 
 
@@ -341,6 +341,9 @@ def parse_args(argv=None):
                          "$DUALKV_LOGPROBS_IMPL, else auto: triton for bf16 on CUDA); the report names the one that ran")
     ap.add_argument("--keep-attention", action="store_true",
                     help="checkpointed layers keep their attention outputs (no attention forward in the recompute)")
+    ap.add_argument("--fused-ops", choices=FUSED_MODES, default="auto",
+                    help="eager layers' RMSNorm, RoPE and SwiGLU: Liger's fused kernels (auto: on CUDA where installed) "
+                         "or PyTorch's ops (off), both packings")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps per configuration")
     ap.add_argument("--steps", type=int, default=3, help="measured steps per configuration")
     ap.add_argument("--peak-tflops", type=float, default=None, help="per-device peak for MFU (default: known GPUs)")
@@ -394,6 +397,12 @@ def main(argv=None) -> Path | None:
             dist.destroy_process_group()
 
 
+def _liger_ops(mode: str, device) -> bool:
+    """Whether the eager layers take Liger's kernels under ``mode`` on ``device``."""
+    with fused_ops(mode):
+        return use_liger(torch.empty(0, device=device))
+
+
 def _run(args, argv) -> Path:
     from tqdm.auto import tqdm
 
@@ -405,7 +414,7 @@ def _run(args, argv) -> Path:
                 keep_attention=args.keep_attention, warmup=args.warmup, steps=args.steps, seed=args.seed,
                 world_size=_world(), sp=args.sp, attention_backend=args.attention_backend,
                 logprobs_impl=_logprobs_impl_run(args, device),
-                liger_ops=not args.compile and use_liger(torch.empty(0, device=device)))
+                fused_ops=args.fused_ops, liger_ops=not args.compile and _liger_ops(args.fused_ops, device))
     card = meta["card"]["name"].split()[-1].lower() if device.type == "cuda" else "cpu"
     stem = args.stem or f"policy_step_{card}_{datetime.now(timezone.utc):%Y%m%d-%H%M}"
     main_rank = _rank() == 0
@@ -432,9 +441,9 @@ def _logprobs_impl_run(args, device) -> str:
 
 SETTINGS = ("preset", "P", "response_range", "responses_per_step", "algorithm", "kl_beta", "activation_checkpointing",
             "compile", "keep_attention", "warmup", "steps", "seed", "world_size", "sp", "attention_backend",
-            "logprobs_impl")
+            "logprobs_impl", "liger_ops")
 # What files written before these settings existed ran.
-SETTING_DEFAULTS = {"world_size": 1, "sp": 1, "attention_backend": "auto", "logprobs_impl": "torch"}
+SETTING_DEFAULTS = {"world_size": 1, "sp": 1, "attention_backend": "auto", "logprobs_impl": "torch", "liger_ops": False}
 
 
 def merge(paths: list[str], out: str, stem: str) -> Path:
