@@ -47,7 +47,7 @@ from benchmarks.peers import FA2Piece, FlexPacked, _FA2Varlen
 from benchmarks.report import ResultWriter, environment
 from dualkv.core import PackedLayout, dualkv_attention
 from dualkv.core.backends import BACKEND_CHOICES
-from dualkv.models.fused import FUSED_MODES, set_fused_ops, use_liger
+from dualkv.models.fused import FUSED_MODES, liger_runs_on, set_fused_ops
 
 MODULE = "benchmarks.bench_decoder_layer"
 SWEEP = "5K,32;8K,16;16K,8;32K,4;64K,4;128K,8"
@@ -410,7 +410,7 @@ def main(argv=None) -> Path:
         raise SystemExit(f"--variants: unknown {sorted(unknown)}; expected some of {VARIANTS}")
     points = [make_point(s, args.seed) for s in args.points.split(";") if s.strip()]
     set_fused_ops(args.fused_ops)
-    fused = not args.compile and use_liger(torch.empty(0, device=device))
+    fused = not args.compile and liger_runs_on(device)
     meta = environment(device, MODULE, sys.argv[1:] if argv is None else list(argv))
     meta.update(preset=args.preset, compile=args.compile, fused_ops=args.fused_ops, liger_ops=fused,
                 response_lengths={p.name: p.rs for p in points})

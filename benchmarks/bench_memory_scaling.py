@@ -43,7 +43,7 @@ import torch
 from benchmarks.harness import _is_oom, fmt_size, parse_size
 from benchmarks.report import ResultWriter, environment
 from dualkv.core import PackedLayout
-from dualkv.models.fused import FUSED_MODES, set_fused_ops, use_liger
+from dualkv.models.fused import FUSED_MODES, liger_runs_on, set_fused_ops
 
 MODULE = "benchmarks.bench_memory_scaling"
 PACKINGS = ("dualkv", "replicated")
@@ -288,7 +288,7 @@ def main(argv=None) -> Path:
     meta = environment(device, MODULE, sys.argv[1:] if argv is None else list(argv))
     meta.update(preset=args.preset, layers=args.layers, dtype="bfloat16", activation_checkpointing=True,
                 keep_attention=args.keep_attention, fused_ops=args.fused_ops,
-                liger_ops=use_liger(torch.empty(0, device=device)),
+                liger_ops=liger_runs_on(device),
                 response_lengths=f"U{tuple(args.response_range)}", seed=args.seed)
     card = meta["card"]["name"].split()[-1].lower() if device.type == "cuda" else "cpu"
     stem = args.stem or f"memory_scaling_{card}_{datetime.now(timezone.utc):%Y%m%d-%H%M}"

@@ -59,7 +59,7 @@ from benchmarks.harness import _is_oom, fmt_size, parse_size
 from benchmarks.report import ResultWriter, environment
 from dualkv.core.backends import BACKEND_CHOICES
 from dualkv.core.logprobs import LOGPROB_IMPLS
-from dualkv.models.fused import FUSED_MODES, fused_ops, use_liger
+from dualkv.models.fused import FUSED_MODES, liger_runs_on, set_fused_ops
 
 MODULE = "benchmarks.bench_policy_step"
 PACKINGS = ("dualkv", "replicated")
@@ -397,16 +397,11 @@ def main(argv=None) -> Path | None:
             dist.destroy_process_group()
 
 
-def _liger_ops(mode: str, device) -> bool:
-    """Whether the eager layers take Liger's kernels under ``mode`` on ``device``."""
-    with fused_ops(mode):
-        return use_liger(torch.empty(0, device=device))
-
-
 def _run(args, argv) -> Path:
     from tqdm.auto import tqdm
 
     device = torch.device(args.device)
+    set_fused_ops(args.fused_ops)  # as the trainer does when it builds the models
     meta = environment(device, MODULE, sys.argv[1:] if argv is None else list(argv))
     meta.update(preset=args.preset, P=args.prompt, response_range=list(args.response_range),
                 responses_per_step=args.responses_per_step, algorithm="grpo", kl_beta=args.kl_beta,
@@ -414,7 +409,7 @@ def _run(args, argv) -> Path:
                 keep_attention=args.keep_attention, warmup=args.warmup, steps=args.steps, seed=args.seed,
                 world_size=_world(), sp=args.sp, attention_backend=args.attention_backend,
                 logprobs_impl=_logprobs_impl_run(args, device),
-                fused_ops=args.fused_ops, liger_ops=not args.compile and _liger_ops(args.fused_ops, device))
+                fused_ops=args.fused_ops, liger_ops=not args.compile and liger_runs_on(device))
     card = meta["card"]["name"].split()[-1].lower() if device.type == "cuda" else "cpu"
     stem = args.stem or f"policy_step_{card}_{datetime.now(timezone.utc):%Y%m%d-%H%M}"
     main_rank = _rank() == 0

@@ -25,19 +25,22 @@ Shape legend as in ``layers.py``: ``q_THd`` (T, H, d), ``k_TKd`` (T, K, d), ``co
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import os
 
 import torch
 
-__all__ = ["FUSED_MODES", "fused_ops", "get_fused_ops", "liger_available", "set_fused_ops", "use_liger"]
+__all__ = ["FUSED_MODES", "fused_ops", "get_fused_ops", "liger_available", "liger_runs_on", "set_fused_ops",
+           "use_liger"]
 
 FUSED_MODES = ("auto", "liger", "off")
 _MODE = "auto"
 
 
+@functools.cache
 def liger_available() -> bool:
-    """Whether Liger-Kernel can be imported."""
+    """Whether Liger-Kernel can be imported (looked up once: ``use_liger`` asks on every op)."""
     return importlib.util.find_spec("liger_kernel") is not None
 
 
@@ -78,6 +81,11 @@ def use_liger(*tensors: torch.Tensor) -> bool:
                              "(use mode 'auto' or 'off')")
         return True
     return on_gpu and liger_available()
+
+
+def liger_runs_on(device: torch.device | str) -> bool:
+    """Whether eager models on ``device`` take Liger's kernels under the current mode (for reports)."""
+    return use_liger(torch.empty(0, device=device))
 
 
 # ------------------------------------------------------------------------------------ the ops
