@@ -60,6 +60,7 @@ from benchmarks.report import ResultWriter, environment
 from dualkv.core.backends import BACKEND_CHOICES
 from dualkv.core.logprobs import LOGPROB_IMPLS
 from dualkv.models.fused import FUSED_MODES, liger_runs_on, set_fused_ops
+from dualkv.train.trainer import OPTIMIZER_IMPLS
 
 MODULE = "benchmarks.bench_policy_step"
 PACKINGS = ("dualkv", "replicated")
@@ -87,7 +88,7 @@ def train_config(args, packing: str, mb: int):
         synthetic_response_len=tuple(args.response_range), peak_tflops=args.peak_tflops, progress=False,
         loss=LossConfig.grpo(kl_beta=args.kl_beta),
         update=UpdateConfig(packing=packing, micro_batch_tokens=1),
-        optim=OptimConfig(lr=1e-6),
+        optim=OptimConfig(lr=1e-6, implementation=args.optimizer_impl),
         parallel=ParallelConfig(sp=args.sp, param_dtype="bf16" if cuda else "fp32",
                                 activation_checkpointing=args.activation_checkpointing, compile=args.compile,
                                 checkpoint_keep_attention=args.keep_attention, attention_backend=args.attention_backend,
@@ -344,6 +345,8 @@ def parse_args(argv=None):
     ap.add_argument("--fused-ops", choices=FUSED_MODES, default="auto",
                     help="eager layers' RMSNorm, RoPE and SwiGLU: Liger's fused kernels (auto: on CUDA where installed) "
                          "or PyTorch's ops (off), both packings")
+    ap.add_argument("--optimizer-impl", choices=OPTIMIZER_IMPLS, default="auto",
+                    help="AdamW implementation (auto: torch's fused kernel on CUDA), both packings")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps per configuration")
     ap.add_argument("--steps", type=int, default=3, help="measured steps per configuration")
     ap.add_argument("--peak-tflops", type=float, default=None, help="per-device peak for MFU (default: known GPUs)")
@@ -409,7 +412,8 @@ def _run(args, argv) -> Path:
                 keep_attention=args.keep_attention, warmup=args.warmup, steps=args.steps, seed=args.seed,
                 world_size=_world(), sp=args.sp, attention_backend=args.attention_backend,
                 logprobs_impl=_logprobs_impl_run(args, device),
-                fused_ops=args.fused_ops, liger_ops=not args.compile and liger_runs_on(device))
+                fused_ops=args.fused_ops, liger_ops=not args.compile and liger_runs_on(device),
+                optimizer_impl=_optimizer_impl_run(args, device))
     card = meta["card"]["name"].split()[-1].lower() if device.type == "cuda" else "cpu"
     stem = args.stem or f"policy_step_{card}_{datetime.now(timezone.utc):%Y%m%d-%H%M}"
     main_rank = _rank() == 0
@@ -434,11 +438,19 @@ def _logprobs_impl_run(args, device) -> str:
     return resolve_logprobs_impl(args.logprobs_impl, torch.empty(0, device=device, dtype=dtype))
 
 
+def _optimizer_impl_run(args, device) -> str:
+    """The AdamW implementation the run takes: "auto" resolved as the trainer resolves it."""
+    if args.optimizer_impl != "auto":
+        return args.optimizer_impl
+    return "fused" if device.type == "cuda" else "for-loop"
+
+
 SETTINGS = ("preset", "P", "response_range", "responses_per_step", "algorithm", "kl_beta", "activation_checkpointing",
             "compile", "keep_attention", "warmup", "steps", "seed", "world_size", "sp", "attention_backend",
-            "logprobs_impl", "liger_ops")
-# What files written before these settings existed ran.
-SETTING_DEFAULTS = {"world_size": 1, "sp": 1, "attention_backend": "auto", "logprobs_impl": "torch", "liger_ops": False}
+            "logprobs_impl", "liger_ops", "optimizer_impl")
+# What files written before these settings existed ran (torch's default AdamW on CUDA: foreach).
+SETTING_DEFAULTS = {"world_size": 1, "sp": 1, "attention_backend": "auto", "logprobs_impl": "torch", "liger_ops": False,
+                    "optimizer_impl": "foreach"}
 
 
 def merge(paths: list[str], out: str, stem: str) -> Path:
@@ -469,7 +481,7 @@ def write_report(writer) -> Path:
     md.write_text(f"# {writer.stem}\n\n- {meta['card']['name']}, {meta['date']}: `{meta['command']}`  \n"
                   f"  torch {v.get('torch')}, CUDA {v.get('cuda')}, Triton {v.get('triton')}, dualkv {v.get('dualkv')} "
                   f"(commit {meta.get('git_commit')})\n- model {meta['preset']} (random weights), GRPO kl_beta "
-                  f"{meta['kl_beta']}, AdamW, activation checkpointing {'on' if meta['activation_checkpointing'] else 'off'}"
+                  f"{meta['kl_beta']}, AdamW ({meta.get('optimizer_impl', 'foreach')}), activation checkpointing {'on' if meta['activation_checkpointing'] else 'off'}"
                   f"{' (keeping attention outputs)' if meta.get('keep_attention') else ''}"
                   f"{', torch.compile per decoder layer' if meta.get('compile') else ''}"
                   f"{', Liger ' + v['liger-kernel'] + ' fused norms / RoPE / SwiGLU' if meta.get('liger_ops') else ''}"

@@ -326,6 +326,33 @@ int kernel_choice(const char* name, const std::string& allowed = "012", int devi
   return choice.empty() ? device_default : choice[0] - '0';
 }
 
+// The query tiles of a launch over (query tiles, heads), in the order the blocks start (query_tile,
+// dkv_fwd.cuh): prefix (S+1,) of ceil(len / block) over the segments in `order` (S,), rank -> segment.
+// The readers of a context (responses, which see their prompt and themselves) go first, then the
+// segments without one (prompts), each segment's tiles from its last: the blocks that see the most
+// keys start first and a head ends on its prompt's first tiles, the shortest, instead of on a
+// response's tiles, the longest (the tail of a launch). DUALKV_CUDA_TILE_ORDER=0: the segments in
+// their own order (order undefined, prefix over the layout as it is).
+struct QueryTiles {
+  Tensor prefix, order;
+};
+
+QueryTiles query_tiles(const Tensor& seg_len, const Tensor& seg_ctx_len, int block) {
+  QueryTiles tiles;
+  // Not a kernel form: the CPU emulation takes the device's default too.
+  const std::string choice = env_value("DUALKV_CUDA_TILE_ORDER");
+  DKV_CHECK(choice.empty() || choice == "0" || choice == "1", kOps,
+            ": DUALKV_CUDA_TILE_ORDER: expected one of 0, 1 (or unset), got '", choice, "'");
+  if (choice == "0" || seg_len.size(0) < 2) {
+    tiles.prefix = prefix_of(seg_len, block);
+    return tiles;
+  }
+  const Tensor no_ctx = seg_ctx_len.eq(0).to(at::kInt);
+  tiles.order = std::get<1>(at::sort(no_ctx, /*stable=*/true, /*dim=*/0, /*descending=*/false)).to(at::kInt);
+  tiles.prefix = prefix_of(seg_len.index_select(0, tiles.order), block);
+  return tiles;
+}
+
 // The wgmma kernels can run: an sm_90 device whose extension code has wgmma (built for sm_90a), or the
 // CPU emulation.
 bool hopper_kernels_usable(const Tensor& q) {
@@ -472,13 +499,14 @@ std::tuple<Tensor, Tensor> fwd(const Tensor& q, const Tensor& k, const Tensor& v
   const bool bf16 = q.scalar_type() == at::kBFloat16;
   const int sm90 = use_sm90_forward(q, args.head_dim);
   const int block_m = sm90 ? kSm90BlockM : fwd_config(args.head_dim).block_m;
-  Tensor tile_prefix = prefix_of(segment_lengths(cu_seqlens), block_m);
+  const QueryTiles tiles = query_tiles(segment_lengths(cu_seqlens), seg_ctx_len, block_m);
 
   FwdParams p;
   static_cast<AttnArgs&>(p) = args;
   p.out = ref(out);
   p.lse = lse.data_ptr<float>();
-  p.q_tile_prefix = tile_prefix.data_ptr<int>();
+  p.q_tile_prefix = tiles.prefix.data_ptr<int>();
+  p.q_seg_order = tiles.order.defined() ? tiles.order.data_ptr<int>() : nullptr;
   p.grid_tiles = grid_tiles_bound(args.total_q, args.layout.num_segments, block_m);
   const cudaStream_t st = current_stream();
   int form = sm90;
@@ -553,7 +581,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
   const int dq_block = sm90 ? sm90_dq_block_m(args.head_dim) : dq_config(args.head_dim).block_m;
   const int kv_block = sm90 ? sm90_dkdv_block_n(args.head_dim) : dkdv_config(args.head_dim).block_n;
   const Tensor seg_len = segment_lengths(cu_seqlens);
-  Tensor q_tile_prefix = prefix_of(seg_len, dq_block);
+  const QueryTiles q_tiles = query_tiles(seg_len, seg_ctx_len, dq_block);
   // dkdv items per segment: its own key tiles (+ its context tiles, by default); deterministic with
   // a separate context adds one group per context region.
   Tensor per_seg = at::div(seg_len + (kv_block - 1), kv_block, "floor");
@@ -590,7 +618,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
   p.dk_accum = accum_rows > 0 ? dk_accum.data_ptr<float>() : nullptr;
   p.dv_accum = accum_rows > 0 ? dv_accum.data_ptr<float>() : nullptr;
   p.accum_rows = accum_rows;
-  p.q_tile_prefix = q_tile_prefix.data_ptr<int>();
+  p.q_tile_prefix = q_tiles.prefix.data_ptr<int>();
+  p.q_seg_order = q_tiles.order.defined() ? q_tiles.order.data_ptr<int>() : nullptr;
   p.grid_tiles = grid_tiles_bound(T, args.layout.num_segments, dq_block);
   p.kv_item_prefix = kv_item_prefix.data_ptr<int>();
   p.chunk_end = deterministic ? nullptr : chunk_end.data_ptr<int>();

@@ -68,7 +68,7 @@ template <class E, class K>
 DKV_GLOBAL void DKV_LAUNCH_BOUNDS(K::kThreads) dkv_dq_kernel(const DKV_GRID_CONSTANT BwdParams p) {
   constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kStride = K::kStride, kDSlice = K::kDSlice;
   constexpr int kMT = K::kMTiles;
-  const QueryTile qt = query_tile<kBlockM>(p, p.q_tile_prefix);
+  const QueryTile qt = query_tile<kBlockM>(p, p.q_tile_prefix, p.q_seg_order);
   if (qt.s < 0) return;
   const int row0 = qt.row0, ctx_len = qt.ctx_len, ctx_row0 = qt.ctx_row0, q0 = qt.q0, m_valid = qt.m_valid;
   const int h = qt.h, hk = qt.hk;

@@ -201,7 +201,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dq_sm90_kernel(const DKV_GRID_CONSTAN
   using K = DqSm90<D, kOverlap>;
   constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kParts = K::kParts, kStages = K::kStages;
   constexpr int kAhead = K::kAhead;
-  const QueryTile qt = query_tile<kBlockM>(p, p.q_tile_prefix);
+  const QueryTile qt = query_tile<kBlockM>(p, p.q_tile_prefix, p.q_seg_order);
   if (qt.s < 0) return;
   const int row0 = qt.row0, ctx_len = qt.ctx_len, ctx_row0 = qt.ctx_row0, q0 = qt.q0, m_valid = qt.m_valid;
   const int h = qt.h, hk = qt.hk;
@@ -310,7 +310,7 @@ template <class E, int D>
 DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dq_sm90_ws_kernel(const DKV_GRID_CONSTANT BwdParams p) {
   using K = DqSm90Ws<D>;
   constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kParts = K::kParts, kStages = K::kStages;
-  const QueryTile qt = query_tile<kBlockM>(p, p.q_tile_prefix);
+  const QueryTile qt = query_tile<kBlockM>(p, p.q_tile_prefix, p.q_seg_order);
   if (qt.s < 0) return;
   const int row0 = qt.row0, q0 = qt.q0, m_valid = qt.m_valid, h = qt.h, hk = qt.hk;
   const int W = p.window;
@@ -1188,7 +1188,7 @@ template <class E, int D>
 DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dq_sm90_split_kernel(const DKV_GRID_CONSTANT BwdParams p) {
   using K = DqSm90Split<D>;
   constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kStages = K::kStages, kMyParts = K::kMyParts;
-  const QueryTile qt = query_tile<kBlockM>(p, p.q_tile_prefix);
+  const QueryTile qt = query_tile<kBlockM>(p, p.q_tile_prefix, p.q_seg_order);
   if (qt.s < 0) return;
   const int row0 = qt.row0, q0 = qt.q0, m_valid = qt.m_valid, h = qt.h, hk = qt.hk;
   const int W = p.window;

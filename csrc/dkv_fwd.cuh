@@ -94,13 +94,16 @@ DKV_DEV void load_kv_tile_async(uint16_t* sK, uint16_t* sV, const KvTile& kt, co
 
 // The query tile of this block (grid x = query tiles of all segments, y = query heads): segment s,
 // its query rows [q0, q0 + m_valid), the head h and its kv head hk; s = -1 for the blocks past the
-// device-side tile count, which exit. Later tiles of a segment see more keys: they go first.
+// device-side tile count, which exit. Later tiles of a segment see more keys: they go first. The
+// segments follow seg_order (rank -> segment; tile_prefix is over that order), or their own order
+// where it is null: the host puts a context's readers first, so that a head's last blocks are its
+// prompt's first tiles, the ones that see fewest keys (query_tiles, dkv_api.cpp).
 struct QueryTile {
   int s, row0, n, ctx_len, ctx_row0, q0, m_valid, h, hk;
 };
 
 template <int kBlockM>
-DKV_DEV QueryTile query_tile(const AttnArgs& args, const int* tile_prefix) {
+DKV_DEV QueryTile query_tile(const AttnArgs& args, const int* tile_prefix, const int* seg_order) {
   const LayoutRef& layout = args.layout;
   QueryTile qt{-1, 0, 0, 0, 0, 0, 0, 0, 0};
   const int S = layout.num_segments;
@@ -108,8 +111,9 @@ DKV_DEV QueryTile query_tile(const AttnArgs& args, const int* tile_prefix) {
   qt.h = block_idx_y();
   qt.hk = qt.h / (args.nheads / args.nheads_kv);
   if (item >= tile_prefix[S]) return qt;
-  qt.s = find_bucket(tile_prefix, S, item);
-  const int t = tile_prefix[qt.s + 1] - 1 - item;
+  const int rank = find_bucket(tile_prefix, S, item);
+  const int t = tile_prefix[rank + 1] - 1 - item;
+  qt.s = seg_order != nullptr ? seg_order[rank] : rank;
   qt.row0 = layout.cu_seqlens[qt.s];
   qt.n = layout.cu_seqlens[qt.s + 1] - qt.row0;
   qt.ctx_len = layout.seg_ctx_len[qt.s];
@@ -123,7 +127,7 @@ template <class E, class K>
 DKV_GLOBAL void DKV_LAUNCH_BOUNDS(K::kThreads) dkv_fwd_kernel(const DKV_GRID_CONSTANT FwdParams p) {
   constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kStride = K::kStride, kDSlice = K::kDSlice;
   constexpr int kMT = K::kMTiles;
-  const QueryTile qt = query_tile<kBlockM>(p, p.q_tile_prefix);
+  const QueryTile qt = query_tile<kBlockM>(p, p.q_tile_prefix, p.q_seg_order);
   if (qt.s < 0) return;
   const int row0 = qt.row0, ctx_len = qt.ctx_len, ctx_row0 = qt.ctx_row0, q0 = qt.q0, m_valid = qt.m_valid;
   const int h = qt.h, hk = qt.hk;

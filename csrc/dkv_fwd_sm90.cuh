@@ -60,7 +60,7 @@ template <class E, int D, bool kWs, bool kTma = false>
 DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs, kTma>::kThreads)) dkv_fwd_sm90_kernel(const DKV_GRID_CONSTANT FwdParams p) {
   using K = FwdSm90<D, kWs, kTma>;
   constexpr int kParts = K::kParts, kBlockM = K::kBlockM, kBlockN = K::kBlockN;
-  const QueryTile qt = query_tile<kBlockM>(p, p.q_tile_prefix);
+  const QueryTile qt = query_tile<kBlockM>(p, p.q_tile_prefix, p.q_seg_order);
   if (qt.s < 0) return;
   const int row0 = qt.row0, ctx_len = qt.ctx_len, ctx_row0 = qt.ctx_row0, q0 = qt.q0, m_valid = qt.m_valid;
   const int h = qt.h, hk = qt.hk;

@@ -60,7 +60,8 @@ struct FwdParams : AttnArgs {
   TmaDesc tma_q, tma_k, tma_v, tma_k_ctx, tma_v_ctx;
   TensorRef out;
   float* lse = nullptr;              // (H, total_q)
-  const int* q_tile_prefix = nullptr;  // (S+1,) prefix of ceil(len_s / kBlockM)
+  const int* q_tile_prefix = nullptr;  // (S+1,) prefix of ceil(len_s / kBlockM), segments in q_seg_order
+  const int* q_seg_order = nullptr;    // (S,) rank -> segment, or null: the segments' own order
   int grid_tiles = 0;                // upper bound of the number of query tiles
 };
 
@@ -81,7 +82,8 @@ struct BwdParams : AttnArgs {
   float* dv_accum = nullptr;
   float* dq_accum = nullptr;   // (H, d / 64, total_q, kDqAccumPitch) fp32 dQ workspace of the fused
                                // wgmma dK/dV kernel (zeroed; columns 64 .. pitch - 1 are padding)
-  const int* q_tile_prefix = nullptr;   // dq kernel: (S+1,) prefix of ceil(len_s / kBlockM)
+  const int* q_tile_prefix = nullptr;   // dq kernel: (S+1,) prefix of ceil(len_s / kBlockM), segments in q_seg_order
+  const int* q_seg_order = nullptr;     // (S,) rank -> segment, or null: the segments' own order
   int grid_tiles = 0;
   const int* kv_item_prefix = nullptr;  // dkdv kernel: prefix over the item groups
   // dkdv kernel, default (atomic) mode: (S,) the end of segment s's reader chunk. chunk_end[s] > s: s

@@ -154,6 +154,27 @@ def test_fused_ops_flag_sets_the_mode(tmp_path):
         fused.set_fused_ops("auto")
 
 
+def test_optimizer_implementation_choices(tmp_path):
+    """--optimizer-impl reaches torch's AdamW flags; auto keeps torch's default off CUDA."""
+    from dualkv.train.trainer import OptimConfig, build_optimizer
+
+    params = [torch.nn.Parameter(torch.randn(3, 2))]
+    flags = {impl: (opt.defaults["fused"], opt.defaults["foreach"])
+             for impl in ("auto", "fused", "foreach", "for-loop")
+             for opt in [build_optimizer(params, OptimConfig(implementation=impl))]}
+    assert flags == {"auto": (None, None), "fused": (True, None), "foreach": (None, True), "for-loop": (None, False)}
+    fused = build_optimizer(params, OptimConfig(lr=0.1, implementation="fused"))
+    params[0].grad = torch.ones(3, 2)
+    before = params[0].detach().clone()
+    fused.step()
+    assert not torch.equal(before, params[0])
+    assert _config(tmp_path, "--optimizer-impl", "foreach").optim.implementation == "foreach"
+    with pytest.raises(ValueError, match=r"implementation: expected one of \['auto', 'fused', 'foreach', 'for-loop'\], got 'adam'"):
+        OptimConfig(implementation="adam")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--optimizer-impl", "adam"])
+
+
 def test_bad_arguments_and_rollout_files_are_rejected(tmp_path):
     parse = build_parser().parse_args
     cfg = config_from_args(parse(["--activation-checkpointing", "--checkpoint-keep-attention"]))

@@ -27,7 +27,7 @@ from dualkv.models.fused import FUSED_MODES
 from .arithmetic import ArithmeticConfig
 from .distributed import ParallelConfig
 from .losses import LossConfig
-from .trainer import OptimConfig, TrainConfig, Trainer
+from .trainer import OPTIMIZER_IMPLS, OptimConfig, TrainConfig, Trainer
 from .update import UpdateConfig
 
 __all__ = ["build_parser", "config_from_args", "main"]
@@ -90,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="take old/ref log-probs from the rollout file when it has them instead of recomputing")
     u.add_argument("--weight-decay", type=float, default=0.01)
     u.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW epsilon")
+    u.add_argument("--optimizer-impl", choices=OPTIMIZER_IMPLS, default="auto",
+                   help="AdamW implementation (auto: torch's fused kernel when the parameters are on CUDA)")
     u.add_argument("--max-grad-norm", type=float, default=1.0)
     u.add_argument("--seed", type=int, default=0)
 
@@ -151,7 +153,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         update=UpdateConfig(packing=args.packing, micro_batch_tokens=args.micro_batch_tokens,
                             mini_batches=args.mini_batches, epochs=args.epochs, max_grad_norm=args.max_grad_norm,
                             temperature=args.temperature, use_rollout_logprobs=args.use_rollout_logprobs),
-        optim=OptimConfig(lr=lr, weight_decay=args.weight_decay, eps=args.adam_eps),
+        optim=OptimConfig(lr=lr, weight_decay=args.weight_decay, eps=args.adam_eps,
+                          implementation=args.optimizer_impl),
         parallel=ParallelConfig(sp=args.sp, param_dtype=dtype, activation_checkpointing=args.activation_checkpointing,
                                 compile=args.compile, checkpoint_keep_attention=args.checkpoint_keep_attention,
                                 attention_backend=args.attention_backend,

@@ -30,25 +30,45 @@ from .sources import (
 )
 from .update import PolicyUpdater, UpdateConfig
 
-__all__ = ["OptimConfig", "TrainConfig", "Trainer"]
+__all__ = ["OPTIMIZER_IMPLS", "OptimConfig", "TrainConfig", "Trainer", "build_optimizer"]
+
+OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "for-loop")
 
 
 @dataclass(frozen=True)
 class OptimConfig:
-    """AdamW."""
+    """AdamW.
+
+    implementation: "fused" (torch's one-kernel AdamW), "foreach" (multi-tensor kernels), "for-loop"
+    (one parameter at a time), or "auto": fused when every parameter is on a CUDA device (on an H200
+    the qwen3-1.7b step took 38 ms with foreach), otherwise torch's own default.
+    """
 
     lr: float = 1e-6
     weight_decay: float = 0.01
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
+    implementation: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.implementation not in OPTIMIZER_IMPLS:
+            raise ValueError(f"implementation: expected one of {list(OPTIMIZER_IMPLS)}, got {self.implementation!r}")
         if not self.lr > 0:
             raise ValueError(f"lr: expected > 0, got {self.lr}")
         if not self.eps > 0:
             raise ValueError(f"eps: expected > 0, got {self.eps}")
         if self.weight_decay < 0:
             raise ValueError(f"weight_decay: expected >= 0, got {self.weight_decay}")
+
+
+def build_optimizer(params, cfg: OptimConfig) -> torch.optim.AdamW:
+    """AdamW over ``params`` with ``cfg``'s settings and implementation."""
+    params = list(params)
+    impl = cfg.implementation
+    if impl == "auto":
+        impl = "fused" if params and all(p.device.type == "cuda" for p in params) else None
+    flags = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}.get(impl, {})
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, **flags)
 
 
 @dataclass(frozen=True)
@@ -150,9 +170,7 @@ class Trainer:
             ref_hf, ref_path = (hf, path) if cfg.reference is None else (None, Path(cfg.reference))
             reference = parallelize_policy(_build_model(ref_hf, ref_path), self.ctx, cfg.parallel, trainable=False,
                                            seed=cfg.seed)
-        o = cfg.optim
-        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
-                                           weight_decay=o.weight_decay)
+        self.optimizer = build_optimizer(self.policy.parameters(), cfg.optim)
         self.updater = PolicyUpdater(self.policy, self.optimizer, cfg.loss, cfg.update, reference=reference,
                                      sp_group=self.ctx.sp_group, dp_rank=self.ctx.dp_rank, dp_size=self.ctx.dp_size,
                                      dp_group=self.ctx.dp_group, device=self.ctx.device, timer=self.timer,

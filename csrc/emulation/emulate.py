@@ -302,6 +302,35 @@ def check_chunk_ends() -> bool:
     return ok
 
 
+def check_tile_order(device_defaults: bool) -> bool:
+    """The query tiles' launch order (DUALKV_CUDA_TILE_ORDER): a context's readers first (the default)
+    and the layout's own order (0) match the reference where segments have several tiles, in the
+    forward and in the dQ kernels (deterministic: no dQ inside the dK/dV kernel); a bad value is an
+    error naming the variable. device_defaults: the kernels an sm_90 GPU runs (else mma.sync)."""
+    names = ("DUALKV_CUDA_WGMMA", "DUALKV_CUDA_WGMMA_BWD", "DUALKV_CUDA_BWD_TMA", "DUALKV_EMULATE_DEVICE_DEFAULTS",
+             "DUALKV_CUDA_TILE_ORDER")
+    saved = {n: os.environ.get(n) for n in names}
+    cases = [dict(d=64, dtype=torch.bfloat16, prompts=[300, 70], responses=[[150, 20], [140]], H=2, Hkv=1),
+             dict(d=64, dtype=torch.float16, prompts=[260], responses=[[130, 5]], H=1, Hkv=1, deterministic=True)]
+    try:
+        for n in names:
+            os.environ.pop(n, None)
+        if device_defaults:
+            os.environ["DUALKV_EMULATE_DEVICE_DEFAULTS"] = "1"
+        ok = True
+        for order in (None, "0"):
+            if order is not None:
+                os.environ["DUALKV_CUDA_TILE_ORDER"] = order
+            print(f"tile order: DUALKV_CUDA_TILE_ORDER={order or 'unset'}"
+                  f"{' (device defaults)' if device_defaults else ''}", flush=True)
+            ok = all([run_case(**c) for c in cases]) and ok
+        ok = expect_error({"DUALKV_CUDA_TILE_ORDER": "2"}, "DUALKV_CUDA_TILE_ORDER: expected one of 0, 1 (or unset), got '2'",
+                          "DUALKV_CUDA_TILE_ORDER=2", **cases[1]) and ok
+        return ok
+    finally:
+        _restore_env(saved)
+
+
 def check_reader_chunks(device_defaults: bool) -> bool:
     """The default backward's reader chunks (DUALKV_CUDA_BWD_CHUNK_ROWS): every segment its own chunk
     (0), runs cut into several chunks (40 rows: chunks of one to three responses, ragged), and whole
@@ -422,6 +451,7 @@ def main():
         ok = check_tma_fallback(backward=True) and ok
         ok = check_chunk_ends() and ok
         ok = check_reader_chunks(device_defaults=True) and ok
+        ok = check_tile_order(device_defaults=True) and ok
         for mode in quick:  # the schedules above; "t": with the TMA producer
             os.environ["DUALKV_CUDA_WGMMA_BWD"] = mode[0]
             os.environ["DUALKV_CUDA_BWD_TMA"] = "1" if mode.endswith("t") else "0"
@@ -438,6 +468,7 @@ def main():
     ok = all([run_case(**c) for c in cases])
     if args.only is None:
         ok = check_reader_chunks(device_defaults=False) and ok
+        ok = check_tile_order(device_defaults=False) and ok
     print("ALL OK" if ok else "FAILURES")
     sys.exit(0 if ok else 1)
 

@@ -280,6 +280,24 @@ def test_reader_chunks_match_reference(cuda_backend, case, rows, monkeypatch):
     assert rows != "300" or S > len(leaders) > 2 * len(case[0]), ends
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 96])
+def test_tile_order_changes_no_result(cuda_backend, head_dim, monkeypatch):
+    """The query tiles' launch order (DUALKV_CUDA_TILE_ORDER: a context's readers first by default, the
+    layout's own order with 0) moves no result: each tile is computed on its own, so the forward and
+    the deterministic backward (dQ kernel) are bitwise equal, and both match the reference."""
+    case = ([700, 129], [[300, 1, 250, 513], [90, 260]], 8, 2, head_dim, None, None)
+    runs = {}
+    for order in (None, "0"):
+        if order is None:
+            monkeypatch.delenv("DUALKV_CUDA_TILE_ORDER", raising=False)
+        else:
+            monkeypatch.setenv("DUALKV_CUDA_TILE_ORDER", order)
+        runs[order] = _run_packed(case, torch.bfloat16, deterministic=True)
+    _check_against_reference(case, torch.bfloat16, runs[None])
+    for name in ("out", "lse", "dq", "dk", "dv"):
+        assert torch.equal(runs[None][name], runs["0"][name]), name
+
+
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", [c for c in GRID if c[4] in (192, 256)], ids=lambda c: _ids(c))

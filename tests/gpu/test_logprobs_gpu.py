@@ -77,3 +77,20 @@ def test_token_counts_of_later_steps_compile_nothing_new():
         torch.autograd.grad(lp.sum() + ent.sum(), (h, w))
         counts.append(compiled())
     assert counts[0] >= 2 and len(set(counts)) == 1, counts
+
+
+def test_weight_grad_chunks_accumulate_in_fp32():
+    """The LM head's weight gradient sums its chunks' products in fp32 inside the GEMM: no chunk's
+    product is rounded to bf16 first (that rounding alone is ~2^-9 relative)."""
+    from dualkv.core.logprobs import _add_weight_grad
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    V, D, c = 4096, 512, 64
+    acc = torch.zeros(V, D, device="cuda")
+    exact = torch.zeros(V, D, device="cuda", dtype=torch.float64)
+    for _ in range(8):
+        dl = torch.randn(c, V, device="cuda", generator=g).bfloat16()
+        h = torch.randn(c, D, device="cuda", generator=g).bfloat16()
+        _add_weight_grad(acc, dl, h)
+        exact += dl.double().t() @ h.double()
+    assert ((acc.double() - exact).abs().max() / exact.abs().max()).item() < 1e-5
