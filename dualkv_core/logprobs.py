@@ -24,8 +24,10 @@ import torch
 __all__ = ["gather_logprobs", "response_logprobs_from_logits", "logprobs_from_logits", "linear_logprobs", "LOGPROB_IMPLS",
            "resolve_logprobs_impl"]
 
-# Rows per chunk so that one fp32 (chunk, V) temporary (impl="torch") stays near 256 MiB.
-_CHUNK_ELEMENTS = 1 << 26
+# Rows per chunk so that the one (chunk, V) block of logits a chunk holds stays near 256 MiB: fp32 for
+# impl="torch", the weights' dtype for "triton" (twice the rows in bf16: half as many passes of the
+# weight gradient's fp32 (V, D) accumulator, each 2.5 GB of traffic at qwen3's vocabulary).
+_CHUNK_BYTES = 1 << 28
 
 
 def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -249,8 +251,9 @@ def linear_logprobs(
         temperature: logits are divided by it after the softcap.
         softcap: final-logit softcap ``cap * tanh(l / cap)`` or None.
         return_entropy: also return the entropy of each row's distribution.
-        chunk_size: rows per chunk; default keeps one fp32 (chunk, V) block near 256 MiB
-            (``impl="torch"``; the Triton kernels' logits stay in the weights' dtype, half that in bf16).
+        chunk_size: rows per chunk; default keeps the chunk's one (chunk, V) block of logits near
+            256 MiB: fp32 with ``impl="torch"``, the weights' dtype with the Triton kernels (twice
+            the rows in bf16).
         impl: how each chunk's logits are reduced: ``"torch"`` (PyTorch ops on an fp32 copy),
             ``"triton"`` (one Triton kernel per direction over the logits in the weights' dtype,
             keeping each row's log-sum-exp and mean logit for backward; fp16 / bf16 / fp32 on CUDA,
@@ -263,7 +266,8 @@ def linear_logprobs(
     """
     _check_lean_inputs(hidden, weight, targets, temperature, softcap, chunk_size)
     impl = resolve_logprobs_impl(impl, hidden)
-    chunk = chunk_size or max(1, _CHUNK_ELEMENTS // weight.shape[0])
+    block_bytes = weight.element_size() if impl == "triton" else torch.finfo(_acc_dtype(weight.dtype)).bits // 8
+    chunk = chunk_size or max(1, _CHUNK_BYTES // (weight.shape[0] * block_bytes))
     if hidden.shape[0] == 0:
         # no rows (e.g. a sequence-parallel rank whose slice predicts no response token): keep the graph
         # connected to hidden and weight, so every rank's backward reaches the same parameters

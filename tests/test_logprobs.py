@@ -106,13 +106,34 @@ def test_never_more_than_chunk_size_rows_of_logits(monkeypatch):
     assert max(rows) == 4 and sum(rows) == 2 * 23
 
 
+def _chunk_rows(monkeypatch, *args, **kwargs) -> list[int]:
+    """Rows of each LM-head matmul (one per chunk, forward then backward) of one linear_logprobs call."""
+    rows = []
+    real_linear = torch.nn.functional.linear
+
+    def spy(x, weight, bias=None):
+        rows.append(x.shape[0])
+        return real_linear(x, weight, bias)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", spy)
+    lp, _ = linear_logprobs(*args, **kwargs)
+    lp.sum().backward()
+    monkeypatch.setattr(torch.nn.functional, "linear", real_linear)
+    return rows
+
+
 def test_default_chunk_targets_a_bounded_block(monkeypatch):
+    """The default chunk holds one (chunk, V) block of logits of about _CHUNK_BYTES: fp32 logits with
+    the PyTorch reduction."""
     import dualkv.core.logprobs as mod
 
-    monkeypatch.setattr(mod, "_CHUNK_ELEMENTS", 97 * 3)
-    h, w, t = inputs()
+    monkeypatch.setattr(mod, "_CHUNK_BYTES", 97 * 3 * 4)  # V = 97: three fp32 rows
+    h, w, t = inputs(n=23)
     lp, _ = linear_logprobs(h, w, t)
     torch.testing.assert_close(lp, plain(h, w, t, 1.0, None)[0], rtol=1e-5, atol=1e-5)
+    assert max(_chunk_rows(monkeypatch, h, w, t, impl="torch")) == 3
+    hb, wb = h.detach().bfloat16().requires_grad_(), w.detach().bfloat16().requires_grad_()
+    assert max(_chunk_rows(monkeypatch, hb, wb, t, impl="torch")) == 3  # still reduced in fp32
 
 
 def test_bfloat16_close_to_plain():
@@ -290,3 +311,14 @@ def test_triton_kernel_entry_points_name_bad_arguments(small_blocks):
         logprob_kernel.forward(logits, targets.int(), 1.0, None)
     with pytest.raises(ValueError, match=r"targets: expected \(4,\) int64"):
         logprob_kernel.backward_(logits, targets[:3], None, None, targets.float(), targets.float(), 1.0, None)
+
+
+def test_triton_default_chunk_holds_logits_in_the_weights_dtype(small_blocks, monkeypatch):
+    """With the Triton kernels the chunk's logits stay in the weights' dtype: twice the rows in fp16."""
+    import dualkv.core.logprobs as mod
+
+    monkeypatch.setattr(mod, "_CHUNK_BYTES", 97 * 3 * 4)
+    h, w, t = inputs(n=23, dtype=torch.float16)
+    assert max(_chunk_rows(monkeypatch, h, w, t, impl="triton")) == 6
+    h, w, t = inputs(n=23)
+    assert max(_chunk_rows(monkeypatch, h, w, t, impl="triton")) == 3
