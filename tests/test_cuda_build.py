@@ -158,6 +158,25 @@ def test_auto_follows_the_measured_table_per_head_dim(monkeypatch):
     assert resolve_backend("auto", "cuda", head_dim=256, dtype=torch.bfloat16) == usual
 
 
+def test_auto_pairs_triton_forward_with_cuda_backward_at_512_on_sm90(monkeypatch):
+    """At head dim 512 (no wgmma kernel) "auto" takes Triton's forward and the CUDA backward when the
+    extension is built and the GPU is an sm_90 one (the measured table); the usual order otherwise."""
+    from dualkv.core import backends
+    from dualkv.core.backends import resolve_backend
+
+    cuda = backends.get_backend("cuda")
+    assert cuda.built_for_sm90() is False  # CPU machine: no extension, no build started, no error
+    usual = resolve_backend("auto", "cuda")
+    assert resolve_backend("auto", "cuda", head_dim=512, dtype=torch.bfloat16) == usual
+    monkeypatch.setattr(cuda, "built_for_sm90", lambda device=None: True)
+    paired = "triton+cuda" if usual == "triton" else usual  # the pair needs Triton too
+    assert resolve_backend("auto", "cuda", head_dim=512, dtype=torch.bfloat16) == paired
+    assert resolve_backend("auto", "cuda", head_dim=512, dtype=torch.float16) == paired
+    assert resolve_backend("auto", "cuda", head_dim=512, dtype=torch.float32) == usual
+    assert resolve_backend("auto", "cuda", head_dim=192, dtype=torch.bfloat16) == usual  # not measured
+    assert resolve_backend("auto", "cpu", head_dim=512, dtype=torch.bfloat16) == "reference"
+
+
 def test_auto_never_builds_the_extension(monkeypatch):
     """A prebuilt module that is found but fails to load makes runs_wgmma False; no just-in-time build."""
     from dualkv.core.backends import cuda

@@ -42,6 +42,11 @@ AUTO_ORDER_CUDA = ("triton",)
 # "auto" paired Triton's forward with the CUDA backward there, "triton+cuda"). Other head dims are not
 # measured: Triton.
 AUTO_WGMMA_CHOICE = {256: "cuda", 128: "cuda", 64: "cuda"}
+# Where "auto" pairs Triton's forward with the CUDA backward on an sm_90 GPU when the extension is
+# already built: d = 512 (Gemma-4's global layers), where the CUDA backward (mma.sync; there is no
+# wgmma kernel at 512) took 0.89 / 0.89x Triton's backward time and Triton's forward 0.97x the CUDA
+# forward's (benchmarks/results/attention_h200_s22_d512.md, H200). Not measured on other GPUs: Triton.
+AUTO_SM90_PAIR = {512: "triton+cuda"}
 
 
 # Names a command line offers for --attention-backend / --backend.
@@ -86,6 +91,13 @@ def _runs_wgmma(head_dim: int) -> bool:
         return False
 
 
+def _built_for_sm90() -> bool:
+    try:
+        return get_backend("cuda").built_for_sm90()
+    except RuntimeError:
+        return False
+
+
 def available_backends() -> list[str]:
     return [name for name in BACKENDS if _available(name)]
 
@@ -108,11 +120,15 @@ def resolve_backend(name: str, where: torch.Tensor | torch.device | str, head_di
                 raise RuntimeError(f"backend {part!r} is not available here: {backend.unavailable_reason()}")
         return name
     if is_cuda:
+        half = dtype in (torch.float16, torch.bfloat16)
         choice = AUTO_WGMMA_CHOICE.get(head_dim)
-        if choice and dtype in (torch.float16, torch.bfloat16) and _runs_wgmma(head_dim):
+        if choice and half and _runs_wgmma(head_dim):
             # _runs_wgmma answered for the CUDA backend; the other half of a pair must be available too
             if all(_available(part) for part in split_backend(choice) if part != "cuda"):
                 return choice
+        pair = AUTO_SM90_PAIR.get(head_dim)
+        if pair and half and _built_for_sm90() and _available("triton"):
+            return pair
         for candidate in AUTO_ORDER_CUDA:
             if _available(candidate):
                 return candidate

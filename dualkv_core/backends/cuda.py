@@ -207,6 +207,16 @@ def runs_wgmma(head_dim: int, device: int | None = None) -> bool:
     return _runs_wgmma(head_dim, device, os.environ.get("DUALKV_CUDA_WGMMA"), os.environ.get("DUALKV_CUDA_WGMMA_BWD"))
 
 
+def built_for_sm90(device: int | None = None) -> bool:
+    """The extension is loaded or importable (this starts no just-in-time build) and CUDA device
+    ``device`` (default: the current one) is an sm_90 GPU (H100 / H200), the card ``auto``'s table
+    for the kernels without a wgmma form (d = 512) was measured on."""
+    if _static_reason() or _ops_if_built() is None:
+        return False
+    device = torch.cuda.current_device() if device is None else device
+    return torch.cuda.get_device_capability(device) == (9, 0)
+
+
 def _ops_if_built():
     """The ops when the extension is loaded or its prebuilt module loads; None otherwise (no build)."""
     if _state["ops"] is None and _prebuilt_available():

@@ -345,6 +345,26 @@ def test_auto_takes_cuda_where_it_measured_faster(cuda_backend, monkeypatch):
         assert resolve_backend("auto", q256) == resolve_backend("auto", q128) == "triton"
 
 
+def test_auto_pairs_triton_and_cuda_at_512(cuda_backend):
+    """backend="auto" at head dim 512 on sm_90: Triton's forward, the CUDA (mma.sync) backward; the
+    profiler shows both ran and the result matches the reference. Elsewhere: Triton alone."""
+    from dualkv.core.backends import resolve_backend
+
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    q512 = torch.empty(4, 2, 512, device="cuda", dtype=torch.bfloat16)
+    assert resolve_backend("auto", q512) == ("triton+cuda" if hopper else "triton")
+    if not hopper:
+        return
+    case = next(c for c in GRID if c[4] == 512)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        r = _run_packed(case, torch.bfloat16, deterministic=False, backend="auto")
+    kernels = sorted({e.name for e in prof.events() if "kernel" in e.name})
+    assert any(n.startswith("fwd_kernel") for n in kernels), kernels  # Triton names its kernels bare
+    assert not any("dkv_fwd" in n for n in kernels), kernels
+    assert any("dkv::dkv_dkdv_kernel" in n for n in kernels), kernels
+    _check_against_reference(case, torch.bfloat16, r)
+
+
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("case", [GRID[0], GRID[4]], ids=lambda c: _ids(c))
 def test_mma_sync_on_request(cuda_backend, case, deterministic, monkeypatch):
