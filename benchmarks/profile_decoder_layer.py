@@ -2,10 +2,12 @@
 
 Per (point, mode, variant): the median of 5 calls timed by the harness's Timer after two warm-up
 calls, then (eager mode, or every mode with ``--profile-all``) one more call under torch.profiler and
-its costliest kernels, each with its total time.
+its costliest kernels, each with its total time. ``--gaps N`` adds where the GPU sat idle in that
+call (its longest N gaps, each with the kernel after it and the operator that launched that kernel)
+and the host synchronisations of one more call (``torch.cuda.set_sync_debug_mode``).
 
     python -m benchmarks.profile_decoder_layer --points '5K,32;8K,16' --modes eager,compile \\
-        --variants dualkv,flex-packed
+        --variants dualkv,flex-packed [--gaps 10]
 
 Prints only; nothing is written.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import time
+import warnings
 
 import torch
 
@@ -24,20 +27,68 @@ from benchmarks.kernel_once import kernel_times
 MODES = ("eager", "compile")
 
 
-def kernel_table(fn, top: int) -> list[str]:
-    """Lines 'ms  name' of the ``top`` costliest kernels of one call of ``fn``, and their total."""
+def kernel_table(fn, top: int, gaps: int = 0) -> list[str]:
+    """Lines 'ms  name' of the ``top`` costliest kernels of one call of ``fn``, and their total; with
+    ``gaps`` > 0, the GPU's idle time in that call and its ``gaps`` longest idle stretches."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if gaps else [])
+    with profile(activities=activities) as prof:
         fn()
         torch.cuda.synchronize()
     kernels = kernel_times(prof, 1, "cuda")
     lines = [f"   kernel total {sum(ms for _, ms in kernels):.2f} ms"]
-    return lines + [f"   {ms:8.2f} ms  {name[:110]}" for name, ms in kernels[:top]]
+    lines += [f"   {ms:8.2f} ms  {name[:110]}" for name, ms in kernels[:top]]
+    return lines + (idle_gaps(prof, gaps) if gaps else [])
+
+
+def idle_gaps(prof, top: int) -> list[str]:
+    """The GPU's idle stretches in a profiled call: from the first device activity's start to the last
+    one's end, the time no kernel, copy or memset ran; the ``top`` longest stretches, each with the
+    device activity after it and the operator whose launch it waited for."""
+    device = torch.autograd.DeviceType.CUDA
+    events = prof.events()
+    ops = {e.id: e.name for e in events if e.device_type != device}
+    work = sorted((e for e in events if e.device_type == device), key=lambda e: e.time_range.start)
+    if not work:
+        return ["   no device activity recorded"]
+    busy_until, stretches = work[0].time_range.end, []
+    for e in work[1:]:
+        if e.time_range.start > busy_until:
+            launcher = ops.get(getattr(e, "linked_correlation_id", 0), "?")
+            stretches.append((e.time_range.start - busy_until, e.name, launcher))
+        busy_until = max(busy_until, e.time_range.end)
+    span_us = busy_until - work[0].time_range.start
+    idle_us = sum(us for us, _, _ in stretches)
+    lines = [f"   GPU span {span_us / 1000:.2f} ms, idle {idle_us / 1000:.2f} ms in {len(stretches)} stretches; longest:"]
+    for us, name, launcher in sorted(stretches, key=lambda s: -s[0])[:top]:
+        lines.append(f"   {us:8.1f} us  before {name[:70]}  (launched in {launcher[:50]})")
+    return lines
+
+
+def host_syncs(fn) -> list[str]:
+    """The synchronising CUDA calls one call of ``fn`` makes (torch's sync debug mode), by source line."""
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+        torch.cuda.synchronize()
+    where: dict[str, int] = {}
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            key = f"{w.filename}:{w.lineno}"
+            where[key] = where.get(key, 0) + 1
+    if not where:
+        return ["   host synchronisations: none"]
+    return [f"   host synchronisations: {sum(where.values())}"] + [f"   {n:4d}x  {key}" for key, n in where.items()]
 
 
 def profile_one(point: dl.Point, mode: str, variant: str, preset: str, backend: str, seed: int, table: bool,
-                top: int) -> list[str]:
+                top: int, gaps: int = 0) -> list[str]:
     device = torch.device("cuda")
     block, var, x, fwdbwd = dl.prepare_layer(point, variant, preset, device, backend, seed, mode == "compile")
     try:
@@ -50,7 +101,9 @@ def profile_one(point: dl.Point, mode: str, variant: str, preset: str, backend: 
         lines = [f"== {point.P},{point.mb} {mode} {variant}: median {t.median_ms:.2f} ms (min {min(t.times_ms):.2f}, "
                  f"max {max(t.times_ms):.2f}, {t.reps} calls) warmup {warmup:.1f}s T={x.shape[0]}"]
         if table:
-            lines += kernel_table(fwdbwd, top)
+            lines += kernel_table(fwdbwd, top, gaps)
+        if gaps:
+            lines += host_syncs(fwdbwd)
         return lines
     finally:
         var.close()
@@ -68,8 +121,11 @@ def main(argv=None) -> None:
     ap.add_argument("--backend", default="auto", help="dualkv backend of the 'dualkv' variant")
     ap.add_argument("--profile-all", action="store_true", help="the kernel table in every mode, not only eager")
     ap.add_argument("--top", type=int, default=28, help="kernels listed per table")
+    ap.add_argument("--gaps", type=int, default=0, help="also list the GPU's N longest idle stretches and the host syncs")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    if args.gaps < 0:
+        ap.error(f"--gaps: expected a count >= 0, got {args.gaps}")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if set(modes) - set(MODES):
@@ -85,7 +141,8 @@ def main(argv=None) -> None:
         for mode in modes:
             for variant in variants:
                 table = mode == "eager" or args.profile_all
-                for line in profile_one(point, mode, variant, args.preset, args.backend, args.seed, table, args.top):
+                for line in profile_one(point, mode, variant, args.preset, args.backend, args.seed, table, args.top,
+                                        args.gaps):
                     print(line, flush=True)
 
 

@@ -474,3 +474,33 @@ def test_profile_decoder_layer_checks_its_arguments():
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="needs a CUDA device"):
             pdl.main(["--points", "64,2"])
+    with pytest.raises(SystemExit):
+        pdl.main(["--gaps", "-1"])
+
+
+def test_profile_decoder_layer_idle_gaps_on_a_planted_timeline():
+    """idle_gaps merges overlapping device activity, sums the idle stretches between it and names the
+    operator that launched the activity after each stretch."""
+    from types import SimpleNamespace
+
+    from benchmarks import profile_decoder_layer as pdl
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def event(name, start, end, device=cuda, id=0, link=0):
+        return SimpleNamespace(name=name, device_type=device, id=id, linked_correlation_id=link,
+                               time_range=SimpleNamespace(start=start, end=end))
+
+    events = [
+        event("aten::mm", 0, 5, cpu, id=7), event("dualkv::attention_fwd", 0, 5, cpu, id=9),
+        event("gemm", 10, 110, link=7),
+        event("copy", 50, 120, link=7),       # overlaps the gemm: no idle time between them
+        event("attn_fwd", 420, 500, link=9),  # 300 us after the copy ends
+        event("rope", 510, 520, link=7),      # 10 us
+    ]
+    prof = SimpleNamespace(events=lambda: events)
+    lines = pdl.idle_gaps(prof, 5)
+    assert lines[0] == "   GPU span 0.51 ms, idle 0.31 ms in 2 stretches; longest:"
+    assert "300.0 us  before attn_fwd" in lines[1] and "dualkv::attention_fwd" in lines[1]
+    assert "10.0 us  before rope" in lines[2] and "aten::mm" in lines[2]
+    assert pdl.idle_gaps(SimpleNamespace(events=lambda: []), 3) == ["   no device activity recorded"]
