@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import time
+import traceback
 import warnings
 
 import torch
@@ -48,7 +49,11 @@ def idle_gaps(prof, top: int) -> list[str]:
     device activity after it and the operator whose launch it waited for."""
     device = torch.autograd.DeviceType.CUDA
     events = prof.events()
-    ops = {e.id: e.name for e in events if e.device_type != device}
+    # A kernel's linked correlation id is the id of the operator event it was launched under; ids of the
+    # profiler's other CPU records (runtime calls, its own buffer requests) may repeat those numbers.
+    ops = {e.id: e.name for e in events
+           if e.device_type == torch.autograd.DeviceType.CPU and not getattr(e, "linked_correlation_id", 0)
+           and not e.name.startswith(("cuda", "Activity Buffer"))}
     work = sorted((e for e in events if e.device_type == device), key=lambda e: e.time_range.start)
     if not work:
         return ["   no device activity recorded"]
@@ -69,19 +74,25 @@ def idle_gaps(prof, top: int) -> list[str]:
 def host_syncs(fn) -> list[str]:
     """The synchronising CUDA calls one call of ``fn`` makes (torch's sync debug mode), by source line."""
     previous = torch.cuda.get_sync_debug_mode()
-    with warnings.catch_warnings(record=True) as caught:
+    where: dict[str, int] = {}
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):
+            return
+        # The warning is raised inside torch; name the first caller outside it.
+        outside = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename and f.filename != __file__]
+        key = f"{outside[-1].filename}:{outside[-1].lineno} ({outside[-1].name})" if outside else f"{filename}:{lineno}"
+        where[key] = where.get(key, 0) + 1
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode(previous)
         torch.cuda.synchronize()
-    where: dict[str, int] = {}
-    for w in caught:
-        if "synchroniz" in str(w.message):
-            key = f"{w.filename}:{w.lineno}"
-            where[key] = where.get(key, 0) + 1
     if not where:
         return ["   host synchronisations: none"]
     return [f"   host synchronisations: {sum(where.values())}"] + [f"   {n:4d}x  {key}" for key, n in where.items()]
