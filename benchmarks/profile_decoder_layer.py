@@ -3,8 +3,7 @@
 Per (point, mode, variant): the median of 5 calls timed by the harness's Timer after two warm-up
 calls, then (eager mode, or every mode with ``--profile-all``) one more call under torch.profiler and
 its costliest kernels, each with its total time. ``--gaps N`` adds where the GPU sat idle in that
-call (its longest N gaps, each with the kernel after it and the operator that launched that kernel)
-and the host synchronisations of one more call (``torch.cuda.set_sync_debug_mode``).
+call (its longest N gaps, each with the kernel after it) and the host synchronisations of one more call (``torch.cuda.set_sync_debug_mode``).
 
     python -m benchmarks.profile_decoder_layer --points '5K,32;8K,16' --modes eager,compile \\
         --variants dualkv,flex-packed [--gaps 10]
@@ -33,8 +32,7 @@ def kernel_table(fn, top: int, gaps: int = 0) -> list[str]:
     ``gaps`` > 0, the GPU's idle time in that call and its ``gaps`` longest idle stretches."""
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if gaps else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
     kernels = kernel_times(prof, 1, "cuda")
@@ -46,28 +44,21 @@ def kernel_table(fn, top: int, gaps: int = 0) -> list[str]:
 def idle_gaps(prof, top: int) -> list[str]:
     """The GPU's idle stretches in a profiled call: from the first device activity's start to the last
     one's end, the time no kernel, copy or memset ran; the ``top`` longest stretches, each with the
-    device activity after it and the operator whose launch it waited for."""
+    device activity after it."""
     device = torch.autograd.DeviceType.CUDA
-    events = prof.events()
-    # A kernel's linked correlation id is the id of the operator event it was launched under; ids of the
-    # profiler's other CPU records (runtime calls, its own buffer requests) may repeat those numbers.
-    ops = {e.id: e.name for e in events
-           if e.device_type == torch.autograd.DeviceType.CPU and not getattr(e, "linked_correlation_id", 0)
-           and not e.name.startswith(("cuda", "Activity Buffer"))}
-    work = sorted((e for e in events if e.device_type == device), key=lambda e: e.time_range.start)
+    work = sorted((e for e in prof.events() if e.device_type == device), key=lambda e: e.time_range.start)
     if not work:
         return ["   no device activity recorded"]
     busy_until, stretches = work[0].time_range.end, []
     for e in work[1:]:
         if e.time_range.start > busy_until:
-            launcher = ops.get(getattr(e, "linked_correlation_id", 0), "?")
-            stretches.append((e.time_range.start - busy_until, e.name, launcher))
+            stretches.append((e.time_range.start - busy_until, e.name))
         busy_until = max(busy_until, e.time_range.end)
     span_us = busy_until - work[0].time_range.start
-    idle_us = sum(us for us, _, _ in stretches)
+    idle_us = sum(us for us, _ in stretches)
     lines = [f"   GPU span {span_us / 1000:.2f} ms, idle {idle_us / 1000:.2f} ms in {len(stretches)} stretches; longest:"]
-    for us, name, launcher in sorted(stretches, key=lambda s: -s[0])[:top]:
-        lines.append(f"   {us:8.1f} us  before {name[:70]}  (launched in {launcher[:50]})")
+    for us, name in sorted(stretches, key=lambda s: -s[0])[:top]:
+        lines.append(f"   {us:8.1f} us  before {name[:100]}")
     return lines
 
 
@@ -80,7 +71,8 @@ def host_syncs(fn) -> list[str]:
         if "synchroniz" not in str(message):
             return
         # The warning is raised inside torch; name the first caller outside it.
-        outside = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename and f.filename != __file__]
+        outside = [f for f in traceback.extract_stack()[:-1]
+                   if "/torch/" not in f.filename and f.filename not in (__file__, warnings.__file__)]
         key = f"{outside[-1].filename}:{outside[-1].lineno} ({outside[-1].name})" if outside else f"{filename}:{lineno}"
         where[key] = where.get(key, 0) + 1
 

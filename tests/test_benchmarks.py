@@ -480,7 +480,7 @@ def test_profile_decoder_layer_checks_its_arguments():
 
 def test_profile_decoder_layer_idle_gaps_on_a_planted_timeline():
     """idle_gaps merges overlapping device activity, sums the idle stretches between it and names the
-    operator that launched the activity after each stretch."""
+    activity after each stretch."""
     from types import SimpleNamespace
 
     from benchmarks import profile_decoder_layer as pdl
@@ -501,6 +501,6 @@ def test_profile_decoder_layer_idle_gaps_on_a_planted_timeline():
     prof = SimpleNamespace(events=lambda: events)
     lines = pdl.idle_gaps(prof, 5)
     assert lines[0] == "   GPU span 0.51 ms, idle 0.31 ms in 2 stretches; longest:"
-    assert "300.0 us  before attn_fwd" in lines[1] and "dualkv::attention_fwd" in lines[1]
-    assert "10.0 us  before rope" in lines[2] and "aten::mm" in lines[2]
+    assert lines[1] == "      300.0 us  before attn_fwd"
+    assert lines[2] == "       10.0 us  before rope"
     assert pdl.idle_gaps(SimpleNamespace(events=lambda: []), 3) == ["   no device activity recorded"]
