@@ -3,7 +3,8 @@
 Per (point, mode, variant): the median of 5 calls timed by the harness's Timer after two warm-up
 calls, then (eager mode, or every mode with ``--profile-all``) one more call under torch.profiler and
 its costliest kernels, each with its total time. ``--gaps N`` adds where the GPU sat idle in that
-call (its longest N gaps, each with the kernel after it) and the host synchronisations of one more call (``torch.cuda.set_sync_debug_mode``).
+call (its longest N gaps, each with the kernel after it) and the host synchronisations of one more
+call (``torch.cuda.set_sync_debug_mode``).
 
     python -m benchmarks.profile_decoder_layer --points '5K,32;8K,16' --modes eager,compile \\
         --variants dualkv,flex-packed [--gaps 10]
