@@ -84,16 +84,11 @@ def _available(name: str) -> bool:
         return False
 
 
-def _runs_wgmma(head_dim: int) -> bool:
+def _cuda_says(question: str, *args) -> bool:
+    """The CUDA backend's answer to one of its yes/no questions (``runs_wgmma``, ``built_for_sm90``);
+    False where its module cannot be imported."""
     try:
-        return get_backend("cuda").runs_wgmma(head_dim)
-    except RuntimeError:
-        return False
-
-
-def _built_for_sm90() -> bool:
-    try:
-        return get_backend("cuda").built_for_sm90()
+        return getattr(get_backend("cuda"), question)(*args)
     except RuntimeError:
         return False
 
@@ -122,12 +117,12 @@ def resolve_backend(name: str, where: torch.Tensor | torch.device | str, head_di
     if is_cuda:
         half = dtype in (torch.float16, torch.bfloat16)
         choice = AUTO_WGMMA_CHOICE.get(head_dim)
-        if choice and half and _runs_wgmma(head_dim):
-            # _runs_wgmma answered for the CUDA backend; the other half of a pair must be available too
+        if choice and half and _cuda_says("runs_wgmma", head_dim):
+            # that answered for the CUDA backend; the other half of a pair must be available too
             if all(_available(part) for part in split_backend(choice) if part != "cuda"):
                 return choice
         pair = AUTO_SM90_PAIR.get(head_dim)
-        if pair and half and _built_for_sm90() and _available("triton"):
+        if pair and half and _cuda_says("built_for_sm90") and _available("triton"):
             return pair
         for candidate in AUTO_ORDER_CUDA:
             if _available(candidate):
