@@ -464,7 +464,7 @@ def test_decoder_benchmark_compiled_layer_on_cpu(tmp_path):
     assert "torch.compile(dynamic=False) of the whole layer" in (tmp_path / "dec.md").read_text()
 
 
-def test_profile_decoder_layer_checks_its_arguments():
+def test_profile_decoder_layer_checks_its_arguments(capsys):
     from benchmarks import profile_decoder_layer as pdl
 
     with pytest.raises(SystemExit, match="--modes: expected some of"):
@@ -476,6 +476,7 @@ def test_profile_decoder_layer_checks_its_arguments():
             pdl.main(["--points", "64,2"])
     with pytest.raises(SystemExit):
         pdl.main(["--gaps", "-1"])
+    assert "--gaps: expected a count >= 0, got -1" in capsys.readouterr().err
 
 
 def test_profile_decoder_layer_idle_gaps_on_a_planted_timeline():
@@ -487,16 +488,15 @@ def test_profile_decoder_layer_idle_gaps_on_a_planted_timeline():
 
     cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
 
-    def event(name, start, end, device=cuda, id=0, link=0):
-        return SimpleNamespace(name=name, device_type=device, id=id, linked_correlation_id=link,
-                               time_range=SimpleNamespace(start=start, end=end))
+    def event(name, start, end, device=cuda):
+        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end))
 
     events = [
-        event("aten::mm", 0, 5, cpu, id=7), event("dualkv::attention_fwd", 0, 5, cpu, id=9),
-        event("gemm", 10, 110, link=7),
-        event("copy", 50, 120, link=7),       # overlaps the gemm: no idle time between them
-        event("attn_fwd", 420, 500, link=9),  # 300 us after the copy ends
-        event("rope", 510, 520, link=7),      # 10 us
+        event("aten::mm", 0, 600, cpu),  # an operator on the CPU: not device activity
+        event("gemm", 10, 110),
+        event("copy", 50, 120),       # overlaps the gemm: no idle time between them
+        event("attn_fwd", 420, 500),  # 300 us after the copy ends
+        event("rope", 510, 520),      # 10 us
     ]
     prof = SimpleNamespace(events=lambda: events)
     lines = pdl.idle_gaps(prof, 5)
