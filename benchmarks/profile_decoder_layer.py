@@ -3,8 +3,9 @@
 Per (point, mode, variant): the median of 5 calls timed by the harness's Timer after two warm-up
 calls, then (eager mode, or every mode with ``--profile-all``) one more call under torch.profiler and
 its costliest kernels, each with its total time. ``--gaps N`` adds where the GPU sat idle in that
-call (its longest N gaps, each with the kernel after it) and the host synchronisations of one more
-call (``torch.cuda.set_sync_debug_mode``).
+call (its longest N gaps, each with the kernel after it and the host operator running then; the
+idle time by host operator) and the host synchronisations of one more call
+(``torch.cuda.set_sync_debug_mode``), read by ``benchmarks.timeline``.
 
     python -m benchmarks.profile_decoder_layer --points '5K,32;8K,16' --modes eager,compile \\
         --variants dualkv,flex-packed [--gaps 10]
@@ -16,79 +17,31 @@ from __future__ import annotations
 
 import argparse
 import time
-import traceback
-import warnings
 
 import torch
 
 from benchmarks import bench_decoder_layer as dl
 from benchmarks.harness import Timer
 from benchmarks.kernel_once import kernel_times
+from benchmarks.timeline import host_syncs, idle_by_host, idle_gaps
 
 MODES = ("eager", "compile")
 
 
 def kernel_table(fn, top: int, gaps: int = 0) -> list[str]:
     """Lines 'ms  name' of the ``top`` costliest kernels of one call of ``fn``, and their total; with
-    ``gaps`` > 0, the GPU's idle time in that call and its ``gaps`` longest idle stretches."""
+    ``gaps`` > 0, the GPU's idle time in that call, its ``gaps`` longest idle stretches (each with the
+    host operator running then) and that idle time by host operator."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if gaps else [])
+    with profile(activities=activities) as prof:
         fn()
         torch.cuda.synchronize()
     kernels = kernel_times(prof, 1, "cuda")
     lines = [f"   kernel total {sum(ms for _, ms in kernels):.2f} ms"]
     lines += [f"   {ms:8.2f} ms  {name[:110]}" for name, ms in kernels[:top]]
-    return lines + (idle_gaps(prof, gaps) if gaps else [])
-
-
-def idle_gaps(prof, top: int) -> list[str]:
-    """The GPU's idle stretches in a profiled call: from the first device activity's start to the last
-    one's end, the time no kernel, copy or memset ran; the ``top`` longest stretches, each with the
-    device activity after it."""
-    device = torch.autograd.DeviceType.CUDA
-    work = sorted((e for e in prof.events() if e.device_type == device), key=lambda e: e.time_range.start)
-    if not work:
-        return ["   no device activity recorded"]
-    busy_until, stretches = work[0].time_range.end, []
-    for e in work[1:]:
-        if e.time_range.start > busy_until:
-            stretches.append((e.time_range.start - busy_until, e.name))
-        busy_until = max(busy_until, e.time_range.end)
-    span_us = busy_until - work[0].time_range.start
-    idle_us = sum(us for us, _ in stretches)
-    lines = [f"   GPU span {span_us / 1000:.2f} ms, idle {idle_us / 1000:.2f} ms in {len(stretches)} stretches; longest:"]
-    for us, name in sorted(stretches, key=lambda s: -s[0])[:top]:
-        lines.append(f"   {us:8.1f} us  before {name[:100]}")
-    return lines
-
-
-def host_syncs(fn) -> list[str]:
-    """The synchronising CUDA calls one call of ``fn`` makes (torch's sync debug mode), by source line."""
-    previous = torch.cuda.get_sync_debug_mode()
-    where: dict[str, int] = {}
-
-    def record(message, category, filename, lineno, file=None, line=None):
-        if "synchroniz" not in str(message):
-            return
-        # The warning is raised inside torch; name the first caller outside it.
-        outside = [f for f in traceback.extract_stack()[:-1]
-                   if "/torch/" not in f.filename and f.filename not in (__file__, warnings.__file__)]
-        key = f"{outside[-1].filename}:{outside[-1].lineno} ({outside[-1].name})" if outside else f"{filename}:{lineno}"
-        where[key] = where.get(key, 0) + 1
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        warnings.showwarning = record
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode(previous)
-        torch.cuda.synchronize()
-    if not where:
-        return ["   host synchronisations: none"]
-    return [f"   host synchronisations: {sum(where.values())}"] + [f"   {n:4d}x  {key}" for key, n in where.items()]
+    return lines + (idle_gaps(prof, gaps) + idle_by_host(prof, gaps) if gaps else [])
 
 
 def profile_one(point: dl.Point, mode: str, variant: str, preset: str, backend: str, seed: int, table: bool,
@@ -107,7 +60,7 @@ def profile_one(point: dl.Point, mode: str, variant: str, preset: str, backend: 
         if table:
             lines += kernel_table(fwdbwd, top, gaps)
         if gaps:
-            lines += host_syncs(fwdbwd)
+            lines += host_syncs(fwdbwd, skip=(__file__,))
         return lines
     finally:
         var.close()

@@ -479,28 +479,69 @@ def test_profile_decoder_layer_checks_its_arguments(capsys):
     assert "--gaps: expected a count >= 0, got -1" in capsys.readouterr().err
 
 
-def test_profile_decoder_layer_idle_gaps_on_a_planted_timeline():
-    """idle_gaps merges overlapping device activity, sums the idle stretches between it and names the
-    activity after each stretch."""
+def _planted_profile(events):
     from types import SimpleNamespace
 
-    from benchmarks import profile_decoder_layer as pdl
+    return SimpleNamespace(events=lambda: events)
 
-    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
 
-    def event(name, start, end, device=cuda):
-        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end))
+def _event(name, start, end, device=torch.autograd.DeviceType.CUDA):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end))
+
+
+def test_timeline_idle_gaps_on_a_planted_timeline():
+    """idle_gaps merges overlapping device activity, sums the idle stretches between it and names the
+    activity after each stretch; with no CPU operators recorded no host is named."""
+    from benchmarks import timeline
 
     events = [
-        event("aten::mm", 0, 600, cpu),  # an operator on the CPU: not device activity
-        event("gemm", 10, 110),
-        event("copy", 50, 120),       # overlaps the gemm: no idle time between them
-        event("attn_fwd", 420, 500),  # 300 us after the copy ends
-        event("rope", 510, 520),      # 10 us
+        _event("gemm", 10, 110),
+        _event("copy", 50, 120),       # overlaps the gemm: no idle time between them
+        _event("attn_fwd", 420, 500),  # 300 us after the copy ends
+        _event("rope", 510, 520),      # 10 us
     ]
-    prof = SimpleNamespace(events=lambda: events)
-    lines = pdl.idle_gaps(prof, 5)
+    lines = timeline.idle_gaps(_planted_profile(events), 5)
     assert lines[0] == "   GPU span 0.51 ms, idle 0.31 ms in 2 stretches; longest:"
     assert lines[1] == "      300.0 us  before attn_fwd"
     assert lines[2] == "       10.0 us  before rope"
-    assert pdl.idle_gaps(SimpleNamespace(events=lambda: []), 3) == ["   no device activity recorded"]
+    assert timeline.idle_gaps(_planted_profile([]), 3) == ["   no device activity recorded"]
+
+
+def test_timeline_names_the_host_operator_and_phase_of_each_idle_stretch():
+    """Each idle stretch is attributed to the innermost CPU operator running at its middle and the
+    phase: region around it; idle_by_host sums them, a stretch inside no operator counted apart."""
+    from benchmarks import timeline
+
+    cpu = torch.autograd.DeviceType.CPU
+    events = [
+        _event("phase:update", 0, 1000, cpu),
+        _event("aten::nonzero", 100, 400, cpu),      # a sync: the GPU drains while it waits
+        _event("cudaStreamSynchronize", 150, 390, cpu),
+        _event("aten::mm", 30, 60, cpu),             # ended long before: never the answer
+        _event("phase:old_log_prob", 1500, 1600, cpu),
+        _event("gemm", 0, 200),
+        _event("attn", 380, 420),    # 180 us idle, middle 290: inside the sync, inside nonzero
+        _event("softmax", 700, 800),  # 280 us idle, middle 560: in the phase, between operators
+        _event("lm_head", 1700, 1800),  # 900 us idle, middle 1250: in no phase, no operator
+    ]
+    prof = _planted_profile(events)
+    lines = timeline.idle_gaps(prof, 3)
+    assert lines[0] == "   GPU span 1.80 ms, idle 1.36 ms in 3 stretches; longest:"
+    assert lines[1] == "      900.0 us  before lm_head"
+    assert lines[2] == "      280.0 us  before softmax  (host: (between operators) in phase:update)"
+    assert lines[3] == "      180.0 us  before attn  (host: cudaStreamSynchronize in phase:update)"
+    by_host = timeline.idle_by_host(prof, 5)
+    assert by_host[:3] == ["   idle time by phase:", "        0.90 ms  (no phase)", "        0.46 ms  phase:update"]
+    assert by_host[3] == "   idle time by the host operator running then (innermost):"
+    assert by_host[4:] == ["        1.18 ms  (between operators)", "        0.18 ms  cudaStreamSynchronize"]
+
+def test_timeline_counts_sync_reports_not_the_prototype_notice():
+    """host_syncs counts torch's 'called a synchronizing CUDA operation' reports; the one-time notice
+    that sync debug mode is a prototype mentions synchronizing operations too and is not one."""
+    from benchmarks.timeline import is_sync_warning
+
+    assert is_sync_warning(UserWarning("called a synchronizing CUDA operation"))
+    assert not is_sync_warning(UserWarning(
+        "Synchronization debug mode is a prototype feature and does not yet detect all synchronizing operations"))

@@ -61,3 +61,17 @@ def test_logger_and_timer(tmp_path):
     log.log(3, {"loss": torch.tensor(0.5), "mfu": float("nan"), "n": 2})
     rec = json.loads((tmp_path / "metrics.jsonl").read_text())
     assert rec == {"step": 3, "loss": 0.5, "mfu": None, "n": 2}
+
+
+def test_timer_phases_are_profiler_regions():
+    """A profiled step shows each phase as a ``phase:<name>`` region around its operators."""
+    from torch.profiler import ProfilerActivity, profile
+
+    timer = PhaseTimer()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with timer.phase("ref_log_prob"):
+            torch.ones(10).sum()
+    regions = [e for e in prof.events() if e.name == "phase:ref_log_prob"]
+    assert len(regions) == 1
+    inside = [e for e in prof.events() if e.name == "aten::sum"]
+    assert inside and regions[0].time_range.start <= inside[0].time_range.start <= regions[0].time_range.end

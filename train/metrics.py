@@ -104,7 +104,9 @@ def peak_memory_gib() -> float | None:
 
 
 class PhaseTimer:
-    """Wall time per named phase (device-synchronised on CUDA), accumulated over a step."""
+    """Wall time per named phase (device-synchronised on CUDA), accumulated over a step. Each phase is
+    also a ``phase:<name>`` region for torch.profiler, by which ``benchmarks.timeline`` attributes a
+    profiled step's idle GPU time."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
@@ -115,7 +117,8 @@ class PhaseTimer:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         try:
-            yield
+            with torch.profiler.record_function(f"phase:{name}"):
+                yield
         finally:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
