@@ -87,7 +87,8 @@ def train_config(args, packing: str, mb: int):
         steps=args.warmup + args.steps, seed=args.seed, synthetic_prompt_len=(args.prompt, args.prompt),
         synthetic_response_len=tuple(args.response_range), peak_tflops=args.peak_tflops, progress=False,
         loss=LossConfig.grpo(kl_beta=args.kl_beta),
-        update=UpdateConfig(packing=packing, micro_batch_tokens=1),
+        update=UpdateConfig(packing=packing, micro_batch_tokens=1,
+                            recompute_old_logprobs=args.old_logprobs == "recompute"),
         optim=OptimConfig(lr=1e-6, implementation=args.optimizer_impl),
         parallel=ParallelConfig(sp=args.sp, param_dtype="bf16" if cuda else "fp32",
                                 activation_checkpointing=args.activation_checkpointing, compile=args.compile,
@@ -102,7 +103,8 @@ def useful_flops(trainer, step: int) -> float:
     from dualkv.train.metrics import forward_flops
 
     batch = trainer.source.rollouts(step)
-    passes = 1 + (1 if trainer.cfg.loss.needs_reference else 0) + 3 * trainer.cfg.update.epochs
+    update = trainer.cfg.update
+    passes = (0 if update.old_logprobs_from_update else 1) + (1 if trainer.cfg.loss.needs_reference else 0) + 3 * update.epochs
     fwd = sum(forward_flops(trainer.policy.config, PackedLayout.from_lengths([g.prompt_len], [g.response_lens], device="cpu"))
               for g in batch.groups)
     return float(passes * fwd)
@@ -353,6 +355,9 @@ def parse_args(argv=None):
                          "or PyTorch's ops (off), both packings")
     ap.add_argument("--optimizer-impl", choices=OPTIMIZER_IMPLS, default="auto",
                     help="AdamW implementation (auto: torch's fused kernel on CUDA), both packings")
+    ap.add_argument("--old-logprobs", choices=("recompute", "from-update"), default="recompute",
+                    help="recompute: the old_log_prob pass runs (the three phases); from-update: the trainer's default "
+                         "for one optimizer step per batch, the update's own log-probs detached (no old_log_prob pass)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps per configuration")
     ap.add_argument("--steps", type=int, default=3, help="measured steps per configuration")
     ap.add_argument("--peak-tflops", type=float, default=None, help="per-device peak for MFU (default: known GPUs)")
@@ -418,6 +423,7 @@ def _run(args, argv) -> Path:
                 keep_attention=args.keep_attention, warmup=args.warmup, steps=args.steps, seed=args.seed,
                 world_size=_world(), sp=args.sp, attention_backend=args.attention_backend,
                 logprobs_impl=_logprobs_impl_run(args, device),
+                old_logprobs=args.old_logprobs,
                 fused_ops=args.fused_ops, liger_ops=not args.compile and liger_runs_on(device),
                 optimizer_impl=_optimizer_impl_run(args, device))
     card = meta["card"]["name"].split()[-1].lower() if device.type == "cuda" else "cpu"
@@ -453,10 +459,10 @@ def _optimizer_impl_run(args, device) -> str:
 
 SETTINGS = ("preset", "P", "response_range", "responses_per_step", "algorithm", "kl_beta", "activation_checkpointing",
             "compile", "keep_attention", "warmup", "steps", "seed", "world_size", "sp", "attention_backend",
-            "logprobs_impl", "liger_ops", "optimizer_impl")
+            "logprobs_impl", "liger_ops", "optimizer_impl", "old_logprobs")
 # What files written before these settings existed ran (torch's default AdamW on CUDA: foreach).
 SETTING_DEFAULTS = {"world_size": 1, "sp": 1, "attention_backend": "auto", "logprobs_impl": "torch", "liger_ops": False,
-                    "optimizer_impl": "foreach"}
+                    "optimizer_impl": "foreach", "old_logprobs": "recompute"}
 
 
 def merge(paths: list[str], out: str, stem: str) -> Path:
@@ -493,6 +499,7 @@ def write_report(writer) -> Path:
                   f"{', Liger ' + v['liger-kernel'] + ' fused norms / RoPE / SwiGLU' if meta.get('liger_ops') else ''}"
                   f"{', attention backend ' + meta['attention_backend'] if meta.get('attention_backend', 'auto') != 'auto' else ''}"
                   f"{', log-prob head ' + meta['logprobs_impl'] if meta.get('logprobs_impl', 'torch') != 'torch' else ''}"
+                  f"{', old log-probs from the update (no old_log_prob pass)' if meta.get('old_logprobs') == 'from-update' else ''}"
                   f"{_ranks_text(meta)}\n\n"
                   + tables(rows, meta))
     png = plot(rows, writer.dir / f"{writer.stem}.png", meta["card"]["name"])

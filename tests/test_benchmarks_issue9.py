@@ -191,6 +191,18 @@ def test_policy_step_under_torchrun_with_sequence_parallelism(tmp_path):
     assert "2 ranks: FSDP2 over all, sequence parallelism 2" in (tmp_path / "sp2.md").read_text()
 
 
+def test_policy_step_with_old_logprobs_from_the_update(tmp_path, one_thread):
+    """--old-logprobs from-update: no old_log_prob phase, one forward fewer in the useful FLOPs, and
+    the report says so."""
+    out = ps.main(["--preset", "tiny-qwen3", "--prompt", "32", "--response-range", "4:8", "--mbs", "4",
+                   "--responses-per-step", "4", "--packings", "dualkv", "--steps", "1", "--warmup", "0",
+                   "--peak-tflops", "1", "--device", "cpu", "--old-logprobs", "from-update", "--out", str(tmp_path),
+                   "--stem", "reuse"])
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["status"] == "ok" and row["time_old_log_prob"] is None and row["time_update"] > 0
+    assert "old log-probs from the update (no old_log_prob pass)" in (tmp_path / "reuse.md").read_text()
+
+
 def test_policy_step_end_to_end(tmp_path, one_thread):
     out = ps.main(["--preset", "tiny-qwen3", "--prompt", "64", "--response-range", "8:16", "--mbs", "4,8",
                    "--responses-per-step", "8", "--steps", "1", "--warmup", "1", "--peak-tflops", "1",

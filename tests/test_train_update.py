@@ -114,6 +114,46 @@ def test_on_policy_step_metrics_and_mini_batches():
     assert m1["approx_kl"] == pytest.approx(0.0, abs=1e-7) and m1["clip_frac"] == 0.0
 
 
+@pytest.mark.parametrize("packing", ["dualkv", "replicated"])
+def test_one_step_per_batch_takes_old_logprobs_from_the_update(packing):
+    """mini_batches = epochs = 1: no old_log_prob pass (its phase and FLOPs absent), and the update is
+    the one the recomputed old log-probs give: loss, gradients and the AdamW step agree to fp32
+    rounding (as in _assert_same, the step where the gradient is above rounding level)."""
+    model = build_model("tiny-qwen3", seed=11)
+    batch = _rollouts(seed=12, groups=3)
+    loss_cfg = LossConfig.grpo(kl_beta=0.04)
+    assert UpdateConfig().old_logprobs_from_update
+    assert not UpdateConfig(mini_batches=2).old_logprobs_from_update
+    assert not UpdateConfig(epochs=2).old_logprobs_from_update
+    assert not UpdateConfig(recompute_old_logprobs=True).old_logprobs_from_update
+    mf, gf, df = _run(model, batch, loss_cfg, packing, 40)
+    mr, gr, dr = _run(model, batch, loss_cfg, packing, 40, recompute_old_logprobs=True)
+    # On-policy, GRPO's group-normalised advantages average to 0: so does the loss, not its gradient.
+    assert mf["loss"] == pytest.approx(mr["loss"], abs=1e-6) and any(bool(g.abs().max() > 0) for g in gf.values())
+    assert mf["approx_kl"] == 0.0 and mf["clip_frac"] == 0.0
+    assert _rel(gf, gr) <= RTOL
+    above_noise = {k: gf[k].abs() > 1e-6 * gf[k].abs().max() for k in gf}
+    assert _rel(df, dr, above_noise) <= RTOL
+    # one forward of the batch less: (ref + 3 x update) against (old + ref + 3 x update) forwards
+    assert mf["forward_flops_rank"] * 2 == mr["forward_flops_rank"]
+    assert mf["update_flops_rank"] == mr["update_flops_rank"]
+
+
+def test_old_logprob_phase_runs_only_when_needed():
+    from dualkv.train.metrics import PhaseTimer
+
+    model = build_model("tiny-qwen3", seed=13)
+    batch = _rollouts(seed=14, groups=2)
+    for update, phases in ((dict(), {"update"}), (dict(mini_batches=2), {"old_log_prob", "update"}),
+                           (dict(recompute_old_logprobs=True), {"old_log_prob", "update"})):
+        timer = PhaseTimer()
+        policy = copy.deepcopy(model)
+        up = PolicyUpdater(policy, torch.optim.SGD(policy.parameters(), lr=0.0), LossConfig.grpo(kl_beta=0.0),
+                           UpdateConfig(micro_batch_tokens=10_000, **update), timer=timer)
+        up.step(batch)
+        assert set(timer.reset()) == phases, update
+
+
 def test_uniform_groups_are_dropped_or_skipped():
     model = build_model("tiny-qwen3", seed=9)
     g = _rollouts(seed=10, groups=2).groups

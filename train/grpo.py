@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "trained from scratch)")
     u.add_argument("--use-rollout-logprobs", action="store_true",
                    help="take old/ref log-probs from the rollout file when it has them instead of recomputing")
+    u.add_argument("--recompute-old-logprobs", action="store_true",
+                   help="run the old_log_prob pass even with one optimizer step per rollout batch (by default the "
+                        "update's own log-probs, detached, are the old ones there: the same gradient, one forward less)")
     u.add_argument("--weight-decay", type=float, default=0.01)
     u.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW epsilon")
     u.add_argument("--optimizer-impl", choices=OPTIMIZER_IMPLS, default="auto",
@@ -152,7 +155,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         peak_tflops=args.peak_tflops, progress=not args.no_progress, loss=_loss_config(args),
         update=UpdateConfig(packing=args.packing, micro_batch_tokens=args.micro_batch_tokens,
                             mini_batches=args.mini_batches, epochs=args.epochs, max_grad_norm=args.max_grad_norm,
-                            temperature=args.temperature, use_rollout_logprobs=args.use_rollout_logprobs),
+                            temperature=args.temperature, use_rollout_logprobs=args.use_rollout_logprobs,
+                            recompute_old_logprobs=args.recompute_old_logprobs),
         optim=OptimConfig(lr=lr, weight_decay=args.weight_decay, eps=args.adam_eps,
                           implementation=args.optimizer_impl),
         parallel=ParallelConfig(sp=args.sp, param_dtype=dtype, activation_checkpointing=args.activation_checkpointing,

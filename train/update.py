@@ -1,7 +1,8 @@
 """One RL policy update on a rollout batch: the three passes of a GRPO / DAPO step.
 
 1. ``old_log_prob`` (no grad): log-probs of every response under the policy that is about to be
-   updated (skipped when ``use_rollout_logprobs`` is on and the rollouts carry them);
+   updated (skipped when ``use_rollout_logprobs`` is on and the rollouts carry them, and when the
+   update takes one optimizer step per rollout batch: see ``UpdateConfig.recompute_old_logprobs``);
 2. ``ref_log_prob`` (no grad): under the frozen reference model, only when the loss has a KL term
    (skipped likewise when the rollouts carry reference log-probs);
 3. ``update``: per mini-batch, forward + backward over its micro-batches with gradient accumulation,
@@ -51,6 +52,12 @@ class UpdateConfig:
     use_rollout_logprobs: take old / reference log-probs from the rollouts when they carry them
         (instead of recomputing them with the training engine).
     entropy: also compute per-token entropy (a metric; needed when the loss has an entropy bonus).
+    recompute_old_logprobs: run the old_log_prob pass even when the update takes one optimizer step
+        per rollout batch (mini_batches = epochs = 1). There the policy being updated IS the old
+        policy, so by default the old log-probs are the update's own log-probs, detached, and that
+        pass (a whole forward of the batch) is skipped: the PPO ratio is exactly 1 and its gradient
+        the policy gradient, the value the recomputed log-probs give up to their rounding (as TRL
+        does for one iteration per batch).
     """
 
     packing: Packing = "dualkv"
@@ -61,6 +68,7 @@ class UpdateConfig:
     temperature: float = 1.0
     use_rollout_logprobs: bool = False
     entropy: bool = True
+    recompute_old_logprobs: bool = False
 
     def __post_init__(self) -> None:
         if self.packing not in PACKINGS:
@@ -72,6 +80,12 @@ class UpdateConfig:
             raise ValueError(f"max_grad_norm: expected > 0 or None, got {self.max_grad_norm}")
         if not self.temperature > 0:
             raise ValueError(f"temperature: expected > 0, got {self.temperature}")
+
+    @property
+    def old_logprobs_from_update(self) -> bool:
+        """One optimizer step per rollout batch and no recompute asked: the update's own log-probs,
+        detached, are the old ones (no old_log_prob pass)."""
+        return self.mini_batches == 1 and self.epochs == 1 and not self.recompute_old_logprobs
 
 
 def policy_logprobs(model, layout, sp_group=None, temperature: float = 1.0, return_entropy: bool = False):
@@ -171,7 +185,9 @@ class PolicyUpdater:
     def _micro_step(self, data, norm: LossNorm, aux_scale: float, sums: dict) -> None:
         out = policy_logprobs(self.policy, data.layout, self.sp_group, self.cfg.temperature, self.cfg.entropy)
         logp, entropy = out if self.cfg.entropy else (out, None)
-        loss, stats = policy_loss(logp, data.old_logprobs, data.advantages, data.mask, self.loss_cfg,
+        # No old log-probs: the on-policy step (UpdateConfig.old_logprobs_from_update) takes these.
+        old = logp.detach() if data.old_logprobs is None else data.old_logprobs
+        loss, stats = policy_loss(logp, old, data.advantages, data.mask, self.loss_cfg,
                                   ref_logp=data.ref_logprobs, entropy=entropy, norm=norm)
         aux = _aux_loss(self.policy, self.sp_group)
         total = loss if aux is None else loss + aux * aux_scale
@@ -237,7 +253,7 @@ class PolicyUpdater:
         minis = [[prepared.groups[i] for i in c] for c in chunks]
         self.policy.train()
         reuse = self.cfg.use_rollout_logprobs
-        if not (reuse and prepared.has_old_logprobs):
+        if not (reuse and prepared.has_old_logprobs) and not self.cfg.old_logprobs_from_update:
             with self.timer.phase("old_log_prob"):
                 minis = [self._logprob_pass(self.policy, m, "old_logprobs", counters) for m in minis]
         if self.loss_cfg.needs_reference and not (reuse and prepared.has_ref_logprobs):
