@@ -2,7 +2,9 @@
 
 Each configuration builds a ``dualkv.train.Trainer`` (the object ``python -m dualkv.train.grpo`` runs)
 with synthetic rollouts (prompt of P tokens, responses R_i ~ U(131, 2048), random 0/1 rewards,
-seeded), GRPO with a KL term (so all three phases run), AdamW on the full parameters, and runs
+seeded), GRPO with a KL term (so all three phases run: ``--old-logprobs recompute``, the default here,
+keeps the old_log_prob pass that the trainer skips by default with one optimizer step per batch;
+``from-update`` measures that), AdamW on the full parameters, and runs
 ``--warmup`` untimed steps then ``--steps`` measured ones. Reported, per (packing, mb), from the
 trainer's own step metrics (medians over the measured steps):
 
@@ -26,6 +28,7 @@ is the batch's replicated / packed token ratio; it is tabulated next to the meas
         --mbs 4,8 --responses-per-step 8 --device cpu                       # smoke test
     python -m benchmarks.bench_policy_step --merge a.json b.json --stem policy_step_h200  # one report
     python -m benchmarks.bench_policy_step --mbs 8 --profile         # + the top ops of one step, per configuration
+    python -m benchmarks.bench_policy_step --mbs 8 --old-logprobs from-update   # the trainer's default: no old pass
 
 Several GPUs: run it under torchrun (one rank per GPU; FSDP2 over all ranks, ``--sp`` sequence-parallel
 ranks per micro-batch, the groups of a step spread over the dp = world / sp replicas). Times and
