@@ -1,4 +1,4 @@
-// dQ and dK/dV on Hopper warpgroup MMA (dkv_bwd_sm90.cuh): fp16 and bf16, head dims 64 and 128 in
+// dQ and dK/dV on Hopper warpgroup MMA (dkv_bwd_sm90.cuh, dkv_bwd_sm90_ws.cuh, dkv_bwd_sm90_split.cuh): fp16 and bf16, head dims 64 and 128 in
 // schedules 1 .. 6, 8 and 9 (launch_dq_sm90_schedule, launch_dkdv_sm90_schedule); at 192 and 256 both kernels with the warpgroups' roles split
 // (one schedule, no dQ inside the dK/dV kernel). The kernels trap unless the unit is built for sm_90a; the
 // binding only calls them on an sm_90 device whose code has wgmma (sm90_kernels_built): by default
@@ -6,7 +6,8 @@
 // select the overlapped schedule and the dK/dV kernel that also accumulates dQ, =4 the warp-specialised
 // dK/dV kernel, =5 both kernels warp-specialised, =6 the warp-specialised dK/dV kernel that also
 // accumulates dQ, =8 schedule 5 with S^T and dP^T waited for apart, =9 schedule 6 with dQ deferred a tile.
-#include "dkv_bwd_sm90.cuh"
+#include "dkv_bwd_sm90_split.cuh"
+#include "dkv_bwd_sm90_ws.cuh"
 #include "dkv_launch_impl.cuh"
 
 namespace dkv {
