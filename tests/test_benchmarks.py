@@ -545,3 +545,27 @@ def test_timeline_counts_sync_reports_not_the_prototype_notice():
     assert is_sync_warning(UserWarning("called a synchronizing CUDA operation"))
     assert not is_sync_warning(UserWarning(
         "Synchronization debug mode is a prototype feature and does not yet detect all synchronizing operations"))
+
+
+def test_timeline_host_syncs_names_the_calling_line(monkeypatch):
+    """host_syncs counts each sync report once, keyed by the innermost caller outside torch (and the
+    tool's own files), restores the debug mode it found, and reports none when there are none."""
+    import warnings
+
+    from benchmarks import timeline
+
+    modes = []
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+
+    def step():
+        for _ in range(2):
+            warnings.warn("called a synchronizing CUDA operation")  # what torch reports at a sync
+        warnings.warn("an unrelated warning")
+
+    lines = timeline.host_syncs(step)
+    assert lines[0] == "   host synchronisations: 2" and len(lines) == 2
+    assert "test_benchmarks.py" in lines[1] and "(step)" in lines[1] and lines[1].lstrip().startswith("2x")
+    assert modes == ["warn", 0]
+    assert timeline.host_syncs(lambda: None) == ["   host synchronisations: none"]
