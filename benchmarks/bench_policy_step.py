@@ -231,10 +231,9 @@ def profile_step(trainer, step: int, path: Path, meta: dict, top: int = 40) -> s
     text = head + "\n".join(f"## {title}\n\n{avg.table(sort_by=key, row_limit=top, max_name_column_width=80)}\n"
                              for title, avg in tables)
     if cuda:
-        from benchmarks.timeline import idle_by_host, idle_gaps
+        from benchmarks.timeline import idle_report
 
-        text += "\n## idle GPU time (host operator at each stretch's middle)\n\n" + "\n".join(
-            idle_gaps(prof, 25) + idle_by_host(prof, 25)) + "\n"
+        text += "\n## idle GPU time (host operator at each stretch's middle)\n\n" + "\n".join(idle_report(prof, 25)) + "\n"
     path.write_text(text)
     return path.name
 

@@ -23,7 +23,7 @@ import torch
 from benchmarks import bench_decoder_layer as dl
 from benchmarks.harness import Timer
 from benchmarks.kernel_once import kernel_times
-from benchmarks.timeline import host_syncs, idle_by_host, idle_gaps
+from benchmarks.timeline import host_syncs, idle_report
 
 MODES = ("eager", "compile")
 
@@ -41,7 +41,7 @@ def kernel_table(fn, top: int, gaps: int = 0) -> list[str]:
     kernels = kernel_times(prof, 1, "cuda")
     lines = [f"   kernel total {sum(ms for _, ms in kernels):.2f} ms"]
     lines += [f"   {ms:8.2f} ms  {name[:110]}" for name, ms in kernels[:top]]
-    return lines + (idle_gaps(prof, gaps) + idle_by_host(prof, gaps) if gaps else [])
+    return lines + (idle_report(prof, gaps) if gaps else [])
 
 
 def profile_one(point: dl.Point, mode: str, variant: str, preset: str, backend: str, seed: int, table: bool,

@@ -2,12 +2,11 @@
 
 Read from a ``torch.profiler`` run that recorded CPU and CUDA activity:
 
-- ``idle_gaps``: the GPU's span (first device activity's start to the last one's end), the time no
-  kernel, copy or memset ran in it, and the longest idle stretches, each with the device activity
-  after it and, when CPU operators were recorded, the host operator running at the stretch's middle
-  (innermost first, then the ``phase:`` region around it).
-- ``idle_by_host``: the same idle time summed by the ``phase:`` region and by the innermost host
-  operator at each stretch's middle, so that a step's idle time can be attributed.
+``idle_report``: the GPU's span (first device activity's start to the last one's end), the time no
+kernel, copy or memset ran in it, and the longest idle stretches, each with the device activity after
+it and, when CPU operators were recorded, the host operator running at the stretch's middle
+(innermost first, then the ``phase:`` region around it); then that idle time summed by ``phase:``
+region and by innermost host operator, so that a step's idle time can be attributed.
 
 ``host_syncs(fn)`` counts the synchronising CUDA calls one call of ``fn`` makes (torch's sync debug
 mode), each named by its innermost caller outside torch.
@@ -30,14 +29,10 @@ PHASE_PREFIX = "phase:"
 NO_OP = "(between operators)"
 
 
-def _device_events(prof) -> list:
-    device = torch.autograd.DeviceType.CUDA
-    return sorted((e for e in prof.events() if e.device_type == device), key=lambda e: e.time_range.start)
-
-
 def idle_stretches(prof) -> tuple[float, list[tuple[float, float, str]]]:
     """(span us, [(start us, end us, name of the device activity after it)]) in time order."""
-    work = _device_events(prof)
+    device = torch.autograd.DeviceType.CUDA
+    work = sorted((e for e in prof.events() if e.device_type == device), key=lambda e: e.time_range.start)
     if not work:
         return 0.0, []
     busy_until, stretches = work[0].time_range.end, []
@@ -70,39 +65,28 @@ def host_ops_at(prof, times: list[float]) -> list[tuple[str | None, str]]:
     return answers
 
 
-def _where(phase: str | None, op: str) -> str:
-    return op if phase is None else f"{op} in {phase}"
-
-
-def idle_gaps(prof, top: int) -> list[str]:
+def idle_report(prof, top: int) -> list[str]:
     """Report lines: the GPU's idle time in the profiled run and its ``top`` longest idle stretches,
-    each with the device activity after it (and the host operator at its middle, when recorded)."""
+    each with the device activity after it and the host operator at its middle (when CPU operators
+    were recorded); then the idle time summed by ``phase:`` region and by innermost host operator
+    (the ``top`` largest). The stretches and their host operators are read once, in time order (their
+    middles ascend as the stretches do)."""
     span, stretches = idle_stretches(prof)
     if span == 0.0 and not stretches:
         return ["   no device activity recorded"]
+    hosts = host_ops_at(prof, [(start + end) / 2 for start, end, _ in stretches])
     idle = sum(end - start for start, end, _ in stretches)
     lines = [f"   GPU span {span / 1000:.2f} ms, idle {idle / 1000:.2f} ms in {len(stretches)} stretches; longest:"]
-    longest = sorted(stretches, key=lambda s: s[0] - s[1])[:top]
-    mids = sorted(((s + e) / 2, k) for k, (s, e, _) in enumerate(longest))
-    hosts = dict(zip((k for _, k in mids), host_ops_at(prof, [t for t, _ in mids])))
-    for k, (start, end, name) in enumerate(longest):
-        phase, op = hosts[k]
-        host = "" if (phase, op) == (None, NO_OP) else f"  (host: {_where(phase, op)[:60]})"
-        lines.append(f"   {end - start:8.1f} us  before {name[:70]}{host}")
-    return lines
-
-
-def idle_by_host(prof, top: int) -> list[str]:
-    """Report lines: the idle time summed by ``phase:`` region, then by innermost host operator (the
-    ``top`` largest), each at the idle stretches' middles."""
-    _, stretches = idle_stretches(prof)
-    hosts = host_ops_at(prof, [(s + e) / 2 for s, e, _ in stretches])
     by_phase: dict[str, float] = defaultdict(float)
     by_op: dict[str, float] = defaultdict(float)
     for (start, end, _), (phase, op) in zip(stretches, hosts):
         by_phase[phase or "(no phase)"] += end - start
         by_op[op] += end - start
-    lines = ["   idle time by phase:"]
+    for (start, end, name), (phase, op) in sorted(zip(stretches, hosts), key=lambda sh: sh[0][0] - sh[0][1])[:top]:
+        where = op if phase is None else f"{op} in {phase}"
+        host = "" if (phase, op) == (None, NO_OP) else f"  (host: {where[:60]})"
+        lines.append(f"   {end - start:8.1f} us  before {name[:70]}{host}")
+    lines.append("   idle time by phase:")
     lines += [f"   {us / 1000:9.2f} ms  {name}" for name, us in sorted(by_phase.items(), key=lambda kv: -kv[1])]
     lines.append("   idle time by the host operator running then (innermost):")
     lines += [f"   {us / 1000:9.2f} ms  {name[:90]}" for name, us in sorted(by_op.items(), key=lambda kv: -kv[1])[:top]]
@@ -130,12 +114,13 @@ def host_syncs(fn, skip: tuple[str, ...] = ()) -> list[str]:
         if not is_sync_warning(message):
             return
         stack = traceback.extract_stack()[:-1]
-        outside = [k for k, f in enumerate(stack) if "/torch/" not in f.filename and f.filename not in skip]
-        inside = [k for k, f in enumerate(stack) if "/torch/" in f.filename]
-        names = [k for k in (outside[-1:] + inside[-1:]) if not outside or k >= outside[-1]]
-        key = " -> ".join(f"{'torch: ' * (k in inside)}{stack[k].filename}:{stack[k].lineno} ({stack[k].name})"
-                          for k in names) or f"{filename}:{lineno}"
-        where[key] += 1
+        # the innermost caller outside torch and skip (-1: none), then torch's frames below it
+        last = max((k for k, f in enumerate(stack) if "/torch/" not in f.filename and f.filename not in skip),
+                   default=-1)
+        in_torch = [f for f in stack[last + 1:] if "/torch/" in f.filename]
+        frames = [f"{f.filename}:{f.lineno} ({f.name})" for f in stack[last:last + 1] if last >= 0]
+        frames += [f"torch: {f.filename}:{f.lineno} ({f.name})" for f in in_torch[-1:]]
+        where[" -> ".join(frames) or f"{filename}:{lineno}"] += 1
 
     with warnings.catch_warnings():
         warnings.simplefilter("always")

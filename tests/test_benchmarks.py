@@ -491,8 +491,8 @@ def _event(name, start, end, device=torch.autograd.DeviceType.CUDA):
     return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end))
 
 
-def test_timeline_idle_gaps_on_a_planted_timeline():
-    """idle_gaps merges overlapping device activity, sums the idle stretches between it and names the
+def test_timeline_idle_report_on_a_planted_timeline():
+    """idle_report merges overlapping device activity, sums the idle stretches between it and names the
     activity after each stretch; with no CPU operators recorded no host is named."""
     from benchmarks import timeline
 
@@ -502,16 +502,16 @@ def test_timeline_idle_gaps_on_a_planted_timeline():
         _event("attn_fwd", 420, 500),  # 300 us after the copy ends
         _event("rope", 510, 520),      # 10 us
     ]
-    lines = timeline.idle_gaps(_planted_profile(events), 5)
+    lines = timeline.idle_report(_planted_profile(events), 5)
     assert lines[0] == "   GPU span 0.51 ms, idle 0.31 ms in 2 stretches; longest:"
     assert lines[1] == "      300.0 us  before attn_fwd"
     assert lines[2] == "       10.0 us  before rope"
-    assert timeline.idle_gaps(_planted_profile([]), 3) == ["   no device activity recorded"]
+    assert timeline.idle_report(_planted_profile([]), 3) == ["   no device activity recorded"]
 
 
 def test_timeline_names_the_host_operator_and_phase_of_each_idle_stretch():
     """Each idle stretch is attributed to the innermost CPU operator running at its middle and the
-    phase: region around it; idle_by_host sums them, a stretch inside no operator counted apart."""
+    phase: region around it, and sums them by each; a stretch inside no operator is counted apart."""
     from benchmarks import timeline
 
     cpu = torch.autograd.DeviceType.CPU
@@ -527,15 +527,16 @@ def test_timeline_names_the_host_operator_and_phase_of_each_idle_stretch():
         _event("lm_head", 1700, 1800),  # 900 us idle, middle 1250: in no phase, no operator
     ]
     prof = _planted_profile(events)
-    lines = timeline.idle_gaps(prof, 3)
+    lines = timeline.idle_report(prof, 3)
     assert lines[0] == "   GPU span 1.80 ms, idle 1.36 ms in 3 stretches; longest:"
     assert lines[1] == "      900.0 us  before lm_head"
     assert lines[2] == "      280.0 us  before softmax  (host: (between operators) in phase:update)"
     assert lines[3] == "      180.0 us  before attn  (host: cudaStreamSynchronize in phase:update)"
-    by_host = timeline.idle_by_host(prof, 5)
+    by_host = lines[4:]  # after the header and the three longest stretches
     assert by_host[:3] == ["   idle time by phase:", "        0.90 ms  (no phase)", "        0.46 ms  phase:update"]
     assert by_host[3] == "   idle time by the host operator running then (innermost):"
     assert by_host[4:] == ["        1.18 ms  (between operators)", "        0.18 ms  cudaStreamSynchronize"]
+
 
 def test_timeline_counts_sync_reports_not_the_prototype_notice():
     """host_syncs counts torch's 'called a synchronizing CUDA operation' reports; the one-time notice

@@ -203,6 +203,14 @@ def test_policy_step_with_old_logprobs_from_the_update(tmp_path, one_thread):
     assert "old log-probs from the update (no old_log_prob pass)" in (tmp_path / "reuse.md").read_text()
 
 
+
+def test_policy_step_rejects_an_unknown_old_logprobs_mode(capsys):
+    with pytest.raises(SystemExit):
+        ps.parse_args(["--old-logprobs", "reuse"])
+    err = capsys.readouterr().err
+    assert "--old-logprobs" in err and "invalid choice: 'reuse'" in err
+
+
 def test_policy_step_end_to_end(tmp_path, one_thread):
     out = ps.main(["--preset", "tiny-qwen3", "--prompt", "64", "--response-range", "8:16", "--mbs", "4,8",
                    "--responses-per-step", "8", "--steps", "1", "--warmup", "1", "--peak-tflops", "1",
