@@ -364,20 +364,22 @@ bool hopper_kernels_usable(const Tensor& q) {
 #endif
 }
 
-// The wgmma forward (dkv_fwd_sm90.cuh) runs on sm_90 devices for head dims 64 / 128 / 192 / 256, fp16
-// and bf16, when the extension was built for sm_90a (else the mma.sync forward runs);
+// The wgmma forward (dkv_fwd_sm90.cuh) runs on sm_90 devices for head dims 64 / 128 / 192 / 256 / 512,
+// fp16 and bf16, when the extension was built for sm_90a (else the mma.sync forward runs);
 // DUALKV_CUDA_WGMMA=0 selects the mma.sync forward, 1 the in-turn wgmma forward (every thread loads and
 // computes), 2 the warp-specialised one (a producer warpgroup's cp.async, K and V in rings of their
 // own), 3 (head dims 64 / 128) that one with a single producer thread issuing bulk tensor copies (TMA).
 // The default: 3 at head dims 64 and 128 (on an H200 its kernel takes 13-25% less time than 2's:
 // benchmarks/results/raw/profile_h200_fwd_tma.log), 1 at 192 / 256 (where 2 measured 1.9x slower).
-// Returns 0 (mma.sync), 1, 2 or 3.
+// At 512 there is one form, the in-turn one with the head dim split between the warpgroups: 1 or 2
+// runs it. Returns 0 (mma.sync), 1, 2 or 3.
 int use_sm90_forward(const Tensor& q, int head_dim) {
   // The default takes the TMA form only where it exists (64 / 128; at 96 no wgmma form runs).
   const int choice = kernel_choice("DUALKV_CUDA_WGMMA", "0123", head_dim == 64 || head_dim == 128 ? 3 : 1);
   DKV_CHECK(choice != 3 || head_dim == 64 || head_dim == 128, kOps,
               ": DUALKV_CUDA_WGMMA=3 (bulk tensor copies): q: expected headdim 64 or 128, got ", head_dim);
-  return choice > 0 && sm90_forward_supports(head_dim) && hopper_kernels_usable(q) ? choice : 0;
+  if (choice == 0 || !sm90_forward_supports(head_dim) || !hopper_kernels_usable(q)) return 0;
+  return head_dim == 512 ? 1 : choice;
 }
 
 // The wgmma backward kernels (dkv_bwd_sm90.cuh: dQ and dK/dV), head dims 64 / 128 / 192 / 256 (at 192 /
@@ -498,7 +500,7 @@ std::tuple<Tensor, Tensor> fwd(const Tensor& q, const Tensor& k, const Tensor& v
   Tensor lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
   const bool bf16 = q.scalar_type() == at::kBFloat16;
   const int sm90 = use_sm90_forward(q, args.head_dim);
-  const int block_m = sm90 ? kSm90BlockM : fwd_config(args.head_dim).block_m;
+  const int block_m = sm90 ? sm90_fwd_block_m(args.head_dim) : fwd_config(args.head_dim).block_m;
   const QueryTiles tiles = query_tiles(segment_lengths(cu_seqlens), seg_ctx_len, block_m);
 
   FwdParams p;

@@ -1,5 +1,5 @@
-// Forward on Hopper warpgroup MMA (dkv_fwd_sm90.cuh): fp16 and bf16, head dims 64, 128, 192, 256 (the
-// TMA form at 64 / 128). The
+// Forward on Hopper warpgroup MMA (dkv_fwd_sm90.cuh): fp16 and bf16, head dims 64, 128, 192, 256 and 512
+// (the TMA form at 64 / 128; at 512 the in-turn form for every form asked). The
 // kernel traps unless the unit is built for sm_90a; the binding only calls it on an sm_90 device.
 #include "dkv_fwd_sm90.cuh"
 #include "dkv_launch_impl.cuh"
@@ -21,7 +21,11 @@ cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   return launch_tiles<K, &dkv_fwd_sm90_kernel<E, D, kWs, kTma>>(p, stream);
 }
 
-bool sm90_forward_supports(int head_dim) { return head_dim == 64 || head_dim == 128 || head_dim == 192 || head_dim == 256; }
+bool sm90_forward_supports(int head_dim) {
+  return head_dim == 64 || head_dim == 128 || head_dim == 192 || head_dim == 256 || head_dim == 512;
+}
+static_assert(FwdSm90<64>::kBlockM == kSm90BlockM && FwdSm90<256>::kBlockM == kSm90BlockM, "the binding's tile rows");
+int sm90_fwd_block_m(int head_dim) { return head_dim == 512 ? FwdSm90<512>::kBlockM : kSm90BlockM; }
 
 #ifndef DKV_EMULATE
 // The driver's encoder, found once through the runtime (no link against libcuda); null without one.
@@ -127,6 +131,7 @@ cudaError_t run_fwd_sm90_variant(const FwdParams& p, cudaStream_t stream) {
     case 128: return launch_fwd_sm90<E, 128, kWs>(p, stream);
     case 192: return launch_fwd_sm90<E, 192, kWs>(p, stream);
     case 256: return launch_fwd_sm90<E, 256, kWs>(p, stream);
+    case 512: return launch_fwd_sm90<E, 512, false>(p, stream);  // one (in-turn) form
     default: return static_cast<cudaError_t>(1);  // cudaErrorInvalidValue: the binding never asks for it
   }
 }

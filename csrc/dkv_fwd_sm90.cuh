@@ -37,21 +37,37 @@ namespace dkv {
 // rows, 128B-swizzled by the copy engine, completing on the full barriers' transaction counts) instead
 // of 128 threads' cp.async; rows past a tile's valid ones are loaded as they are (masked, as with
 // cp.async's zeros; rows past the tensor land as zeros).
+//
+// kSplitK (head dim 512, the in-turn form only): a warpgroup's 64 x 512 fp32 O would take 256 registers
+// a thread, so both warpgroups work on the SAME 64 query rows and split the head dim instead. Warpgroup
+// w holds O's columns 256 w .. 256 w + 255 and computes the partial S over those columns of Q and K
+// (m64n32k16 on 32-key tiles: Q and two K / V buffers take 192 KB); the two partials meet in shared
+// memory (element e of thread t at [e][t]: no bank conflicts) and each warpgroup adds the other's to
+// its own, so both hold the same S (fp32 addition commutes) and run the same online softmax, then
+// O[:, their half] += P V[:, their half]. The tensor work per warpgroup is the same as a whole-head
+// warpgroup's on half the rows; one more block barrier a key tile.
 template <int kHeadDim_, bool kWs_ = false, bool kTma_ = false>
 struct FwdSm90 {
-  static constexpr int kHeadDim = kHeadDim_, kWarpGroups = 2, kBlockM = 64 * kWarpGroups;
+  static constexpr int kHeadDim = kHeadDim_, kWarpGroups = 2;
+  static constexpr bool kSplitK = kHeadDim == 512;
+  static constexpr int kBlockM = kSplitK ? 64 : 64 * kWarpGroups;
   static constexpr bool kWs = kWs_, kTma = kTma_;
+  static_assert(!kSplitK || !kWs, "the d = 512 forward: the in-turn form");
   static_assert(!kTma || (kWs && kHeadDim <= 128), "the TMA forward: the warp-specialised form at head dims 64 / 128");
   static constexpr int kTmaBoxRows = 128;  // (kTma) rows of every box: a Q tile and a K / V tile alike
   static constexpr int kThreads = 128 * (kWarpGroups + (kWs ? 1 : 0));
-  static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;
+  static constexpr int kBlockN = kHeadDim <= 128 ? 128 : kSplitK ? 32 : 64;
   static constexpr int kParts = kHeadDim / 64;             // 64-column swizzled sub-tiles per row
+  static constexpr int kMyParts = kSplitK ? kParts / 2 : kParts;  // O's parts a warpgroup holds
   static constexpr int kQTile = kBlockM * kHeadDim;        // elements
   static constexpr int kKvTile = kBlockN * kHeadDim;
-  static constexpr int kStages = kHeadDim == 256 ? 2 : 3;  // buffers of K and of V
+  static constexpr int kStages = kHeadDim >= 256 ? 2 : 3;  // buffers of K and of V
+  // (kSplitK) the two warpgroups' partial S, fp32.
+  static constexpr int kExchangeBytes = kSplitK ? 2 * 64 * kBlockN * 4 : 0;
   // Tiles, then (kWs) the full and empty mbarriers of each K and each V stage, + 1024 bytes of alignment.
-  static constexpr int kSmemBytes = (kQTile + 2 * kStages * kKvTile) * 2 + (kWs ? 32 * kStages : 0) + 1024;
-  static_assert(kHeadDim % 64 == 0 && kParts >= 1 && kParts <= 4, "head dim: 64, 128, 192 or 256");
+  static constexpr int kSmemBytes =
+      (kQTile + 2 * kStages * kKvTile) * 2 + (kWs ? 32 * kStages : 0) + kExchangeBytes + 1024;
+  static_assert(kHeadDim % 64 == 0 && kParts >= 1 && (kParts <= 4 || kSplitK), "head dim: 64, 128, 192, 256 or 512");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one H100 / H200 block");
   static_assert(!kTma || (kBlockM == kTmaBoxRows && kBlockN == kTmaBoxRows), "(kTma) Q, K and V tiles of one box height");
 };
@@ -59,7 +75,8 @@ struct FwdSm90 {
 template <class E, int D, bool kWs, bool kTma = false>
 DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs, kTma>::kThreads)) dkv_fwd_sm90_kernel(const DKV_GRID_CONSTANT FwdParams p) {
   using K = FwdSm90<D, kWs, kTma>;
-  constexpr int kParts = K::kParts, kBlockM = K::kBlockM, kBlockN = K::kBlockN;
+  constexpr int kParts = K::kParts, kMyParts = K::kMyParts, kBlockM = K::kBlockM, kBlockN = K::kBlockN;
+  constexpr bool kSplitK = K::kSplitK;
   const QueryTile qt = query_tile<kBlockM>(p, p.q_tile_prefix, p.q_seg_order);
   if (qt.s < 0) return;
   const int row0 = qt.row0, ctx_len = qt.ctx_len, ctx_row0 = qt.ctx_row0, q0 = qt.q0, m_valid = qt.m_valid;
@@ -81,6 +98,10 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs, kTma>::kThreads)) dkv_fwd_sm9
   uint64_t* empty_k = full_k + kStages;
   uint64_t* full_v = empty_k + kStages;
   uint64_t* empty_v = full_v + kStages;
+  // (kSplitK) partial S: this warpgroup's at mine[e * 128], the other's at theirs[e * 128].
+  float* s_exchange = reinterpret_cast<float*>(sK0 + 2 * kStages * K::kKvTile);
+  float* mine = s_exchange + wg * 64 * kBlockN + (tid & 127);
+  const float* theirs = s_exchange + (wg ^ 1) * 64 * kBlockN + (tid & 127);
 
   const TwoRegionWalk walk = make_walk<kBlockN>(q0, m_valid, ctx_len, ctx_row0, row0, W);
   const int n_tiles = walk.n_ctx_tiles + walk.n_own_tiles;
@@ -164,33 +185,39 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs, kTma>::kThreads)) dkv_fwd_sm9
   }
 
   // Descriptors are built once and advanced by byte offsets (sm90::desc_advance). This warpgroup's 64
-  // query rows start 64 rows (8 KB) into every 128-row part of Q.
-  const uint64_t desc_q = sm90::smem_desc_sw128(reinterpret_cast<const char*>(sQ) + wg * 64 * 128);
-  const uint64_t desc_k = sm90::smem_desc_sw128(sK(0)), desc_v = sm90::smem_desc_sw128_mn(sV(0), kBlockN * 128);
+  // query rows start 64 rows (8 KB) into every 128-row part of Q; (kSplitK) its columns start kMyParts
+  // parts into Q, K and V.
+  const uint32_t my_cols = kSplitK ? wg * kMyParts : 0;  // the first part of this warpgroup's columns
+  const uint64_t desc_q = sm90::smem_desc_sw128(reinterpret_cast<const char*>(sQ) +
+                                                (kSplitK ? my_cols * kBlockM * 128 : wg * 64 * 128));
+  const uint64_t desc_k = sm90::smem_desc_sw128(reinterpret_cast<const char*>(sK(0)) + my_cols * kBlockN * 128);
+  const uint64_t desc_v =
+      sm90::smem_desc_sw128_mn(reinterpret_cast<const char*>(sV(0)) + my_cols * kBlockN * 128, kBlockN * 128);
   constexpr uint32_t kKvTileBytes = K::kKvTile * 2;
   auto issue_qk = [&](float (&s)[kBlockN / 2], int t) {
     const uint64_t dk = sm90::desc_advance(desc_k, (t % kStages) * kKvTileBytes);
 #pragma unroll
-    for (int k = 0; k < D / 16; ++k) {  // part k / 4, 32 bytes per k16 step inside it
+    for (int k = 0; k < kMyParts * 4; ++k) {  // part k / 4, 32 bytes per k16 step inside it
       const uint64_t da = sm90::desc_advance(desc_q, (k / 4) * kBlockM * 128 + (k % 4) * 32);
       const uint64_t db = sm90::desc_advance(dk, (k / 4) * kBlockN * 128 + (k % 4) * 32);
       sm90::wgmma_ss_k_major<E, kBlockN>(s, da, db, k > 0);
     }
   };
-  float o[kParts][32];
+  float o[kMyParts][32];
   uint32_t pa[kBlockN / 16][4] = {};
   auto issue_pv = [&](int t) {
     const uint64_t dv = sm90::desc_advance(desc_v, (t % kStages) * kKvTileBytes);
 #pragma unroll
     for (int k = 0; k < kBlockN / 16; ++k)  // keys 16 k .. 16 k + 15: rows 2048 bytes apart per step
-      sm90::wgmma_rs_mn_parts<E, kParts>(o, pa[k], sm90::desc_advance(dv, k * 2048), kBlockN * 128);
+      sm90::wgmma_rs_mn_parts<E, kMyParts>(o, pa[k], sm90::desc_advance(dv, k * 2048), kBlockN * 128);
   };
 
   const ScoreFn score = make_score_fn(p.scale, p.softcap);
-  for (int part = 0; part < kParts; ++part)
+  for (int part = 0; part < kMyParts; ++part)
     for (int i = 0; i < 32; ++i) o[part][i] = 0.f;
   float m_run[2] = {kNegInf, kNegInf}, l_run[2] = {0.f, 0.f};
-  const int row_in_tile[2] = {64 * wg + 16 * warp + g, 64 * wg + 16 * warp + g + 8};
+  const int wg_row0 = kSplitK ? 0 : 64 * wg;
+  const int row_in_tile[2] = {wg_row0 + 16 * warp + g, wg_row0 + 16 * warp + g + 8};
 
   constexpr float kMaxLag = 8.f;  // log2 units: a probability before the final division is at most 2^8
   // Softmax of S (in place: S becomes exp2(x - m)) and the factors alpha that rescale O and l. Without
@@ -290,18 +317,25 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs, kTma>::kThreads)) dkv_fwd_sm9
       sm90::wgmma_wait<0>();
     }
     sm90::fence_operand<kBlockN / 2>(s);
+    if constexpr (kSplitK) {  // S_t = this warpgroup's partial + the other's
+#pragma unroll
+      for (int e = 0; e < kBlockN / 2; ++e) mine[e * 128] = s[e];
+      block_sync();
+#pragma unroll
+      for (int e = 0; e < kBlockN / 2; ++e) s[e] += theirs[e * 128];
+    }
     if constexpr (kWs) sm90::mbar_arrive(&empty_k[t % kStages]);  // S_t is computed: K_t is read
     float alpha[2];
     softmax(s, t, alpha);
     sm90::wgmma_wait<0>();
     sm90::fence_operand(pa);
 #pragma unroll
-    for (int part = 0; part < kParts; ++part) sm90::fence_operand<32>(o[part]);
+    for (int part = 0; part < kMyParts; ++part) sm90::fence_operand<32>(o[part]);
     // Rescale O only where a row maximum moved (alpha == 1 exactly otherwise: with the lag above a
     // later key tile seldom moves it); the warp takes the branch together, so a stable warp skips them.
     if (warp_any(alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
-      for (int part = 0; part < kParts; ++part)
+      for (int part = 0; part < kMyParts; ++part)
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
           o[part][4 * j] *= alpha[0];
@@ -328,7 +362,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs, kTma>::kThreads)) dkv_fwd_sm9
   sm90::wgmma_commit();
   your_turn(true);
   sm90::wgmma_wait<0>();
-  for (int part = 0; part < kParts; ++part) sm90::fence_operand<32>(o[part]);
+  for (int part = 0; part < kMyParts; ++part) sm90::fence_operand<32>(o[part]);
 
   uint16_t* out_ptr = static_cast<uint16_t*>(p.out.ptr);
   for (int r = 0; r < 2; ++r) {
@@ -340,11 +374,11 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs, kTma>::kThreads)) dkv_fwd_sm9
       const float inv = l > 0.f ? 1.f / l : 0.f;
       const int64_t qrow = row0 + q0 + row;
       uint16_t* dst = out_ptr + p.out.offset(qrow, h);
-      for (int part = 0; part < kParts; ++part)
+      for (int part = 0; part < kMyParts; ++part)
         for (int j = 0; j < 8; ++j)
-          store_u32(dst + 64 * part + 8 * j + 2 * tq,
+          store_u32(dst + 64 * (my_cols + part) + 8 * j + 2 * tq,
                     pack2<E>(o[part][4 * j + 2 * r] * inv, o[part][4 * j + 2 * r + 1] * inv));
-      if (tq == 0) {
+      if (tq == 0 && (!kSplitK || wg == 0)) {
         p.lse[static_cast<int64_t>(h) * p.total_q + qrow] = l > 0.f ? (m_run[r] + fast_log2(l)) * kLn2 : kNegInf;
       }
     }

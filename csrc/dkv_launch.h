@@ -24,6 +24,7 @@ cudaError_t run_fwd(const FwdParams& p, cudaStream_t stream);
 template <class E>
 cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream, int form);
 bool sm90_forward_supports(int head_dim);
+int sm90_fwd_block_m(int head_dim);  // query rows of the wgmma forward's tiles: 128, or 64 at head dim 512
 // (form 3) Fills `d` for a (rows, heads, cols) tensor of 16-bit elements (strides in elements, rows and
 // heads 16-byte aligned): a 3-D view (cols, heads, rows) read in boxes of 64 columns x box_rows rows,
 // 128B-swizzled. Returns 0, a driver error code, or -1 when the driver has no cuTensorMapEncodeTiled.
@@ -33,7 +34,7 @@ int encode_tma_desc(TmaDesc& d, void* ptr, bool bf16, int64_t rows, int64_t head
 // (16-byte aligned) read in boxes of `box` elements; returns as encode_tma_desc.
 int encode_tma_vec(TmaDesc& d, float* ptr, int64_t n, int box);
 bool sm90_kernels_built(cudaStream_t stream);  // the wgmma kernels were compiled for sm_90a (checked once)
-constexpr int kSm90BlockM = 128;
+constexpr int kSm90BlockM = 128;  // the wgmma forward's query tile (but 64 at d = 512) and its TMA box
 // Backward on Hopper warpgroup MMA (fp16 / bf16, head dims 64 / 128 / 192 / 256): dQ on query tiles of
 // sm90_dq_block_m rows, dK/dV on key tiles of sm90_dkdv_block_n (128 at head dims 64 / 128, 64 at
 // 192 / 256, where there is one schedule and no dQ inside the dK/dV kernel).

@@ -133,7 +133,7 @@ CASES = [
 
 
 # The wgmma forward's cases (bf16 and fp16, d = 64, 128, 192, 256; 128-row query tiles of two warpgroups,
-# 128-key tiles up to d = 128, 64-key tiles above): ragged tails, several tiles per segment and
+# 128-key tiles up to d = 128, 64-key tiles above; d = 512): ragged tails, several tiles per segment and
 # groups (up to six key tiles per query tile: the double-buffered K / V pipeline wraps around), GQA,
 # windows reaching into the prompt, softcap, separate context.
 SM90_CASES = [
@@ -148,6 +148,9 @@ SM90_CASES = [
     dict(d=128, dtype=torch.bfloat16, prompts=[520], responses=[[150, 7]], H=1, Hkv=1),
     dict(d=256, dtype=torch.bfloat16, prompts=[200], responses=[[140]], H=1, Hkv=1),
     dict(d=128, dtype=torch.float16, prompts=[150, 3], responses=[[70, 1], [40]], H=4, Hkv=1, window=100),
+    # d = 512: 64-row query tiles, the head dim split between the warpgroups, 32-key tiles
+    dict(d=512, dtype=torch.bfloat16, prompts=[70], responses=[[33, 9]], H=2, Hkv=1),
+    dict(d=512, dtype=torch.float16, prompts=[100, 5], responses=[[70, 1], [9]], H=2, Hkv=2, window=50, softcap=5.0),
 ]
 
 
