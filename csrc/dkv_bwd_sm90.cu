@@ -1,5 +1,5 @@
 // dQ and dK/dV on Hopper warpgroup MMA (dkv_bwd_sm90.cuh, dkv_bwd_sm90_ws.cuh, dkv_bwd_sm90_split.cuh): fp16 and bf16, head dims 64 and 128 in
-// schedules 1 .. 6, 8 and 9 (launch_dq_sm90_schedule, launch_dkdv_sm90_schedule); at 192 and 256 both kernels with the warpgroups' roles split
+// schedules 1 .. 6, 8 and 9 (launch_dq_sm90_schedule, launch_dkdv_sm90_schedule); at 192, 256 and 512 both kernels with the warpgroups' roles split
 // (one schedule, no dQ inside the dK/dV kernel). The kernels trap unless the unit is built for sm_90a; the
 // binding only calls them on an sm_90 device whose code has wgmma (sm90_kernels_built): by default
 // (schedule 6 at d = 128, 8 at d = 64), unless DUALKV_CUDA_WGMMA_BWD=0 asks for mma.sync; =2 and =3
@@ -12,7 +12,9 @@
 
 namespace dkv {
 
-bool sm90_bwd_supports(int head_dim) { return head_dim == 64 || head_dim == 128 || head_dim == 192 || head_dim == 256; }
+bool sm90_bwd_supports(int head_dim) {
+  return head_dim == 64 || head_dim == 128 || head_dim == 192 || head_dim == 256 || head_dim == 512;
+}
 bool sm90_bwd_schedules(int head_dim) { return head_dim <= 128; }
 int sm90_dq_block_m(int head_dim) { return sm90_bwd_schedules(head_dim) ? 128 : 64; }
 int sm90_dkdv_block_n(int head_dim) { return sm90_bwd_schedules(head_dim) ? 128 : 64; }
@@ -59,6 +61,7 @@ cudaError_t run_dq_sm90(const BwdParams& p, cudaStream_t stream, int schedule) {
     case 128: return launch_dq_sm90_schedule<E, 128>(p, stream, schedule);
     case 192: return launch_dq_sm90_split<E, 192>(p, stream);  // one schedule
     case 256: return launch_dq_sm90_split<E, 256>(p, stream);
+    case 512: return launch_dq_sm90_split<E, 512>(p, stream);
     default: return static_cast<cudaError_t>(1);  // cudaErrorInvalidValue: the binding never asks for it
   }
 }
@@ -95,6 +98,7 @@ cudaError_t run_dkdv_sm90(const BwdParams& p, cudaStream_t stream, int schedule)
     case 128: return launch_dkdv_sm90_schedule<E, 128>(p, stream, schedule);
     case 192: return launch_dkdv_sm90_split<E, 192>(p, stream);  // one schedule, no dQ inside
     case 256: return launch_dkdv_sm90_split<E, 256>(p, stream);
+    case 512: return launch_dkdv_sm90_split<E, 512>(p, stream);
     default: return static_cast<cudaError_t>(1);  // cudaErrorInvalidValue: the binding never asks for it
   }
 }

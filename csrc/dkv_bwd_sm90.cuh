@@ -66,13 +66,13 @@ DKV_DEV void load_row_stats(const BwdParams& p, int h, int row0, const int (&row
 // element fn(e, r, masked, pr, dtanh) with r = i / 2, pr = exp2(score - lse) and dtanh = 1 - tanh^2
 // under a softcap (1 without one: dS = pr (dP - D) dtanh).
 template <int kBlockN, class Fn>
-DKV_DEV void row_probabilities(const float (&s)[32], const KvTile& kt, int qpos_lo, int qpos_hi,
+DKV_DEV void row_probabilities(const float (&s)[kBlockN / 2], const KvTile& kt, int qpos_lo, int qpos_hi,
                                const int (&row_in_tile)[2], const float (&lse2)[2], int tq, int W,
                                const ScoreFn& score, Fn&& fn) {
   const bool need_mask = kt.valid < kBlockN || kt.kpos0 + kt.valid - 1 > qpos_lo || qpos_hi - kt.kpos0 >= W;
   with_score_mode(score.softcap, need_mask, [&](auto cap, auto mask) {
 #pragma unroll
-    for (int e = 0; e < 32; ++e) {
+    for (int e = 0; e < kBlockN / 2; ++e) {
       const int r = (e / 2) % 2;
       bool masked = false;
       if constexpr (decltype(mask)::value) {
@@ -414,14 +414,14 @@ DKV_DEV void open_reader_tile(IssueSS&& issue_ss) {
 // fn(e, query, masked, pr, dtanh) with pr = exp2(score - lse) and dtanh = 1 - tanh^2 under a softcap
 // (1 without one: dS^T = pr (dP^T - D) dtanh). sL holds the tile's lse_log2 per query.
 template <int kBlockM, int kBlockN, class Fn>
-DKV_DEV void transposed_probabilities(const float (&s)[32], const QTileDesc& desc, const float* sL,
+DKV_DEV void transposed_probabilities(const float (&s)[kBlockM / 2], const QTileDesc& desc, const float* sL,
                                       const int (&key_in_tile)[2], int tq, int W, const ScoreFn& score, Fn&& fn) {
   const int kpos_first = desc.kpos0 + desc.klo, kpos_last = desc.kpos0 + desc.khi - 1;
   const bool need_mask = desc.m_valid < kBlockM || desc.klo > 0 || desc.khi < kBlockN ||
                          kpos_last > desc.qpos0 || desc.qpos0 + desc.m_valid - 1 - kpos_first >= W;
   with_score_mode(score.softcap, need_mask, [&](auto cap, auto mask) {
 #pragma unroll
-    for (int e = 0; e < 32; ++e) {
+    for (int e = 0; e < kBlockM / 2; ++e) {
       const int col = 8 * (e / 4) + 2 * tq + (e % 2), key = key_in_tile[(e / 2) % 2];
       bool masked = false;
       if constexpr (decltype(mask)::value) {

@@ -1,6 +1,12 @@
-// The backward kernels on Hopper warpgroup MMA (sm_90a) at head dims 192 and 256: dQ and dK/dV with
-// the two warpgroups' roles split over one tile (dkv_bwd_sm90.cu launches them, one schedule). The
+// The backward kernels on Hopper warpgroup MMA (sm_90a) at head dims 192, 256 and 512: dQ and dK/dV
+// with the two warpgroups' roles split over one tile (dkv_bwd_sm90.cu launches them, one schedule). The
 // pieces they share with the d = 64 / 128 kernels are in dkv_bwd_sm90.cuh.
+//
+// d = 512: a 64-row tile of Q or dO, or of K or V, is 64 KB, and a warpgroup's 64 x 512 fp32
+// accumulator would take 256 registers a thread. So the dQ kernel walks key tiles of 16 (Q and dO take
+// 128 KB; two buffers of 16-key K / V tiles fit beside them), and the dK/dV kernel walks query tiles of
+// 16 (K and V take 128 KB) twice, once per half of the head dim: each pass accumulates 256 columns of
+// dV (warpgroup 0) and dK (warpgroup 1) and recomputes S^T and dP^T, 12 products where 8 would do.
 #pragma once
 
 #include "dkv_bwd_sm90.cuh"
@@ -23,12 +29,14 @@ namespace dkv {
 // Two block barriers a key tile: the tile's arrival, and the swap.
 template <int kHeadDim_>
 struct DqSm90Split {
-  static constexpr int kHeadDim = kHeadDim_, kBlockM = 64, kBlockN = 64, kThreads = 256, kStages = 2;
+  static constexpr int kHeadDim = kHeadDim_, kBlockM = 64, kThreads = 256, kStages = 2;
+  static constexpr int kBlockN = kHeadDim == 512 ? 16 : 64;  // keys per tile
   static constexpr int kParts = kHeadDim / 64, kMyParts = (kParts + 1) / 2;  // column parts, a warpgroup's
   static constexpr int kQTile = kBlockM * kHeadDim, kKvTile = kBlockN * kHeadDim;  // elements
   // Q, dO; the K / V ring; F and G (fp32); alignment.
   static constexpr int kSmemBytes = (2 * kQTile + 2 * kStages * kKvTile) * 2 + 2 * kBlockM * kBlockN * 4 + 1024;
-  static_assert(kHeadDim == 192 || kHeadDim == 256, "the split wgmma dQ kernel: head dim 192 or 256");
+  static_assert(kHeadDim == 192 || kHeadDim == 256 || kHeadDim == 512, "the split wgmma dQ kernel: head dim 192, 256 or 512");
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory of one H100 / H200 block");
 };
 
 template <class E, int D>
@@ -76,7 +84,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dq_sm90_split_kernel(const DKV_GRID_C
   float dq[kMyParts][32];
   for (int i = 0; i < kMyParts; ++i)
     for (int e = 0; e < 32; ++e) dq[i][e] = 0.f;
-  float s[32];
+  float s[kBlockN / 2];
   uint32_t dsa[kBlockN / 16][4];
 
   auto issue_ss = [&](int t) {
@@ -84,8 +92,8 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dq_sm90_split_kernel(const DKV_GRID_C
     const uint64_t db = sm90::desc_advance(sm90::desc_here(desc_kv), (t % kStages) * kKvTileBytes);
 #pragma unroll
     for (int k = 0; k < D / 16; ++k) {  // part k / 4, 32 bytes per k16 step inside it
-      const uint32_t off = (k / 4) * 64 * 128 + (k % 4) * 32;  // 64 rows a part in both tiles
-      sm90::wgmma_m64n64k16_ss<E, 0>(s, sm90::desc_advance(da, off), sm90::desc_advance(db, off), k > 0);
+      const uint32_t q_off = (k / 4) * kBlockM * 128 + (k % 4) * 32, kv_off = (k / 4) * kBlockN * 128 + (k % 4) * 32;
+      sm90::wgmma_ss_k_major<E, kBlockN>(s, sm90::desc_advance(da, q_off), sm90::desc_advance(db, kv_off), k > 0);
     }
   };
   // Keys 16 kk .. 16 kk + 15: dS fragment kk, 2048 bytes down the K tile.
@@ -123,19 +131,19 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dq_sm90_split_kernel(const DKV_GRID_C
     issue_ss(t);
     sm90::wgmma_commit();
     sm90::wgmma_wait<0>();
-    sm90::fence_operand<32>(s);
+    sm90::fence_operand<kBlockN / 2>(s);
     if (p_role) {
       factors(t);
     } else {
 #pragma unroll
-      for (int e = 0; e < 32; ++e) {
+      for (int e = 0; e < kBlockN / 2; ++e) {
         s[e] -= dsum[(e / 2) % 2];  // G = dP - D
         mine[e * 128] = s[e];
       }
     }
     block_sync();  // F and G are in shared memory
 #pragma unroll
-    for (int e = 0; e < 32; ++e) s[e] *= theirs[e * 128];  // dS = F G (the same in both warpgroups)
+    for (int e = 0; e < kBlockN / 2; ++e) s[e] *= theirs[e * 128];  // dS = F G (the same in both warpgroups)
     c_to_a<E, kBlockN>(dsa, reinterpret_cast<const float(&)[kBlockN / 8][4]>(s));
     sm90::wgmma_fence();
     issue_dq(t);
@@ -176,20 +184,23 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dq_sm90_split_kernel(const DKV_GRID_C
 // kernels; the in-turn schedule; dQ comes from the split dQ kernel above.
 template <int kHeadDim_>
 struct DkdvSm90Split {
-  static constexpr int kHeadDim = kHeadDim_, kBlockN = 64, kBlockM = 64, kThreads = 256;
-  static constexpr int kParts = kHeadDim / 64;
+  static constexpr int kHeadDim = kHeadDim_, kBlockN = 64, kThreads = 256;
+  static constexpr int kBlockM = kHeadDim == 512 ? 16 : 64;  // query rows per reader tile
+  static constexpr int kPasses = kHeadDim == 512 ? 2 : 1;    // walks over the readers, one per column range
+  static constexpr int kParts = kHeadDim / 64, kPassParts = kParts / kPasses;
   static constexpr int kKvTile = kBlockN * kHeadDim, kQTile = kBlockM * kHeadDim;  // elements
   // K, V; Q and dO, two buffers each; the P^T factors; lse_log2 and dsum, two buffers; the factors'
   // mbarrier and the item slot; alignment.
   static constexpr int kSmemBytes =
       (2 * kKvTile + 4 * kQTile) * 2 + kBlockN * kBlockM * 4 + 4 * kBlockM * 4 + 32 + 1024;
-  static_assert(kHeadDim == 192 || kHeadDim == 256, "the split wgmma dK/dV kernel: head dim 192 or 256");
+  static_assert(kHeadDim == 192 || kHeadDim == 256 || kHeadDim == 512, "the split wgmma dK/dV kernel: head dim 192, 256 or 512");
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory of one H100 / H200 block");
 };
 
 template <class E, int D>
 DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_split_kernel(const DKV_GRID_CONSTANT BwdParams p) {
   using K = DkdvSm90Split<D>;
-  constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kParts = K::kParts;
+  constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kPassParts = K::kPassParts;
   const int tid = thread_idx(), lane = tid & 31, warp = (tid >> 5) & 3, wg = tid >> 7;
   const int g = lane >> 2, tq = lane & 3;
   const int rep = p.nheads / p.nheads_kv;
@@ -220,8 +231,8 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_split_kernel(const DKV_GRID
   const ScoreFn score = make_score_fn(p.scale, p.softcap);
   const int key_in_tile[2] = {16 * warp + g, 16 * warp + g + 8};
 
-  float acc[kParts][32];  // dV (warpgroup 0) or dK (warpgroup 1)
-  float s[32];            // S^T, then P^T (warpgroup 0); dP^T, then dS^T (warpgroup 1)
+  float acc[kPassParts][32];  // dV (warpgroup 0) or dK (warpgroup 1), the pass's columns
+  float s[kBlockM / 2];       // S^T, then P^T (warpgroup 0); dP^T, then dS^T (warpgroup 1)
   uint32_t a[kBlockM / 16][4] = {};
 
   // S^T = K Q^T or dP^T = V dO^T of the query tile in buffer b.
@@ -230,15 +241,17 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_split_kernel(const DKV_GRID
 #pragma unroll
     for (int k = 0; k < D / 16; ++k) {  // part k / 4, 32 bytes per k16 step inside it
       const uint32_t kv_off = (k / 4) * kBlockN * 128 + (k % 4) * 32, q_off = (k / 4) * kBlockM * 128 + (k % 4) * 32;
-      sm90::wgmma_m64n64k16_ss<E, 0>(s, sm90::desc_advance(da, kv_off), sm90::desc_advance(db, q_off), k > 0);
+      sm90::wgmma_ss_k_major<E, kBlockM>(s, sm90::desc_advance(da, kv_off), sm90::desc_advance(db, q_off), k > 0);
     }
   };
-  // dV += P^T dO or dK += dS^T Q with the tile in buffer b (queries 16 kq .. 16 kq + 15 per step).
-  auto issue_rs = [&](int b) {
+  // dV += P^T dO or dK += dS^T Q over the pass's column parts, with the tile in buffer b (queries
+  // 16 kq .. 16 kq + 15 per step).
+  auto issue_rs = [&](int b, int pass) {
     const uint64_t d0 = sm90::desc_here(desc_rs);
+    const uint32_t first = b * kQTileBytes + pass * kPassParts * kBlockM * 128;
 #pragma unroll
     for (int kq = 0; kq < kBlockM / 16; ++kq)
-      sm90::wgmma_rs_mn_parts<E, kParts>(acc, a[kq], sm90::desc_advance(d0, b * kQTileBytes + kq * 2048), kBlockM * 128);
+      sm90::wgmma_rs_mn_parts<E, kPassParts>(acc, a[kq], sm90::desc_advance(d0, first + kq * 2048), kBlockM * 128);
   };
   // Warpgroup 0: P^T in place of S^T, and its factor for dS^T into sF.
   auto probabilities = [&](const QTileDesc& desc, int b) {
@@ -261,62 +274,66 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_split_kernel(const DKV_GRID
                                               sL0 + b * kBlockM, sD0 + b * kBlockM, tid).desc;
     };
 
-    for (int part = 0; part < kParts; ++part)
-      for (int i = 0; i < 32; ++i) acc[part][i] = 0.f;
+    for (int pass = 0; pass < K::kPasses; ++pass) {
+      if (pass > 0) block_sync();  // both warpgroups are done with the last pass's buffers
+      for (int part = 0; part < kPassParts; ++part)
+        for (int i = 0; i < 32; ++i) acc[part][i] = 0.f;
 
-    ReaderCursor<kBlockM> cur;
-    bool have = cur.begin(p, it);
-    QTileDesc desc{};
-    if (have) desc = issue_tile(cur, 0);
-    cp_async_commit();  // group: K, V and the first query tile
-    int b = 0;
-    while (have) {
-      // The next tile loads into tile i - 1's buffers (sF is free too), issued under this tile's
-      // first products. One block barrier a tile.
-      open_reader_tile([&] { issue_ss(b); });
-      ReaderCursor<kBlockM> nxt = cur;
-      const bool have_next = nxt.advance(p, it, rep);
-      QTileDesc next_desc{};
-      if (have_next) next_desc = issue_tile(nxt, b ^ 1);
-      cp_async_commit();
+      ReaderCursor<kBlockM> cur;
+      bool have = cur.begin(p, it);
+      QTileDesc desc{};
+      if (have) desc = issue_tile(cur, 0);
+      cp_async_commit();  // group: (pass 0) K, V and the first query tile
+      int b = 0;
+      while (have) {
+        // The next tile loads into tile i - 1's buffers (sF is free too), issued under this tile's
+        // first products. One block barrier a tile.
+        open_reader_tile([&] { issue_ss(b); });
+        ReaderCursor<kBlockM> nxt = cur;
+        const bool have_next = nxt.advance(p, it, rep);
+        QTileDesc next_desc{};
+        if (have_next) next_desc = issue_tile(nxt, b ^ 1);
+        cp_async_commit();
 
-      sm90::wgmma_wait<0>();
-      sm90::fence_operand<32>(s);
-      if (dv_role) {
-        probabilities(desc, b);
-        sm90::mbar_arrive(f_ready);  // warpgroup 0 goes on to dV without waiting for warpgroup 1
-      } else {
-        const float* sD = sD0 + b * kBlockM;
+        sm90::wgmma_wait<0>();
+        sm90::fence_operand<kBlockM / 2>(s);
+        if (dv_role) {
+          probabilities(desc, b);
+          sm90::mbar_arrive(f_ready);  // warpgroup 0 goes on to dV without waiting for warpgroup 1
+        } else {
+          const float* sD = sD0 + b * kBlockM;
 #pragma unroll
-        for (int e = 0; e < 32; ++e) s[e] -= sD[8 * (e / 4) + 2 * tq + (e % 2)];  // dP^T - D
-        sm90::mbar_wait(f_ready, f_phase);  // the P^T factors are in sF
+          for (int e = 0; e < kBlockM / 2; ++e) s[e] -= sD[8 * (e / 4) + 2 * tq + (e % 2)];  // dP^T - D
+          sm90::mbar_wait(f_ready, f_phase);  // the P^T factors are in sF
 #pragma unroll
-        for (int e = 0; e < 32; ++e) s[e] *= my_f[e * 128];  // dS^T (0 where masked)
+          for (int e = 0; e < kBlockM / 2; ++e) s[e] *= my_f[e * 128];  // dS^T (0 where masked)
+        }
+        f_phase ^= 1;
+        c_to_a<E, kBlockM>(a, reinterpret_cast<const float(&)[kBlockM / 8][4]>(s));
+        sm90::wgmma_fence();
+        issue_rs(b, pass);
+        sm90::wgmma_commit();
+        sm90::wgmma_wait<0>();
+        sm90::fence_operand(a);
+        for (int part = 0; part < kPassParts; ++part) sm90::fence_operand<32>(acc[part]);
+
+        cur = nxt;
+        have = have_next;
+        desc = next_desc;
+        b ^= 1;
       }
-      f_phase ^= 1;
-      c_to_a<E, kBlockM>(a, reinterpret_cast<const float(&)[kBlockM / 8][4]>(s));
-      sm90::wgmma_fence();
-      issue_rs(b);
-      sm90::wgmma_commit();
-      sm90::wgmma_wait<0>();
-      sm90::fence_operand(a);
-      for (int part = 0; part < kParts; ++part) sm90::fence_operand<32>(acc[part]);
-
-      cur = nxt;
-      have = have_next;
-      desc = next_desc;
-      b ^= 1;
-    }
-    cp_async_wait<0>();  // an item with no reader still has its K/V load in flight
-    // acc[part][4 j + i]: key key_in_tile[i / 2], column 64 part + 8 j + 2 tq + i % 2.
-    for (int r = 0; r < 2; ++r) {
-      const int key = key_in_tile[r];
-      if (key >= it.nk) continue;
-      store_grad_row<E>(p, it, it.key_row0 + key, !dv_role, [&](auto&& store) {
-        for (int part = 0; part < kParts; ++part)
+      cp_async_wait<0>();  // an item with no reader still has its K/V load in flight
+      // acc[part][4 j + i]: key key_in_tile[i / 2], column 64 (the pass's first part + part) + 8 j + 2 tq + i % 2.
+      for (int r = 0; r < 2; ++r) {
+        const int key = key_in_tile[r];
+        if (key >= it.nk) continue;
+        store_grad_row<E>(p, it, it.key_row0 + key, !dv_role, [&](auto&& store) {
+          for (int part = 0; part < kPassParts; ++part)
 #pragma unroll
-          for (int j = 0; j < 8; ++j) store(64 * part + 8 * j + 2 * tq, acc[part][4 * j + 2 * r], acc[part][4 * j + 2 * r + 1]);
-      });
+            for (int j = 0; j < 8; ++j)
+              store(64 * (pass * kPassParts + part) + 8 * j + 2 * tq, acc[part][4 * j + 2 * r], acc[part][4 * j + 2 * r + 1]);
+        });
+      }
     }
     block_sync();  // shared K/V are reloaded by the next item
   }

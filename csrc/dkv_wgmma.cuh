@@ -448,6 +448,31 @@ DKV_DEV void wgmma_m64n64k16_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t
 #endif
 }
 
+// d (64 x 16) = A (64 x 16, descriptor, K-major) * B (16 x 16, descriptor, K-major: 16 rows of N)
+// + (accumulate ? d : 0): the d = 512 backward's 16-key / 16-query score tiles. 2 column blocks.
+template <class E>
+DKV_DEV void wgmma_m64n16k16_ss(float (&d)[8], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
+#if DKV_HAS_WGMMA
+  if constexpr (E::kIsBf16)
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)));
+  else
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)));
+#elif defined(DKV_EMULATE)
+  dkv_emu::wgmma(d, 16, nullptr, desc_a, desc_b, accumulate, false, E::kIsBf16);
+#else
+  (void)d, (void)desc_a, (void)desc_b, (void)accumulate;
+  __trap();  // wgmma needs sm_90a
+#endif
+}
+
 // d (64 x 32) = A (64 x 16, descriptor, K-major) * B (16 x 32, descriptor, K-major: 32 rows of N)
 // + (accumulate ? d : 0): S of a 32-key tile (the d = 512 forward). Same layout, 4 column blocks.
 template <class E>
@@ -554,11 +579,13 @@ DKV_DEV void wgmma_rs_mn_parts(float (&acc)[kParts][32], const uint32_t (&a)[4],
     wgmma_m64n64k16_rs<E, 1>(acc[kParts - 1], a, desc_advance(desc_b, (kParts - 1) * part_bytes), true);
 }
 
-// S (64 x kN) = A B^T with B K-major (kN = 32, 64 or 128): one wgmma per call.
+// S (64 x kN) = A B^T with B K-major (kN = 16, 32, 64 or 128): one wgmma per call.
 template <class E, int kN>
 DKV_DEV void wgmma_ss_k_major(float (&d)[kN / 2], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
-  static_assert(kN == 32 || kN == 64 || kN == 128, "wgmma_ss_k_major: N is 32, 64 or 128");
-  if constexpr (kN == 32)
+  static_assert(kN == 16 || kN == 32 || kN == 64 || kN == 128, "wgmma_ss_k_major: N is 16, 32, 64 or 128");
+  if constexpr (kN == 16)
+    wgmma_m64n16k16_ss<E>(d, desc_a, desc_b, accumulate);
+  else if constexpr (kN == 32)
     wgmma_m64n32k16_ss<E>(d, desc_a, desc_b, accumulate);
   else if constexpr (kN == 64)
     wgmma_m64n64k16_ss<E, 0>(d, desc_a, desc_b, accumulate);

@@ -133,8 +133,8 @@ def test_backend_cuda_on_cpu_says_not_built():
 
 def test_auto_follows_the_measured_table_per_head_dim(monkeypatch):
     """On CUDA tensors "auto" takes, in fp16 / bf16 where the CUDA extension runs the wgmma kernels,
-    the CUDA backend at head dim 256 and Triton's forward with the CUDA backward at 128 / 64; the usual
-    order everywhere else; it never starts a build."""
+    the CUDA backend at head dims 512, 256, 128 and 64; the usual order everywhere else; it never starts
+    a build."""
     from dualkv.core import backends
     from dualkv.core.backends import resolve_backend
 
@@ -149,18 +149,20 @@ def test_auto_follows_the_measured_table_per_head_dim(monkeypatch):
     assert resolve_backend("auto", "cuda", head_dim=256, dtype=torch.float32) == usual
     assert resolve_backend("auto", "cuda", head_dim=128, dtype=torch.bfloat16) == "cuda"
     assert resolve_backend("auto", "cuda", head_dim=64, dtype=torch.bfloat16) == "cuda"
+    assert resolve_backend("auto", "cuda", head_dim=512, dtype=torch.bfloat16) == "cuda"
     assert resolve_backend("auto", "cuda", head_dim=96, dtype=torch.bfloat16) == usual  # not measured
     assert resolve_backend("auto", "cpu", head_dim=256, dtype=torch.bfloat16) == "reference"
     assert resolve_backend("triton" if usual == "triton" else "reference", "cuda", head_dim=256,
                            dtype=torch.bfloat16) != "cuda"  # an explicit choice is kept
-    assert asked == [256, 256, 128, 64]
+    assert asked == [256, 256, 128, 64, 512]
     monkeypatch.setattr(cuda, "runs_wgmma", lambda head_dim, device=None: False)
     assert resolve_backend("auto", "cuda", head_dim=256, dtype=torch.bfloat16) == usual
 
 
 def test_auto_pairs_triton_forward_with_cuda_backward_at_512_on_sm90(monkeypatch):
-    """At head dim 512 (no wgmma kernel) "auto" takes Triton's forward and the CUDA backward when the
-    extension is built and the GPU is an sm_90 one (the measured table); the usual order otherwise."""
+    """At head dim 512, where the wgmma kernels do not run (DUALKV_CUDA_WGMMA_BWD=0: the mma.sync
+    backward), "auto" takes Triton's forward and the CUDA backward when the extension is built and the
+    GPU is an sm_90 one (the measured table); the usual order otherwise."""
     from dualkv.core import backends
     from dualkv.core.backends import resolve_backend
 

@@ -173,6 +173,10 @@ SM90_BWD_CASES = [
     dict(d=256, dtype=torch.float16, prompts=[70], responses=[[30, 12]], H=1, Hkv=1, separate=True),
     # d = 128 with a separate context: the seed paper's layout on the default d = 128 backward (6)
     dict(d=128, dtype=torch.bfloat16, prompts=[130], responses=[[30, 12]], H=2, Hkv=1, separate=True),
+    # d = 512: dQ on 16-key tiles, dK/dV on 16-row query tiles in two passes (one per half of the head dim)
+    dict(d=512, dtype=torch.bfloat16, prompts=[100], responses=[[70, 3]], H=2, Hkv=1),
+    dict(d=512, dtype=torch.float16, prompts=[80, 5], responses=[[40, 1], [9]], H=2, Hkv=1, window=50, softcap=5.0),
+    dict(d=512, dtype=torch.bfloat16, prompts=[70], responses=[[30, 12]], H=1, Hkv=1, separate=True, deterministic=True),
 ]
 
 
@@ -438,7 +442,8 @@ def main():
     if args.sm90_bwd:
         os.environ["DUALKV_CUDA_WGMMA"] = "1"
         # --quick: for the fused dQ (3), prompt tiles read by several responses at d = 128 and d = 64
-        # and for the split dK/dV kernel (d = 192 / 256) one prompt read by several responses
+        # and for the split dK/dV kernel (d = 192 / 256) one prompt read by several responses, and at d = 512
+        # (its two passes, 16-row reader tiles, and the dQ kernel's 16-key tiles)
         # and for the warp-specialised dQ (5) key walks longer than its ring (prompt tiles wrap it)
         # and for the default at d = 128 (6) a separate context too
         # and for 5 with split waits (8, the default at d = 64) d = 64 cases with a window, a separate
@@ -447,7 +452,7 @@ def main():
         # a window, a separate context and (8) the softcap fallback, which loads by cp.async
         # and for 6 with the deferred dQ (9, TMA only) items of several tiles at d = 128 and 64, GQA,
         # its deterministic fallback to 5, a softcap and a separate context
-        quick = {"1": (3, 4, 6, 7), "2": (3, 4, 6), "3": (0, 4, 5), "4": (0, 1, 2), "5": (0, 1), "6": (0, 1, 4, 5, 11),
+        quick = {"1": (3, 4, 6, 7, 12), "2": (3, 4, 6), "3": (0, 4, 5), "4": (0, 1, 2), "5": (0, 1), "6": (0, 1, 4, 5, 11),
                  "8": (0, 1, 3, 4, 5, 6), "6t": (0, 1, 4, 11), "8t": (1, 3, 4, 5), "9t": (0, 1, 2, 4, 5, 11)}
         ok = check_wgmma_path()
         ok = check_device_defaults(backward=True) and ok

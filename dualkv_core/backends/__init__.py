@@ -41,7 +41,7 @@ AUTO_ORDER_CUDA = ("triton",)
 # (d = 64) and its backward ahead too (benchmarks/results/attention_h200_ws_fwd_rings*.md; until then
 # "auto" paired Triton's forward with the CUDA backward there, "triton+cuda"). Other head dims are not
 # measured: Triton.
-AUTO_WGMMA_CHOICE = {256: "cuda", 128: "cuda", 64: "cuda"}
+AUTO_WGMMA_CHOICE = {512: "cuda", 256: "cuda", 128: "cuda", 64: "cuda"}
 # Where "auto" pairs Triton's forward with the CUDA backward on an sm_90 GPU when the extension is
 # already built: d = 512 (Gemma-4's global layers), where the CUDA backward (mma.sync; there is no
 # wgmma kernel at 512) took 0.89 / 0.89x Triton's backward time and Triton's forward 0.97x the CUDA

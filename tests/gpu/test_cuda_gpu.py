@@ -100,6 +100,7 @@ GRID = [
     ([200], [[100, 77]], 4, 2, 192, None, None),
     ([200], [[100, 77]], 4, 2, 256, 100, None),
     ([130], [[70, 33]], 4, 2, 512, None, None),
+    ([300], [[200, 65]], 4, 1, 512, 100, 30.0),
 ]
 
 
@@ -176,17 +177,17 @@ def _choose_forward(monkeypatch, mode: str | None, head_dim: int) -> None:
 
 @pytest.mark.parametrize("mode", [None, "1", "2", "3"], ids=["default", "in-turn", "warp-specialised", "tma"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("case", [c for c in GRID if c[4] in (64, 128, 192, 256)], ids=lambda c: _ids(c))
+@pytest.mark.parametrize("case", [c for c in GRID if c[4] in (64, 128, 192, 256, 512)], ids=lambda c: _ids(c))
 def test_wgmma_forward_matches_reference(cuda_backend, case, dtype, mode, monkeypatch):
-    """The Hopper wgmma forward (csrc/dkv_fwd_sm90.cuh; d = 64 / 128 / 192 / 256, the default on sm_90)
-    in both forms, in-turn (DUALKV_CUDA_WGMMA=1, the default at 192 / 256) and warp-specialised (=2, the
-    default before) and that one with bulk tensor copies (=3, the default at 64 / 128), on the grid: out /
-    lse / gradients (through the default backward) against the fp32 reference, and the profiler shows
-    that the form asked for ran."""
+    """The Hopper wgmma forward (csrc/dkv_fwd_sm90.cuh; d = 64 / 128 / 192 / 256 / 512, the default on
+    sm_90) in both forms, in-turn (DUALKV_CUDA_WGMMA=1, the default at 192 / 256 and the one form at
+    512, which =2 runs too) and warp-specialised (=2, the default before) and that one with bulk tensor
+    copies (=3, the default at 64 / 128), on the grid: out / lse / gradients (through the default
+    backward) against the fp32 reference, and the profiler shows that the form asked for ran."""
     _choose_forward(monkeypatch, mode, case[4])
     r, kernels = _kernels_of(case, dtype)
     _check_against_reference(case, dtype, r)
-    ws = mode in ("2", "3") or (mode is None and case[4] <= 128)
+    ws = case[4] != 512 and (mode in ("2", "3") or (mode is None and case[4] <= 128))
     tma = mode == "3" or (mode is None and case[4] <= 128)  # the default at 64 / 128
     flags = f"{str(ws).lower()}, {str(tma).lower()}"
     form = f"dkv_fwd_sm90_kernel<dkv::{'Bf16' if dtype == torch.bfloat16 else 'Fp16'}, {case[4]}, {flags}>"
@@ -204,7 +205,8 @@ def test_tma_forward_rejects_other_head_dims(cuda_backend, monkeypatch):
 
 @pytest.mark.parametrize("mode", [None, "1", "2", "3"], ids=["default", "in-turn", "warp-specialised", "tma"])
 @pytest.mark.parametrize("case", [([1000], [[300, 200]], 4, 2, 128, None, None), ([600], [[250]], 4, 2, 256, None, None),
-                                  ([700], [[300, 41]], 4, 2, 128, None, 30.0)], ids=lambda c: _ids(c))
+                                  ([700], [[300, 41]], 4, 2, 128, None, 30.0), ([600], [[250, 3]], 4, 2, 512, None, None)],
+                         ids=lambda c: _ids(c))
 def test_wgmma_forward_with_growing_scores(cuda_backend, case, mode, monkeypatch):
     """Keys scaled up along the sequence (0.2x to 6x), so that later key tiles raise the row maximum far
     above the running one: the wgmma forward moves its running maximum only past a lag of 2^8 and must
@@ -300,11 +302,12 @@ def test_tile_order_changes_no_result(cuda_backend, head_dim, monkeypatch):
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("case", [c for c in GRID if c[4] in (192, 256)], ids=lambda c: _ids(c))
+@pytest.mark.parametrize("case", [c for c in GRID if c[4] in (192, 256, 512)], ids=lambda c: _ids(c))
 def test_wgmma_split_backward_matches_reference(cuda_backend, case, dtype, deterministic, monkeypatch):
-    """d = 192 / 256 on sm_90 by default: the wgmma dQ and dK/dV kernels with the warpgroups' roles split
-    (csrc/dkv_bwd_sm90.cuh), on the grid against the fp32 reference, in both accumulation modes; the
-    profiler shows that they ran and no mma.sync backward kernel did."""
+    """d = 192 / 256 / 512 on sm_90 by default: the wgmma dQ and dK/dV kernels with the warpgroups' roles
+    split (csrc/dkv_bwd_sm90_split.cuh; at 512 16-key dQ tiles and two dK/dV passes over 16-row reader
+    tiles), on the grid against the fp32 reference, in both accumulation modes; the profiler shows that
+    they ran and no mma.sync backward kernel did."""
     _choose_hopper_kernels(monkeypatch, "DUALKV_CUDA_WGMMA_BWD", None, "the wgmma backward")
     r, kernels = _kernels_of(case, dtype, deterministic)
     _check_against_reference(case, dtype, r)
@@ -345,24 +348,32 @@ def test_auto_takes_cuda_where_it_measured_faster(cuda_backend, monkeypatch):
         assert resolve_backend("auto", q256) == resolve_backend("auto", q128) == "triton"
 
 
-def test_auto_pairs_triton_and_cuda_at_512(cuda_backend):
-    """backend="auto" at head dim 512 on sm_90: Triton's forward, the CUDA (mma.sync) backward; the
-    profiler shows both ran and the result matches the reference. Elsewhere: Triton alone."""
+def test_auto_at_512(cuda_backend, monkeypatch):
+    """backend="auto" at head dim 512 on sm_90: the CUDA backend with its wgmma forward and split
+    backward kernels; with DUALKV_CUDA_WGMMA_BWD=0 (the mma.sync backward) Triton's forward with that
+    backward. The profiler shows which kernels ran and the results match the reference. Elsewhere:
+    Triton alone."""
     from dualkv.core.backends import resolve_backend
 
     hopper = torch.cuda.get_device_capability() == (9, 0)
     q512 = torch.empty(4, 2, 512, device="cuda", dtype=torch.bfloat16)
-    assert resolve_backend("auto", q512) == ("triton+cuda" if hopper else "triton")
+    assert resolve_backend("auto", q512) == ("cuda" if hopper else "triton")
     if not hopper:
         return
     case = next(c for c in GRID if c[4] == 512)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        r = _run_packed(case, torch.bfloat16, deterministic=False, backend="auto")
-    kernels = sorted({e.name for e in prof.events() if "kernel" in e.name})
-    assert any(n.startswith("fwd_kernel") for n in kernels), kernels  # Triton names its kernels bare
-    assert not any("dkv_fwd" in n for n in kernels), kernels
-    assert any("dkv::dkv_dkdv_kernel" in n for n in kernels), kernels
-    _check_against_reference(case, torch.bfloat16, r)
+    for wgmma_bwd in (True, False):
+        if not wgmma_bwd:
+            monkeypatch.setenv("DUALKV_CUDA_WGMMA_BWD", "0")
+            assert resolve_backend("auto", q512) == "triton+cuda"
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            r = _run_packed(case, torch.bfloat16, deterministic=False, backend="auto")
+        kernels = sorted({e.name for e in prof.events() if "kernel" in e.name})
+        triton_fwd = any(n.startswith("fwd_kernel") for n in kernels)  # Triton names its kernels bare
+        cuda_fwd = any("dkv_fwd_sm90_kernel<dkv::Bf16, 512, false, false>" in n for n in kernels)
+        assert (triton_fwd, cuda_fwd) == (not wgmma_bwd, wgmma_bwd), kernels
+        bwd = "dkv_dkdv_sm90_split_kernel<dkv::Bf16, 512>" if wgmma_bwd else "dkv::dkv_dkdv_kernel"
+        assert any(bwd in n for n in kernels), kernels
+        _check_against_reference(case, torch.bfloat16, r)
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
@@ -462,7 +473,8 @@ SANITIZER_SCRIPT = textwrap.dedent(
     from dualkv.core import PackedLayout, dualkv_attention, flash_attn_dualkv_varlen_func
     torch.manual_seed(0)
     tma = os.environ.get("DUALKV_CUDA_WGMMA") == "3"  # the TMA forward: head dims 64 / 128 only
-    for d, det, window in ((64, False, None), (128, True, 40), (128, False, None), (256, False, None))[: 3 if tma else 4]:
+    cases = ((64, False, None), (128, True, 40), (128, False, None), (256, False, None), (512, False, None), (512, True, 30))
+    for d, det, window in cases[: 3 if tma else 6]:
         layout = PackedLayout.from_lengths([70, 5], [[33, 9], [17]], device="cuda")
         T = layout.total_tokens
         q = torch.randn(T, 4, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
