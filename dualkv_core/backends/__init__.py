@@ -39,13 +39,16 @@ AUTO_ORDER_CUDA = ("triton",)
 # forward+backward: benchmarks/results/attention_h200_auto_pair.md) and at d = 128 and 64, where its
 # warp-specialised forward is 4-12% ahead of Triton's (d = 128, all six configs) or level to 7% ahead
 # (d = 64) and its backward ahead too (benchmarks/results/attention_h200_ws_fwd_rings*.md; until then
-# "auto" paired Triton's forward with the CUDA backward there, "triton+cuda"). Other head dims are not
-# measured: Triton.
+# "auto" paired Triton's forward with the CUDA backward there, "triton+cuda"), and at d = 512, where its
+# wgmma forward and backward took 0.77 / 0.76x and 0.60 / 0.60x Triton's time at P = 8K / 16K
+# (forward+backward 0.63 / 0.62x: benchmarks/results/attention_h200_s24_d512.md). Other head dims are
+# not measured: Triton.
 AUTO_WGMMA_CHOICE = {512: "cuda", 256: "cuda", 128: "cuda", 64: "cuda"}
 # Where "auto" pairs Triton's forward with the CUDA backward on an sm_90 GPU when the extension is
-# already built: d = 512 (Gemma-4's global layers), where the CUDA backward (mma.sync; there is no
-# wgmma kernel at 512) took 0.89 / 0.89x Triton's backward time and Triton's forward 0.97x the CUDA
-# forward's (benchmarks/results/attention_h200_s22_d512.md, H200). Not measured on other GPUs: Triton.
+# already built but its wgmma kernels do not run (DUALKV_CUDA_WGMMA_BWD=0): d = 512 (Gemma-4's global
+# layers), where the mma.sync backward took 0.89 / 0.89x Triton's backward time and Triton's forward
+# 0.97x the mma.sync forward's (benchmarks/results/attention_h200_s22_d512.md, H200). Not measured on
+# other GPUs: Triton.
 AUTO_SM90_PAIR = {512: "triton+cuda"}
 
 

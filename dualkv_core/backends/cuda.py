@@ -210,7 +210,7 @@ def runs_wgmma(head_dim: int, device: int | None = None) -> bool:
 def built_for_sm90(device: int | None = None) -> bool:
     """The extension is loaded or importable (this starts no just-in-time build) and CUDA device
     ``device`` (default: the current one) is an sm_90 GPU (H100 / H200), the card ``auto``'s table
-    for the kernels without a wgmma form (d = 512) was measured on."""
+    for d = 512 with the wgmma backward switched off (the mma.sync backward) was measured on."""
     if _static_reason() or _ops_if_built() is None:
         return False
     device = torch.cuda.current_device() if device is None else device
