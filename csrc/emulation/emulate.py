@@ -250,7 +250,7 @@ def check_tma_fallback(backward: bool) -> bool:
 def check_device_defaults(backward: bool) -> bool:
     """Every head dim with the kernel-choice variables unset and the device's defaults
     (DUALKV_EMULATE_DEVICE_DEFAULTS=1: the forms an sm_90 GPU takes, e.g. the TMA forward and dK/dV
-    kernels at d = 64 / 128, mma.sync at 96 / 512) runs and matches the reference: a default that
+    kernels at d = 64 / 128, mma.sync at 96) runs and matches the reference: a default that
     names a form a head dim lacks fails here, not on the GPU."""
     names = ("DUALKV_CUDA_WGMMA", "DUALKV_CUDA_WGMMA_BWD", "DUALKV_CUDA_BWD_TMA", "DUALKV_EMULATE_DEVICE_DEFAULTS")
     saved = {n: os.environ.get(n) for n in names}
@@ -372,11 +372,11 @@ def check_reader_chunks(device_defaults: bool) -> bool:
 
 def check_wgmma_path() -> bool:
     """The extension's answer to backend="auto" (op wgmma_path): the wgmma forward and backward run
-    for head dims 64 / 128 / 192 / 256 when both kernel-choice variables allow them, never for 96 / 512."""
+    for head dims 64 / 128 / 192 / 256 / 512 when both kernel-choice variables allow them, never for 96."""
     ok = True
     saved = {n: os.environ.get(n) for n in ("DUALKV_CUDA_WGMMA", "DUALKV_CUDA_WGMMA_BWD")}
     try:
-        for fwd, bwd, dims in (("1", "1", (64, 128, 192, 256)), ("1", "0", ()), ("0", "1", ())):
+        for fwd, bwd, dims in (("1", "1", (64, 128, 192, 256, 512)), ("1", "0", ()), ("0", "1", ())):
             os.environ["DUALKV_CUDA_WGMMA"], os.environ["DUALKV_CUDA_WGMMA_BWD"] = fwd, bwd
             got = tuple(d for d in (64, 96, 128, 192, 256, 512) if torch.ops.dualkv_cuda_emu.wgmma_path(0, d))
             good = got == dims
