@@ -408,12 +408,15 @@ int use_sm90_forward(const Tensor& q, int head_dim) {
 // DUALKV_CUDA_BWD_TMA: 1 (the default) the warp-specialised dK/dV kernel of schedules 6 and 8 (the
 // default 6 at head dims 64 and 128; and 9) loads by bulk tensor copies from one producer thread
 // (DkdvSm90Ws::kTma; on an H200 the backward takes 5-7% less time than with 0:
-// benchmarks/results/attention_h200_tma.md); 0: by its producer warpgroup's cp.async. Other schedules,
-// and tensors of 2^31 or more (head, row) pairs (the copies' coordinates are 32-bit), load by
-// cp.async either way.
-bool use_bwd_tma(int schedule, int64_t nheads, int64_t total_q) {
+// benchmarks/results/attention_h200_tma.md); 0: by its producer warpgroup's cp.async. At head dims
+// 192 / 256 it is the split dQ and dK/dV kernels' form (DqSm90Split::kTma, DkdvSm90Split::kTma: thread 0
+// loads Q / dO, and the dQ kernel's K / V tiles, by bulk tensor copies); 0: every thread's cp.async.
+// Other schedules and head dims, and tensors of 2^31 or more (head, row) pairs (the copies'
+// coordinates are 32-bit), load by cp.async either way.
+bool use_bwd_tma(int schedule, int head_dim, int64_t nheads, int64_t total_q) {
   const int choice = kernel_choice("DUALKV_CUDA_BWD_TMA", "01", 1);
-  return choice == 1 && (schedule == 6 || schedule == 8 || schedule == 9) && nheads * total_q < (int64_t{1} << 31);
+  const bool copies = schedule == 6 || schedule == 8 || schedule == 9 || (schedule > 0 && (head_dim == 192 || head_dim == 256));
+  return choice == 1 && copies && nheads * total_q < (int64_t{1} << 31);
 }
 
 int use_sm90_backward(const Tensor& q, int head_dim) {
@@ -629,7 +632,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
   p.work_counter = work_counter.data_ptr<int>();
   p.deterministic = deterministic;
   p.dq_accum = fused_dq ? dq_accum.data_ptr<float>() : nullptr;
-  p.tma = use_bwd_tma(sm90, H, T);
+  p.tma = use_bwd_tma(sm90, args.head_dim, H, T);
   if (p.tma) {
     // As the forward: asked for (DUALKV_CUDA_BWD_TMA=1), a map the driver cannot build is an error
     // naming it; by default the dK/dV kernel then loads by its producer warpgroup's cp.async.

@@ -31,16 +31,21 @@ cudaError_t launch_dkdv_sm90(const BwdParams& p, cudaStream_t stream) {
   return launch_persistent<K, &dkv_dkdv_sm90_kernel<E, D, kOverlap, kDq>>(p, stream);
 }
 
+// p.tma (d = 192 / 256): the forms that load by bulk tensor copies.
 template <class E, int D>
 cudaError_t launch_dq_sm90_split(const BwdParams& p, cudaStream_t stream) {
-  using K = DqSm90Split<D>;
-  return launch_tiles<K, &dkv_dq_sm90_split_kernel<E, D>>(p, stream);
+  if constexpr (D <= 256) {
+    if (p.tma) return launch_tiles<DqSm90Split<D, true>, &dkv_dq_sm90_split_kernel<E, D, true>>(p, stream);
+  }
+  return launch_tiles<DqSm90Split<D>, &dkv_dq_sm90_split_kernel<E, D>>(p, stream);
 }
 
 template <class E, int D>
 cudaError_t launch_dkdv_sm90_split(const BwdParams& p, cudaStream_t stream) {
-  using K = DkdvSm90Split<D>;
-  return launch_persistent<K, &dkv_dkdv_sm90_split_kernel<E, D>>(p, stream);
+  if constexpr (D <= 256) {
+    if (p.tma) return launch_persistent<DkdvSm90Split<D, true>, &dkv_dkdv_sm90_split_kernel<E, D, true>>(p, stream);
+  }
+  return launch_persistent<DkdvSm90Split<D>, &dkv_dkdv_sm90_split_kernel<E, D>>(p, stream);
 }
 
 // schedule: 2 (overlapped), 5 and 8 (warp-specialised: a producer warpgroup loads), else in turn.

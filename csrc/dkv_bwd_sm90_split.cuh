@@ -27,21 +27,28 @@ namespace dkv {
 //
 // Warpgroup w takes column parts w, w + 2, ... (d = 256: two each; d = 192: parts 0 and 2, and 1).
 // Two block barriers a key tile: the tile's arrival, and the swap.
-template <int kHeadDim_>
+//
+// kTma (d = 192 / 256, DUALKV_CUDA_BWD_TMA=1, the default): thread 0 loads Q, dO and every key tile by
+// bulk tensor copies (boxes of 64 columns x 64 rows) onto the buffer's mbarrier, which every thread
+// waits on before the tile's block barrier, instead of all 256 threads' cp.async and its address
+// arithmetic. Key rows past a tile's valid ones are loaded as they are (finite; their scores are masked).
+template <int kHeadDim_, bool kTma_ = false>
 struct DqSm90Split {
+  static constexpr bool kTma = kTma_;
   static constexpr int kHeadDim = kHeadDim_, kBlockM = 64, kThreads = 256, kStages = 2;
   static constexpr int kBlockN = kHeadDim == 512 ? 16 : 64;  // keys per tile
   static constexpr int kParts = kHeadDim / 64, kMyParts = (kParts + 1) / 2;  // column parts, a warpgroup's
   static constexpr int kQTile = kBlockM * kHeadDim, kKvTile = kBlockN * kHeadDim;  // elements
-  // Q, dO; the K / V ring; F and G (fp32); alignment.
-  static constexpr int kSmemBytes = (2 * kQTile + 2 * kStages * kKvTile) * 2 + 2 * kBlockM * kBlockN * 4 + 1024;
+  // Q, dO; the K / V ring; F and G (fp32); (kTma) the ring's mbarriers; alignment.
+  static constexpr int kSmemBytes = (2 * kQTile + 2 * kStages * kKvTile) * 2 + 2 * kBlockM * kBlockN * 4 + 16 + 1024;
   static_assert(kHeadDim == 192 || kHeadDim == 256 || kHeadDim == 512, "the split wgmma dQ kernel: head dim 192, 256 or 512");
+  static_assert(!kTma || kBlockN == 64, "(kTma) the binding's maps: boxes of 64 rows");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one H100 / H200 block");
 };
 
-template <class E, int D>
+template <class E, int D, bool kTma = false>
 DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dq_sm90_split_kernel(const DKV_GRID_CONSTANT BwdParams p) {
-  using K = DqSm90Split<D>;
+  using K = DqSm90Split<D, kTma>;
   constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kStages = K::kStages, kMyParts = K::kMyParts;
   const QueryTile qt = query_tile<kBlockM>(p, p.q_tile_prefix, p.q_seg_order);
   if (qt.s < 0) return;
@@ -57,6 +64,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dq_sm90_split_kernel(const DKV_GRID_C
   float* sF = reinterpret_cast<float*>(sK0 + 2 * kStages * K::kKvTile);  // F, then G: [32][128] each
   float* mine = sF + (p_role ? 0 : kBlockM * kBlockN) + (tid & 127);
   const float* theirs = sF + (p_role ? kBlockM * kBlockN : 0) + (tid & 127);
+  uint64_t* full = reinterpret_cast<uint64_t*>(sF + 2 * kBlockM * kBlockN);  // (kTma) per K / V buffer
   auto sK = [&](int t) { return sK0 + (t % kStages) * K::kKvTile; };
   auto sV = [&](int t) { return sK0 + (kStages + t % kStages) * K::kKvTile; };
 
@@ -64,9 +72,31 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dq_sm90_split_kernel(const DKV_GRID_C
   const int n_tiles = walk.n_ctx_tiles + walk.n_own_tiles;
   const int qpos_lo = qt.ctx_len + q0, qpos_hi = qpos_lo + m_valid - 1;
 
-  auto load_kv = [&](int t) { load_kv_tile<D, K::kThreads, kBlockN>(p, walk, t, sK(t), sV(t), hk, tid); };
-  sm90::load_tile_sw128_async<D, K::kThreads, kBlockM>(sQ, p.q, row0 + q0, h, m_valid, tid);
-  sm90::load_tile_sw128_async<D, K::kThreads, kBlockM>(sdO, p.dout, row0 + q0, h, m_valid, tid);
+  constexpr int kParts = K::kParts;
+  auto load_kv = [&](int t) {
+    if constexpr (kTma) {
+      if (tid == 0) {
+        const KvTile kt = walk.tile<kBlockN>(t);
+        uint64_t* bar = &full[t % kStages];
+        sm90::mbar_arrive_expect_tx(bar, (2 * K::kKvTile + (t == 0 ? 2 * K::kQTile : 0)) * 2);
+        if (t == 0) {
+          sm90::tma_load_tile<kParts>(sQ, p.tma_q, h, row0 + q0, kBlockM, bar);
+          sm90::tma_load_tile<kParts>(sdO, p.tma_dout, h, row0 + q0, kBlockM, bar);
+        }
+        sm90::tma_load_tile<kParts>(sK(t), kt.ctx ? p.tma_k_ctx : p.tma_k, hk, kt.row, kBlockN, bar);
+        sm90::tma_load_tile<kParts>(sV(t), kt.ctx ? p.tma_v_ctx : p.tma_v, hk, kt.row, kBlockN, bar);
+      }
+    } else {
+      load_kv_tile<D, K::kThreads, kBlockN>(p, walk, t, sK(t), sV(t), hk, tid);
+    }
+  };
+  if constexpr (kTma) {
+    sm90::init_copy_barriers(full, kStages);
+    block_sync();
+  } else {
+    sm90::load_tile_sw128_async<D, K::kThreads, kBlockM>(sQ, p.q, row0 + q0, h, m_valid, tid);
+    sm90::load_tile_sw128_async<D, K::kThreads, kBlockM>(sdO, p.dout, row0 + q0, h, m_valid, tid);
+  }
   load_kv(0);  // n_tiles >= 1: a query always sees its own key
   cp_async_commit();
 
@@ -121,6 +151,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dq_sm90_split_kernel(const DKV_GRID_C
 
   for (int t = 0; t < n_tiles; ++t) {
     // Tile t has landed, and both warpgroups are done with tile t - 1, whose buffers the load refills.
+    if constexpr (kTma) sm90::mbar_wait(&full[t % kStages], (t / kStages) & 1);
     cp_async_wait<0>();
     sm90::fence_smem_to_async_proxy();
     block_sync();
@@ -182,8 +213,14 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dq_sm90_split_kernel(const DKV_GRID_C
 // the score is computed once; an mbarrier tells warpgroup 1 they are there, and warpgroup 0 goes on
 // to its dV product without waiting. Same work items, reader walk and output modes as the other dK/dV
 // kernels; the in-turn schedule; dQ comes from the split dQ kernel above.
-template <int kHeadDim_>
+//
+// kTma (d = 192 / 256, DUALKV_CUDA_BWD_TMA=1, the default): thread 0 loads each reader tile's Q and dO
+// by bulk tensor copies (boxes of 64 columns x 64 rows) onto its buffer's mbarrier, which every thread
+// waits on before the tile's block barrier; K / V (once an item) and lse_log2 / dsum stay cp.async.
+// Query rows past a tile's valid ones are loaded as they are (finite; P^T and dS^T are 0 there).
+template <int kHeadDim_, bool kTma_ = false>
 struct DkdvSm90Split {
+  static constexpr bool kTma = kTma_;
   static constexpr int kHeadDim = kHeadDim_, kBlockN = 64, kThreads = 256;
   static constexpr int kBlockM = kHeadDim == 512 ? 16 : 64;  // query rows per reader tile
   static constexpr int kPasses = kHeadDim == 512 ? 2 : 1;    // walks over the readers, one per column range
@@ -192,14 +229,15 @@ struct DkdvSm90Split {
   // K, V; Q and dO, two buffers each; the P^T factors; lse_log2 and dsum, two buffers; the factors'
   // mbarrier and the item slot; alignment.
   static constexpr int kSmemBytes =
-      (2 * kKvTile + 4 * kQTile) * 2 + kBlockN * kBlockM * 4 + 4 * kBlockM * 4 + 32 + 1024;
+      (2 * kKvTile + 4 * kQTile) * 2 + kBlockN * kBlockM * 4 + 4 * kBlockM * 4 + 32 + 16 + 1024;
   static_assert(kHeadDim == 192 || kHeadDim == 256 || kHeadDim == 512, "the split wgmma dK/dV kernel: head dim 192, 256 or 512");
+  static_assert(!kTma || kBlockM == kSm90DkdvQueryRows, "(kTma) the binding's q / dout maps: boxes of 64 rows");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one H100 / H200 block");
 };
 
-template <class E, int D>
+template <class E, int D, bool kTma = false>
 DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_split_kernel(const DKV_GRID_CONSTANT BwdParams p) {
-  using K = DkdvSm90Split<D>;
+  using K = DkdvSm90Split<D, kTma>;
   constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kPassParts = K::kPassParts;
   const int tid = thread_idx(), lane = tid & 31, warp = (tid >> 5) & 3, wg = tid >> 7;
   const int g = lane >> 2, tq = lane & 3;
@@ -216,11 +254,13 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_split_kernel(const DKV_GRID
   float* sL0 = sF + kBlockN * kBlockM;
   float* sD0 = sL0 + 2 * kBlockM;
   uint64_t* f_ready = reinterpret_cast<uint64_t*>(sD0 + 2 * kBlockM);  // warpgroup 0 -> 1: sF written
-  int* s_item = reinterpret_cast<int*>(f_ready + 1);
+  uint64_t* full = f_ready + 1;  // (kTma) per Q / dO buffer
+  int* s_item = reinterpret_cast<int*>(full + 2);
   float* my_f = sF + (tid & 127);
   if (tid == 0) sm90::mbar_init(f_ready, 128);
+  if constexpr (kTma) sm90::init_copy_barriers(full, 2);
   block_sync();
-  int f_phase = 0;
+  int f_phase = 0, full_phase = 0;  // (kTma) bit b: the parity of buffer b's next completion
 
   // Warpgroup 0 multiplies K by Q and accumulates with dO; warpgroup 1 V by dO, and accumulates with Q.
   const uint64_t desc_a = sm90::smem_desc_sw128(dv_role ? sK : sV);
@@ -270,8 +310,21 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_split_kernel(const DKV_GRID
     sm90::load_tile_sw128_async<D, K::kThreads, kBlockN>(sV, it.ctx_tensor ? p.v_ctx : p.v, it.key_row0, it.hk, it.nk, tid);
 
     auto issue_tile = [&](const ReaderCursor<kBlockM>& cur, int b) -> QTileDesc {
-      return load_reader_tile<D, K::kThreads>(p, cur, it, rep, sQ0 + b * K::kQTile, sdO0 + b * K::kQTile,
-                                              sL0 + b * kBlockM, sD0 + b * kBlockM, tid).desc;
+      if constexpr (kTma) {
+        const ReaderTile rt = reader_tile(cur, it, rep);
+        if (tid == 0) {
+          sm90::mbar_arrive_expect_tx(&full[b], 2 * K::kQTile * 2);
+          sm90::tma_load_tile<K::kParts>(sQ0 + b * K::kQTile, p.tma_q, rt.hq, rt.row, kBlockM, &full[b]);
+          sm90::tma_load_tile<K::kParts>(sdO0 + b * K::kQTile, p.tma_dout, rt.hq, rt.row, kBlockM, &full[b]);
+        }
+        const int64_t si = static_cast<int64_t>(rt.hq) * p.total_q + rt.row;
+        load_vec_async<kBlockM, K::kThreads>(sL0 + b * kBlockM, p.lse_log2 + si, rt.desc.m_valid, p.lse_log2, tid);
+        load_vec_async<kBlockM, K::kThreads>(sD0 + b * kBlockM, p.dsum + si, rt.desc.m_valid, p.dsum, tid);
+        return rt.desc;
+      } else {
+        return load_reader_tile<D, K::kThreads>(p, cur, it, rep, sQ0 + b * K::kQTile, sdO0 + b * K::kQTile,
+                                                sL0 + b * kBlockM, sD0 + b * kBlockM, tid).desc;
+      }
     };
 
     for (int pass = 0; pass < K::kPasses; ++pass) {
@@ -288,6 +341,10 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_split_kernel(const DKV_GRID
       while (have) {
         // The next tile loads into tile i - 1's buffers (sF is free too), issued under this tile's
         // first products. One block barrier a tile.
+        if constexpr (kTma) {
+          sm90::mbar_wait(&full[b], (full_phase >> b) & 1);
+          full_phase ^= 1 << b;
+        }
         open_reader_tile([&] { issue_ss(b); });
         ReaderCursor<kBlockM> nxt = cur;
         const bool have_next = nxt.advance(p, it, rep);

@@ -313,6 +313,17 @@ DKV_DEV void init_ring(uint64_t* full, uint64_t* empty, int stages, int full_cou
   block_sync();
 }
 
+// n mbarriers that bulk tensor copies complete (one arrival: the issuing thread's expect_tx), by thread
+// 0; the caller's block barrier makes them visible before any use.
+DKV_DEV void init_copy_barriers(uint64_t* bars, int n) {
+  if (thread_idx() == 0) {
+    for (int i = 0; i < n; ++i) mbar_init(&bars[i], 1);
+#if !defined(DKV_EMULATE) && DKV_HAS_WGMMA
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // for the copy engine
+#endif
+  }
+}
+
 // Warp-specialised register budgets: a warpgroup gives registers back (dec) or takes them (inc); every
 // warp of the warpgroup executes it.
 //

@@ -300,19 +300,27 @@ def test_tile_order_changes_no_result(cuda_backend, head_dim, monkeypatch):
         assert torch.equal(runs[None][name], runs["0"][name]), name
 
 
+@pytest.mark.parametrize("tma", [None, "0"], ids=["default", "cp-async"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", [c for c in GRID if c[4] in (192, 256, 512)], ids=lambda c: _ids(c))
-def test_wgmma_split_backward_matches_reference(cuda_backend, case, dtype, deterministic, monkeypatch):
+def test_wgmma_split_backward_matches_reference(cuda_backend, case, dtype, deterministic, tma, monkeypatch):
     """d = 192 / 256 / 512 on sm_90 by default: the wgmma dQ and dK/dV kernels with the warpgroups' roles
     split (csrc/dkv_bwd_sm90_split.cuh; at 512 16-key dQ tiles and two dK/dV passes over 16-row reader
-    tiles), on the grid against the fp32 reference, in both accumulation modes; the profiler shows that
-    they ran and no mma.sync backward kernel did."""
+    tiles), on the grid against the fp32 reference, in both accumulation modes, loading by bulk tensor
+    copies (the default at 192 / 256) or by cp.async (DUALKV_CUDA_BWD_TMA=0, and always at 512); the
+    profiler shows that the form asked for ran and no mma.sync backward kernel did."""
     _choose_hopper_kernels(monkeypatch, "DUALKV_CUDA_WGMMA_BWD", None, "the wgmma backward")
+    if tma is None:
+        monkeypatch.delenv("DUALKV_CUDA_BWD_TMA", raising=False)
+    else:
+        monkeypatch.setenv("DUALKV_CUDA_BWD_TMA", tma)
     r, kernels = _kernels_of(case, dtype, deterministic)
     _check_against_reference(case, dtype, r)
+    copies = "true" if tma is None and case[4] <= 256 else "false"
     for kernel in ("dkv_dq_sm90_split_kernel", "dkv_dkdv_sm90_split_kernel"):
-        assert any(kernel in name for name in kernels), f"{kernel} did not run: {sorted(kernels)}"
+        form = f"{kernel}<dkv::{'Bf16' if dtype == torch.bfloat16 else 'Fp16'}, {case[4]}, {copies}>"
+        assert any(form in name for name in kernels), f"{form} did not run: {sorted(kernels)}"
     assert not any(k in name for name in kernels for k in ("dkv_dq_kernel", "dkv_dkdv_kernel")), sorted(kernels)
 
 
@@ -371,7 +379,7 @@ def test_auto_at_512(cuda_backend, monkeypatch):
         triton_fwd = any(n.startswith("fwd_kernel") for n in kernels)  # Triton names its kernels bare
         cuda_fwd = any("dkv_fwd_sm90_kernel<dkv::Bf16, 512, false, false>" in n for n in kernels)
         assert (triton_fwd, cuda_fwd) == (not wgmma_bwd, wgmma_bwd), kernels
-        bwd = "dkv_dkdv_sm90_split_kernel<dkv::Bf16, 512>" if wgmma_bwd else "dkv::dkv_dkdv_kernel"
+        bwd = "dkv_dkdv_sm90_split_kernel<dkv::Bf16, 512, false>" if wgmma_bwd else "dkv::dkv_dkdv_kernel"
         assert any(bwd in n for n in kernels), kernels
         _check_against_reference(case, torch.bfloat16, r)
 
@@ -509,14 +517,15 @@ def _sanitizer():
 # warp-specialised dK/dV kernels that also accumulate dQ; the warp-specialised dK/dV kernel with the
 # in-turn dQ kernel; both warp-specialised; the default schedules' dK/dV kernels with cp.async, where
 # the default has bulk tensor copies; the fused-dQ kernel with dQ deferred a tile, whose consumers
-# exchange dS through mbarriers) and the mma.sync kernels; all but the first differ from
+# exchange dS through mbarriers; every backward kernel's cp.async form, the split ones at d = 256
+# included) and the mma.sync kernels; all but the first differ from
 # the defaults only on an sm_90 GPU.
 SANITIZER_PATHS = {"default": {}, "hopper-opt-in": {"DUALKV_CUDA_WGMMA": "1", "DUALKV_CUDA_WGMMA_BWD": "2"},
                    "ws-forward": {"DUALKV_CUDA_WGMMA": "2"}, "tma-forward": {"DUALKV_CUDA_WGMMA": "3"},
                    "fused-dq": {"DUALKV_CUDA_WGMMA_BWD": "3"}, "ws-dkdv": {"DUALKV_CUDA_WGMMA_BWD": "4"},
                    "ws-both": {"DUALKV_CUDA_WGMMA_BWD": "5"}, "ws-fused-dq": {"DUALKV_CUDA_WGMMA_BWD": "6", "DUALKV_CUDA_BWD_TMA": "0"},
                    "ws-split": {"DUALKV_CUDA_WGMMA_BWD": "8", "DUALKV_CUDA_BWD_TMA": "0"},
-                   "ws-deferred-dq": {"DUALKV_CUDA_WGMMA_BWD": "9"},
+                   "ws-deferred-dq": {"DUALKV_CUDA_WGMMA_BWD": "9"}, "cp-async-bwd": {"DUALKV_CUDA_BWD_TMA": "0"},
                    "mma-sync": {"DUALKV_CUDA_WGMMA": "0", "DUALKV_CUDA_WGMMA_BWD": "0"}}
 
 
