@@ -31,12 +31,11 @@ cudaError_t launch_dkdv_sm90(const BwdParams& p, cudaStream_t stream) {
   return launch_persistent<K, &dkv_dkdv_sm90_kernel<E, D, kOverlap, kDq>>(p, stream);
 }
 
-// p.tma (d = 192 / 256): the forms that load by bulk tensor copies.
+// p.tma: the forms that load by bulk tensor copies (the dQ kernel at d = 192 / 256 / 512, the dK/dV
+// kernel at 192 / 256; its 16-row reader tiles at 512 stay cp.async).
 template <class E, int D>
 cudaError_t launch_dq_sm90_split(const BwdParams& p, cudaStream_t stream) {
-  if constexpr (D <= 256) {
-    if (p.tma) return launch_tiles<DqSm90Split<D, true>, &dkv_dq_sm90_split_kernel<E, D, true>>(p, stream);
-  }
+  if (p.tma) return launch_tiles<DqSm90Split<D, true>, &dkv_dq_sm90_split_kernel<E, D, true>>(p, stream);
   return launch_tiles<DqSm90Split<D>, &dkv_dq_sm90_split_kernel<E, D>>(p, stream);
 }
 

@@ -28,10 +28,11 @@ namespace dkv {
 // Warpgroup w takes column parts w, w + 2, ... (d = 256: two each; d = 192: parts 0 and 2, and 1).
 // Two block barriers a key tile: the tile's arrival, and the swap.
 //
-// kTma (d = 192 / 256, DUALKV_CUDA_BWD_TMA=1, the default): thread 0 loads Q, dO and every key tile by
-// bulk tensor copies (boxes of 64 columns x 64 rows) onto the buffer's mbarrier, which every thread
-// waits on before the tile's block barrier, instead of all 256 threads' cp.async and its address
-// arithmetic. Key rows past a tile's valid ones are loaded as they are (finite; their scores are masked).
+// kTma (DUALKV_CUDA_BWD_TMA=1, the default): thread 0 loads Q, dO and every key tile by bulk tensor
+// copies (boxes of 64 columns x 64 rows, key boxes of kBlockN rows) onto the buffer's mbarrier, which
+// every thread waits on before the tile's block barrier, instead of all 256 threads' cp.async and its
+// address arithmetic. Key rows past a tile's valid ones are loaded as they are (finite; their scores
+// are masked).
 template <int kHeadDim_, bool kTma_ = false>
 struct DqSm90Split {
   static constexpr bool kTma = kTma_;
@@ -42,7 +43,8 @@ struct DqSm90Split {
   // Q, dO; the K / V ring; F and G (fp32); (kTma) the ring's mbarriers; alignment.
   static constexpr int kSmemBytes = (2 * kQTile + 2 * kStages * kKvTile) * 2 + 2 * kBlockM * kBlockN * 4 + 16 + 1024;
   static_assert(kHeadDim == 192 || kHeadDim == 256 || kHeadDim == 512, "the split wgmma dQ kernel: head dim 192, 256 or 512");
-  static_assert(!kTma || kBlockN == 64, "(kTma) the binding's maps: boxes of 64 rows");
+  static_assert(!kTma || kBlockM == kSm90DkdvQueryRows, "(kTma) the binding's q / dout maps: boxes of 64 rows");
+  static_assert(!kTma || kBlockN == (kHeadDim == 512 ? kSm90DqKeyRows512 : 64), "(kTma) the binding's key maps' boxes");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one H100 / H200 block");
 };
 

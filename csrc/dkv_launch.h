@@ -49,6 +49,7 @@ bool sm90_bwd_schedules(int head_dim);  // schedules 2 .. 5 exist (head dims 64 
 int sm90_dq_block_m(int head_dim);
 int sm90_dkdv_block_n(int head_dim);
 constexpr int kSm90DkdvQueryRows = 64;  // query rows of the dK/dV kernels' reader tiles at head dims 64 / 128
+constexpr int kSm90DqKeyRows512 = 16;    // (BwdParams::tma) key rows of the split dQ kernel's tiles at d = 512
 constexpr int kSm90DkdvVecBox = 68;     // (BwdParams::tma) floats of an lse_log2 / dsum copy (DkdvSm90Ws::kVecBox)
 // Backward: dq kernel and dkdv kernel for one head dim.
 template <class E, int D>

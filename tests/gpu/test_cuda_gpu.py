@@ -308,7 +308,7 @@ def test_wgmma_split_backward_matches_reference(cuda_backend, case, dtype, deter
     """d = 192 / 256 / 512 on sm_90 by default: the wgmma dQ and dK/dV kernels with the warpgroups' roles
     split (csrc/dkv_bwd_sm90_split.cuh; at 512 16-key dQ tiles and two dK/dV passes over 16-row reader
     tiles), on the grid against the fp32 reference, in both accumulation modes, loading by bulk tensor
-    copies (the default at 192 / 256) or by cp.async (DUALKV_CUDA_BWD_TMA=0, and always at 512); the
+    copies (the default; at 512 the dQ kernel's only) or by cp.async (DUALKV_CUDA_BWD_TMA=0); the
     profiler shows that the form asked for ran and no mma.sync backward kernel did."""
     _choose_hopper_kernels(monkeypatch, "DUALKV_CUDA_WGMMA_BWD", None, "the wgmma backward")
     if tma is None:
@@ -317,9 +317,9 @@ def test_wgmma_split_backward_matches_reference(cuda_backend, case, dtype, deter
         monkeypatch.setenv("DUALKV_CUDA_BWD_TMA", tma)
     r, kernels = _kernels_of(case, dtype, deterministic)
     _check_against_reference(case, dtype, r)
-    copies = "true" if tma is None and case[4] <= 256 else "false"
-    for kernel in ("dkv_dq_sm90_split_kernel", "dkv_dkdv_sm90_split_kernel"):
-        form = f"{kernel}<dkv::{'Bf16' if dtype == torch.bfloat16 else 'Fp16'}, {case[4]}, {copies}>"
+    copies = {"dkv_dq_sm90_split_kernel": tma is None, "dkv_dkdv_sm90_split_kernel": tma is None and case[4] <= 256}
+    for kernel, tma_form in copies.items():
+        form = f"{kernel}<dkv::{'Bf16' if dtype == torch.bfloat16 else 'Fp16'}, {case[4]}, {str(tma_form).lower()}>"
         assert any(form in name for name in kernels), f"{form} did not run: {sorted(kernels)}"
     assert not any(k in name for name in kernels for k in ("dkv_dq_kernel", "dkv_dkdv_kernel")), sorted(kernels)
 
