@@ -1,6 +1,7 @@
-// Forward kernel on Hopper warpgroup MMA (sm_90a), fp16 / bf16, head dims 64, 128, 192 and 256 (docs/cuda.md).
+// Forward kernel on Hopper warpgroup MMA (sm_90a), fp16 / bf16, head dims 64, 128, 192, 256 and 512 (docs/cuda.md).
 // Same contract and two-region walk as dkv_fwd.cuh. A block is two warpgroups (256 threads) on 128
-// query rows of one head, warpgroup w on rows 64 w .. 64 w + 63; both share every K / V tile. A head
+// query rows of one head (at d = 512 on 64, kSplitK below), warpgroup w on rows 64 w .. 64 w + 63;
+// both share every K / V tile. A head
 // dim of D is D / 64 column "parts" (64-column swizzled sub-tiles):
 //
 //   S (64 x kBlockN keys) = Q K^T   wgmma SS, D / 16 k16 steps; kBlockN = 128 for D <= 128, else 64
