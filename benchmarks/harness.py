@@ -331,8 +331,8 @@ class DualKVCudaWs(DualKVCuda):
 
 @register("dualkv-cuda-tma-fwd")
 class DualKVCudaTmaFwd(DualKVCuda):
-    """The warp-specialised wgmma forward with one producer thread issuing bulk tensor copies (TMA;
-    the default at d = 64 / 128)."""
+    """The wgmma forward with one thread issuing bulk tensor copies (TMA; the default: the
+    warp-specialised form at d = 64 / 128, the in-turn form at 192 / 256 / 512)."""
 
     env = {"DUALKV_CUDA_WGMMA": "3"}
 
@@ -356,8 +356,8 @@ class DualKVCudaCpAsyncBwd(DualKVCuda):
 
 @register("dualkv-cuda-in-turn-fwd")
 class DualKVCudaInTurnFwd(DualKVCuda):
-    """The in-turn wgmma forward (every thread loads and computes; the default at d = 192 / 256, opt-in
-    at 64 / 128)."""
+    """The in-turn wgmma forward with cp.async (every thread loads and computes; the default at d = 192
+    / 256 / 512 before its bulk tensor copies, opt-in at 64 / 128)."""
 
     env = {"DUALKV_CUDA_WGMMA": "1"}
 

@@ -366,20 +366,21 @@ bool hopper_kernels_usable(const Tensor& q) {
 
 // The wgmma forward (dkv_fwd_sm90.cuh) runs on sm_90 devices for head dims 64 / 128 / 192 / 256 / 512,
 // fp16 and bf16, when the extension was built for sm_90a (else the mma.sync forward runs);
-// DUALKV_CUDA_WGMMA=0 selects the mma.sync forward, 1 the in-turn wgmma forward (every thread loads and
-// computes), 2 the warp-specialised one (a producer warpgroup's cp.async, K and V in rings of their
-// own), 3 (head dims 64 / 128) that one with a single producer thread issuing bulk tensor copies (TMA).
-// The default: 3 at head dims 64 and 128 (on an H200 its kernel takes 13-25% less time than 2's:
-// benchmarks/results/raw/profile_h200_fwd_tma.log), 1 at 192 / 256 (where 2 measured 1.9x slower).
-// At 512 there is one form, the in-turn one with the head dim split between the warpgroups: 1 or 2
-// runs it. Returns 0 (mma.sync), 1, 2 or 3.
+// DUALKV_CUDA_WGMMA=0 selects the mma.sync forward, 1 the in-turn wgmma forward (every thread loads by
+// cp.async and computes), 2 the warp-specialised one (a producer warpgroup's cp.async, K and V in rings
+// of their own), 3 the default: its loads as bulk tensor copies (TMA) from one thread, in the
+// warp-specialised form at head dims 64 / 128 (on an H200 its kernel takes 13-25% less time than 2's:
+// benchmarks/results/raw/profile_h200_fwd_tma.log) and in the in-turn form at 192 / 256 / 512 (where 2
+// measured 1.9x slower than 1). At 512 the in-turn form splits the head dim between the warpgroups and
+// has no warp-specialised form: 2 runs 1 there. At 96 no wgmma form runs: 1 and 2 take mma.sync, 3 is
+// an error. Returns 0 (mma.sync), 1, 2 or 3.
 int use_sm90_forward(const Tensor& q, int head_dim) {
-  // The default takes the TMA form only where it exists (64 / 128; at 96 no wgmma form runs).
-  const int choice = kernel_choice("DUALKV_CUDA_WGMMA", "0123", head_dim == 64 || head_dim == 128 ? 3 : 1);
-  DKV_CHECK(choice != 3 || head_dim == 64 || head_dim == 128, kOps,
-              ": DUALKV_CUDA_WGMMA=3 (bulk tensor copies): q: expected headdim 64 or 128, got ", head_dim);
+  const int choice = kernel_choice("DUALKV_CUDA_WGMMA", "0123", 3);
+  const bool asked = !env_value("DUALKV_CUDA_WGMMA").empty();
+  DKV_CHECK(!asked || choice != 3 || sm90_forward_supports(head_dim), kOps,
+              ": DUALKV_CUDA_WGMMA=3 (bulk tensor copies): q: expected headdim 64, 128, 192, 256 or 512, got ", head_dim);
   if (choice == 0 || !sm90_forward_supports(head_dim) || !hopper_kernels_usable(q)) return 0;
-  return head_dim == 512 ? 1 : choice;
+  return head_dim == 512 && choice == 2 ? 1 : choice;
 }
 
 // The wgmma backward kernels (dkv_bwd_sm90.cuh: dQ and dK/dV), head dims 64 / 128 / 192 / 256 (at 192 /
@@ -518,11 +519,12 @@ std::tuple<Tensor, Tensor> fwd(const Tensor& q, const Tensor& k, const Tensor& v
   int form = sm90;
   if (form == 3) {
     // Asked for (DUALKV_CUDA_WGMMA=3), a map the driver cannot build is an error naming it; by default
-    // the forward then runs its cp.async form (2) instead.
+    // the forward then runs its cp.async form instead (2 at head dims 64 / 128, else 1). Boxes are the
+    // kernel's query and key tiles.
     TmaMaps maps{!env_value("DUALKV_CUDA_WGMMA").empty(), "DUALKV_CUDA_WGMMA=3"};
-    maps.box(p.tma_q, q, "q", kSm90BlockM);
-    maps.keys(p, k, v, k_ctx, v_ctx, kSm90BlockM);
-    if (!maps.built) form = 2;
+    maps.box(p.tma_q, q, "q", block_m);
+    maps.keys(p, k, v, k_ctx, v_ctx, sm90_fwd_block_n(args.head_dim));
+    if (!maps.built) form = args.head_dim <= 128 ? 2 : 1;
   }
   if (form) {
     check_launch(bf16 ? run_fwd_sm90<Bf16>(p, st, form) : run_fwd_sm90<Fp16>(p, st, form), "forward kernel (sm90 wgmma)");

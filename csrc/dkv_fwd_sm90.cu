@@ -1,5 +1,6 @@
 // Forward on Hopper warpgroup MMA (dkv_fwd_sm90.cuh): fp16 and bf16, head dims 64, 128, 192, 256 and 512
-// (the TMA form at 64 / 128; at 512 the in-turn form for every form asked). The
+// (at 64 / 128 the warp-specialised TMA form and the cp.async forms; at 192 / 256 / 512 the in-turn form
+// by bulk tensor copies or cp.async, and at 192 / 256 the warp-specialised cp.async form). The
 // kernel traps unless the unit is built for sm_90a; the binding only calls it on an sm_90 device.
 #include "dkv_fwd_sm90.cuh"
 #include "dkv_launch_impl.cuh"
@@ -26,6 +27,15 @@ bool sm90_forward_supports(int head_dim) {
 }
 static_assert(FwdSm90<64>::kBlockM == kSm90BlockM && FwdSm90<256>::kBlockM == kSm90BlockM, "the binding's tile rows");
 int sm90_fwd_block_m(int head_dim) { return head_dim == 512 ? FwdSm90<512>::kBlockM : kSm90BlockM; }
+int sm90_fwd_block_n(int head_dim) {
+  switch (head_dim) {
+    case 64: return FwdSm90<64>::kBlockN;
+    case 128: return FwdSm90<128>::kBlockN;
+    case 192: return FwdSm90<192>::kBlockN;
+    case 256: return FwdSm90<256>::kBlockN;
+    default: return FwdSm90<512>::kBlockN;
+  }
+}
 
 #ifndef DKV_EMULATE
 // The driver's encoder, found once through the runtime (no link against libcuda); null without one.
@@ -139,9 +149,14 @@ cudaError_t run_fwd_sm90_variant(const FwdParams& p, cudaStream_t stream) {
 template <class E>
 cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream, int form) {
   if (form == 3) {  // the binding checked the head dim and built the tensor maps
-    if (p.head_dim == 64) return launch_fwd_sm90<E, 64, true, true>(p, stream);
-    if (p.head_dim == 128) return launch_fwd_sm90<E, 128, true, true>(p, stream);
-    return static_cast<cudaError_t>(1);  // cudaErrorInvalidValue
+    switch (p.head_dim) {
+      case 64: return launch_fwd_sm90<E, 64, true, true>(p, stream);
+      case 128: return launch_fwd_sm90<E, 128, true, true>(p, stream);
+      case 192: return launch_fwd_sm90<E, 192, false, true>(p, stream);  // in turn, bulk tensor copies
+      case 256: return launch_fwd_sm90<E, 256, false, true>(p, stream);
+      case 512: return launch_fwd_sm90<E, 512, false, true>(p, stream);
+      default: return static_cast<cudaError_t>(1);  // cudaErrorInvalidValue
+    }
   }
   return form == 2 ? run_fwd_sm90_variant<E, true>(p, stream) : run_fwd_sm90_variant<E, false>(p, stream);
 }

@@ -15,7 +15,7 @@
 // V one tile behind K: iteration t loads K_{t+kStages-1} and V_{t+kStages-2} with cp.async
 // (128B-swizzled, made visible to the wgmma proxy by a fence), so every load has kStages - 1 whole
 // iterations to land (kWs = false; the warp-specialised form below has its own rings). The loads
-// are cp.async, or bulk tensor copies in the opt-in kTma form (docs/cuda.md).
+// are cp.async, or bulk tensor copies in the kTma forms (docs/cuda.md).
 #pragma once
 
 #include "dkv_fwd.cuh"
@@ -37,7 +37,11 @@ namespace dkv {
 // form with one producer thread filling the rings by bulk tensor copies (TMA boxes of 64 columns x 128
 // rows, 128B-swizzled by the copy engine, completing on the full barriers' transaction counts) instead
 // of 128 threads' cp.async; rows past a tile's valid ones are loaded as they are (masked, as with
-// cp.async's zeros; rows past the tensor land as zeros).
+// cp.async's zeros; rows past the tensor land as zeros). At d = 192 / 256 / 512 (DUALKV_CUDA_WGMMA=3, the
+// default there too) kTma is the in-turn form's: thread 0 issues load group j (K_j and V_{j-1}, Q with
+// K_0) as boxes of the tiles' own heights (Q 128 rows, or 64 at 512; K / V 64, or 32) onto group j's
+// mbarrier, and every thread waits there for the group its iteration reads instead of on its cp.async
+// groups; the block barrier per key tile stays (a buffer is refilled once every thread is done with it).
 //
 // kSplitK (head dim 512, the in-turn form only): a warpgroup's 64 x 512 fp32 O would take 256 registers
 // a thread, so both warpgroups work on the SAME 64 query rows and split the head dim instead. Warpgroup
@@ -54,8 +58,9 @@ struct FwdSm90 {
   static constexpr int kBlockM = kSplitK ? 64 : 64 * kWarpGroups;
   static constexpr bool kWs = kWs_, kTma = kTma_;
   static_assert(!kSplitK || !kWs, "the d = 512 forward: the in-turn form");
-  static_assert(!kTma || (kWs && kHeadDim <= 128), "the TMA forward: the warp-specialised form at head dims 64 / 128");
-  static constexpr int kTmaBoxRows = 128;  // (kTma) rows of every box: a Q tile and a K / V tile alike
+  static_assert(!kTma || (kWs ? kHeadDim <= 128 : kHeadDim >= 192),
+                "the TMA forward: warp-specialised at head dims 64 / 128, in turn at 192 / 256 / 512");
+  static constexpr int kTmaBoxRows = 128;  // (kTma, kWs) rows of every box: a Q tile and a K / V tile alike
   static constexpr int kThreads = 128 * (kWarpGroups + (kWs ? 1 : 0));
   static constexpr int kBlockN = kHeadDim <= 128 ? 128 : kSplitK ? 32 : 64;
   static constexpr int kParts = kHeadDim / 64;             // 64-column swizzled sub-tiles per row
@@ -65,12 +70,13 @@ struct FwdSm90 {
   static constexpr int kStages = kHeadDim >= 256 ? 2 : 3;  // buffers of K and of V
   // (kSplitK) the two warpgroups' partial S, fp32.
   static constexpr int kExchangeBytes = kSplitK ? 2 * 64 * kBlockN * 4 : 0;
-  // Tiles, then (kWs) the full and empty mbarriers of each K and each V stage, + 1024 bytes of alignment.
+  // Tiles, (kSplitK) the exchange, then (kWs) the full and empty mbarriers of each K and each V stage or
+  // (kTma in turn) the full mbarrier of each stage, + 1024 bytes of alignment.
   static constexpr int kSmemBytes =
-      (kQTile + 2 * kStages * kKvTile) * 2 + (kWs ? 32 * kStages : 0) + kExchangeBytes + 1024;
+      (kQTile + 2 * kStages * kKvTile) * 2 + kExchangeBytes + (kWs ? 32 * kStages : kTma ? 8 * kStages : 0) + 1024;
   static_assert(kHeadDim % 64 == 0 && kParts >= 1 && (kParts <= 4 || kSplitK), "head dim: 64, 128, 192, 256 or 512");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one H100 / H200 block");
-  static_assert(!kTma || (kBlockM == kTmaBoxRows && kBlockN == kTmaBoxRows), "(kTma) Q, K and V tiles of one box height");
+  static_assert(!kTma || !kWs || (kBlockM == kTmaBoxRows && kBlockN == kTmaBoxRows), "(kTma, kWs) Q, K and V tiles of one box height");
 };
 
 template <class E, int D, bool kWs, bool kTma = false>
@@ -93,14 +99,16 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs, kTma>::kThreads)) dkv_fwd_sm9
   uint16_t* sK0 = sQ + K::kQTile;  // K buffers, then V buffers; tile t in buffer t % kStages
   auto sK = [&](int t) { return sK0 + (t % kStages) * K::kKvTile; };
   auto sV = [&](int t) { return sK0 + (kStages + t % kStages) * K::kKvTile; };
+  char* after_tiles = reinterpret_cast<char*>(sK0 + 2 * kStages * K::kKvTile);
   // (kWs) K and V have rings of their own: K_t is free once S_t is computed, V_t only once P_t V_t is,
-  // a tile later, so each ring refills as soon as its own buffer is read.
-  uint64_t* full_k = reinterpret_cast<uint64_t*>(sK0 + 2 * kStages * K::kKvTile);  // kWs only
+  // a tile later, so each ring refills as soon as its own buffer is read. (kTma in turn) full_k[j %
+  // kStages] is load group j's barrier (the groups below).
+  uint64_t* full_k = reinterpret_cast<uint64_t*>(after_tiles + K::kExchangeBytes);
   uint64_t* empty_k = full_k + kStages;
   uint64_t* full_v = empty_k + kStages;
   uint64_t* empty_v = full_v + kStages;
   // (kSplitK) partial S: this warpgroup's at mine[e * 128], the other's at theirs[e * 128].
-  float* s_exchange = reinterpret_cast<float*>(sK0 + 2 * kStages * K::kKvTile);
+  float* s_exchange = reinterpret_cast<float*>(after_tiles);
   float* mine = s_exchange + wg * 64 * kBlockN + (tid & 127);
   const float* theirs = s_exchange + (wg ^ 1) * 64 * kBlockN + (tid & 127);
 
@@ -117,6 +125,23 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs, kTma>::kThreads)) dkv_fwd_sm9
   auto load_v = [&](int t, int lt) {
     const KvTile kt = walk.tile<kBlockN>(t);
     sm90::load_tile_sw128_async<D, kLoaders, kBlockN>(sV(t), kt.ctx ? p.v_ctx : p.v, kt.row, hk, kt.valid, lt);
+  };
+  // (kTma in turn; thread 0) load group j by bulk tensor copies onto full_k[j % kStages]: K_j (j < n_tiles)
+  // and V_{j-1} (0 < j <= n_tiles), Q with K_0. Rows past a tile's valid ones are loaded as they are
+  // (masked), rows past the tensor land as zeros.
+  auto issue_group = [&](int j) {
+    uint64_t* bar = &full_k[j % kStages];
+    const bool with_k = j < n_tiles, with_v = j > 0 && j <= n_tiles;
+    sm90::mbar_arrive_expect_tx(bar, ((with_k + with_v) * K::kKvTile + (j == 0 ? K::kQTile : 0)) * 2);
+    if (j == 0) sm90::tma_load_tile<kParts>(sQ, p.tma_q, h, row0 + q0, kBlockM, bar);
+    if (with_k) {
+      const KvTile kt = walk.tile<kBlockN>(j);
+      sm90::tma_load_tile<kParts>(sK(j), kt.ctx ? p.tma_k_ctx : p.tma_k, hk, kt.row, kBlockN, bar);
+    }
+    if (with_v) {
+      const KvTile kt = walk.tile<kBlockN>(j - 1);
+      sm90::tma_load_tile<kParts>(sV(j - 1), kt.ctx ? p.tma_v_ctx : p.tma_v, hk, kt.row, kBlockN, bar);
+    }
   };
   if constexpr (kWs) {
     sm90::init_ring(full_k, empty_k, kStages, kTma ? 1 : 128);
@@ -172,6 +197,12 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs, kTma>::kThreads)) dkv_fwd_sm9
       return;
     }
     sm90::setmaxnreg_inc<sm90::kConsumerRegs>();
+  } else if constexpr (kTma) {
+    sm90::init_copy_barriers(full_k, kStages);
+    block_sync();
+    if (tid == 0) {
+      for (int j = 0; j < kStages - 1 && j <= n_tiles; ++j) issue_group(j);
+    }
   } else {
     // One cp.async group per step: group 0 = Q and K_0, group j = K_j and V_{j-1} (prologue j < kStages - 1,
     // then iteration j - kStages + 1): iteration t needs group t.
@@ -295,6 +326,10 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs, kTma>::kThreads)) dkv_fwd_sm9
     if constexpr (kWs) {
       sm90::mbar_wait(&full_k[t % kStages], (t / kStages) & 1);  // K_t (and Q) have landed
       if (t > 0) sm90::mbar_wait(&full_v[(t - 1) % kStages], ((t - 1) / kStages) & 1);  // V_{t-1}
+    } else if constexpr (kTma) {
+      block_sync();  // every thread is done with group t - 1's buffers, which group t + kStages - 1 refills
+      if (tid == 0 && t + kStages - 1 <= n_tiles) issue_group(t + kStages - 1);
+      sm90::mbar_wait(&full_k[t % kStages], (t / kStages) & 1);  // group t: K_t and V_{t-1}
     } else {
       cp_async_wait<kStages - 2>();
       sm90::fence_smem_to_async_proxy();
@@ -352,6 +387,8 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs, kTma>::kThreads)) dkv_fwd_sm9
   }
   if constexpr (kWs) {
     sm90::mbar_wait(&full_v[(n_tiles - 1) % kStages], ((n_tiles - 1) / kStages) & 1);  // V_{n-1}
+  } else if constexpr (kTma) {
+    sm90::mbar_wait(&full_k[n_tiles % kStages], (n_tiles / kStages) & 1);  // group n: V_{n-1}
   } else {  // V_{n-1}: group n
     cp_async_wait<kStages - 2>();
     sm90::fence_smem_to_async_proxy();

@@ -19,12 +19,13 @@ struct Bf16;
 template <class E, int D>
 cudaError_t run_fwd(const FwdParams& p, cudaStream_t stream);
 // Forward on Hopper warpgroup MMA (fp16 / bf16, head dims 64 / 128 / 192 / 256; blocks of 128 query rows).
-// form: 1 in turn, 2 warp-specialised, 3 warp-specialised with bulk tensor copies (head dims 64 / 128;
-// p.tma_* filled).
+// form: 1 in turn, 2 warp-specialised, 3 with bulk tensor copies (p.tma_* filled): warp-specialised at
+// head dims 64 / 128, in turn at 192 / 256 / 512.
 template <class E>
 cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream, int form);
 bool sm90_forward_supports(int head_dim);
 int sm90_fwd_block_m(int head_dim);  // query rows of the wgmma forward's tiles: 128, or 64 at head dim 512
+int sm90_fwd_block_n(int head_dim);  // its key tiles' rows: 128 up to head dim 128, 64 at 192 / 256, 32 at 512
 // (form 3) Fills `d` for a (rows, heads, cols) tensor of 16-bit elements (strides in elements, rows and
 // heads 16-byte aligned): a 3-D view (cols, heads, rows) read in boxes of 64 columns x box_rows rows,
 // 128B-swizzled. Returns 0, a driver error code, or -1 when the driver has no cuTensorMapEncodeTiled.

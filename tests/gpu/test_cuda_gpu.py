@@ -168,10 +168,7 @@ def _choose_hopper_kernels(monkeypatch, variable: str, mode: str | None, what: s
 
 
 def _choose_forward(monkeypatch, mode: str | None, head_dim: int) -> None:
-    """DUALKV_CUDA_WGMMA=mode for a case of this head dim; skip the TMA form (3) where it does not run
-    (head dims other than 64 / 128: test_tma_forward_rejects_other_head_dims)."""
-    if mode == "3" and head_dim not in (64, 128):
-        pytest.skip("the TMA forward: head dims 64 / 128")
+    """DUALKV_CUDA_WGMMA=mode for a case of this head dim (None: unset, the default)."""
     _choose_hopper_kernels(monkeypatch, "DUALKV_CUDA_WGMMA", mode, "the wgmma forward")
 
 
@@ -180,27 +177,29 @@ def _choose_forward(monkeypatch, mode: str | None, head_dim: int) -> None:
 @pytest.mark.parametrize("case", [c for c in GRID if c[4] in (64, 128, 192, 256, 512)], ids=lambda c: _ids(c))
 def test_wgmma_forward_matches_reference(cuda_backend, case, dtype, mode, monkeypatch):
     """The Hopper wgmma forward (csrc/dkv_fwd_sm90.cuh; d = 64 / 128 / 192 / 256 / 512, the default on
-    sm_90) in both forms, in-turn (DUALKV_CUDA_WGMMA=1, the default at 192 / 256 and the one form at
-    512, which =2 runs too) and warp-specialised (=2, the default before) and that one with bulk tensor
-    copies (=3, the default at 64 / 128), on the grid: out / lse / gradients (through the default
-    backward) against the fp32 reference, and the profiler shows that the form asked for ran."""
+    sm_90) in its forms: in-turn with cp.async (DUALKV_CUDA_WGMMA=1; the one form at 512, which =2 runs
+    too), warp-specialised with cp.async (=2) and with bulk tensor copies (=3, the default: the
+    warp-specialised form at 64 / 128, the in-turn one at 192 / 256 / 512), on the grid: out / lse /
+    gradients (through the default backward) against the fp32 reference, and the profiler shows that
+    the form asked for ran."""
     _choose_forward(monkeypatch, mode, case[4])
     r, kernels = _kernels_of(case, dtype)
     _check_against_reference(case, dtype, r)
-    ws = case[4] != 512 and (mode in ("2", "3") or (mode is None and case[4] <= 128))
-    tma = mode == "3" or (mode is None and case[4] <= 128)  # the default at 64 / 128
+    tma = mode in (None, "3")
+    ws = case[4] != 512 and (mode == "2" or (tma and case[4] <= 128))
     flags = f"{str(ws).lower()}, {str(tma).lower()}"
     form = f"dkv_fwd_sm90_kernel<dkv::{'Bf16' if dtype == torch.bfloat16 else 'Fp16'}, {case[4]}, {flags}>"
     assert any(form in name for name in kernels), f"{form} did not run: {sorted(kernels)}"
 
 
 def test_tma_forward_rejects_other_head_dims(cuda_backend, monkeypatch):
-    """DUALKV_CUDA_WGMMA=3 (bulk tensor copies) at head dim 256 is an error naming the variable and the head dim."""
+    """DUALKV_CUDA_WGMMA=3 (bulk tensor copies) at head dim 96, which has no wgmma forward, is an error
+    naming the variable and the head dim (unset, d = 96 takes the mma.sync forward)."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the TMA forward needs an sm_90 GPU")
     monkeypatch.setenv("DUALKV_CUDA_WGMMA", "3")
-    with pytest.raises(RuntimeError, match="DUALKV_CUDA_WGMMA=3 .*expected headdim 64 or 128, got 256"):
-        _run_packed(([20], [[9]], 2, 1, 256, None, None), torch.bfloat16, deterministic=False)
+    with pytest.raises(RuntimeError, match="DUALKV_CUDA_WGMMA=3 .*expected headdim 64, 128, 192, 256 or 512, got 96"):
+        _run_packed(([20], [[9]], 2, 1, 96, None, None), torch.float16, deterministic=False)
 
 
 @pytest.mark.parametrize("mode", [None, "1", "2", "3"], ids=["default", "in-turn", "warp-specialised", "tma"])
@@ -326,8 +325,9 @@ def test_wgmma_split_backward_matches_reference(cuda_backend, case, dtype, deter
 
 def test_auto_takes_cuda_where_it_measured_faster(cuda_backend, monkeypatch):
     """backend="auto" on sm_90 with the wgmma kernels: the CUDA backend at head dims 256, 128 and 64 (bf16;
-    the profiler shows which kernels ran: the in-turn forward at 256, the TMA one at 128 and 64, whose
-    dK/dV kernels load by bulk tensor copies too; the result matches the reference); with
+    the profiler shows which kernels ran: the in-turn forward at 256 and the warp-specialised one at 128
+    and 64, all loading by bulk tensor copies, as the dK/dV kernels at 128 and 64 do; the result matches
+    the reference); with
     DUALKV_CUDA_WGMMA_BWD=0 (no wgmma backward) Triton."""
     from dualkv.core.backends import resolve_backend
 
@@ -342,7 +342,7 @@ def test_auto_takes_cuda_where_it_measured_faster(cuda_backend, monkeypatch):
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 r = _run_packed(case, torch.bfloat16, deterministic=False, backend="auto")
             kernels = sorted({e.name for e in prof.events() if "kernel" in e.name})
-            flags = "true, true" if d <= 128 else "false, false"  # the TMA forward at 64 / 128, in-turn at 256
+            flags = "true, true" if d <= 128 else "false, true"  # warp-specialised at 64 / 128, in turn at 256
             cuda_fwd = any(f"dkv_fwd_sm90_kernel<dkv::Bf16, {d}, {flags}>" in n for n in kernels)
             triton_fwd = any(n.startswith("fwd_kernel") for n in kernels)  # Triton names its kernels bare
             # a kernel only the chosen backward runs: the split dQ kernel (256), the ws dK/dV kernel
@@ -377,7 +377,7 @@ def test_auto_at_512(cuda_backend, monkeypatch):
             r = _run_packed(case, torch.bfloat16, deterministic=False, backend="auto")
         kernels = sorted({e.name for e in prof.events() if "kernel" in e.name})
         triton_fwd = any(n.startswith("fwd_kernel") for n in kernels)  # Triton names its kernels bare
-        cuda_fwd = any("dkv_fwd_sm90_kernel<dkv::Bf16, 512, false, false>" in n for n in kernels)
+        cuda_fwd = any("dkv_fwd_sm90_kernel<dkv::Bf16, 512, false, true>" in n for n in kernels)  # bulk tensor copies
         assert (triton_fwd, cuda_fwd) == (not wgmma_bwd, wgmma_bwd), kernels
         bwd = "dkv_dkdv_sm90_split_kernel<dkv::Bf16, 512, false>" if wgmma_bwd else "dkv::dkv_dkdv_kernel"
         assert any(bwd in n for n in kernels), kernels
@@ -476,13 +476,11 @@ def test_non_contiguous_inputs(cuda_backend):
 # ------------------------------------------------------------------------------------ sanitizer
 SANITIZER_SCRIPT = textwrap.dedent(
     """
-    import os
     import torch
     from dualkv.core import PackedLayout, dualkv_attention, flash_attn_dualkv_varlen_func
     torch.manual_seed(0)
-    tma = os.environ.get("DUALKV_CUDA_WGMMA") == "3"  # the TMA forward: head dims 64 / 128 only
     cases = ((64, False, None), (128, True, 40), (128, False, None), (256, False, None), (512, False, None), (512, True, 30))
-    for d, det, window in cases[: 3 if tma else 6]:
+    for d, det, window in cases:
         layout = PackedLayout.from_lengths([70, 5], [[33, 9], [17]], device="cuda")
         T = layout.total_tokens
         q = torch.randn(T, 4, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
