@@ -410,9 +410,9 @@ int use_sm90_forward(const Tensor& q, int head_dim) {
 // default 6 at head dims 64 and 128; and 9) loads by bulk tensor copies from one producer thread
 // (DkdvSm90Ws::kTma; on an H200 the backward takes 5-7% less time than with 0:
 // benchmarks/results/attention_h200_tma.md); 0: by its producer warpgroup's cp.async. At head dims
-// 192 / 256 / 512 it is the split dQ and (not at 512) dK/dV kernels' form (DqSm90Split::kTma,
-// DkdvSm90Split::kTma: thread 0 loads Q / dO, and the dQ kernel's K / V tiles, by bulk tensor copies);
-// 0: every thread's cp.async.
+// 192 / 256 / 512 it is the split dQ and dK/dV kernels' form (DqSm90Split::kTma, DkdvSm90Split::kTma:
+// thread 0 loads Q / dO, and the dQ kernel's K / V tiles, by bulk tensor copies); 0: every thread's
+// cp.async.
 // Other schedules and head dims, and tensors of 2^31 or more (head, row) pairs (the copies'
 // coordinates are 32-bit), load by cp.async either way.
 bool use_bwd_tma(int schedule, int head_dim, int64_t nheads, int64_t total_q) {
@@ -644,10 +644,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
     maps.box(p.tma_dout, dout, "dout", kSm90DkdvQueryRows);
     // Key boxes: the dK/dV kernels' key tiles, or at d = 512 the split dQ kernel's 16-key tiles.
     maps.keys(p, k, v, k_ctx, v_ctx, args.head_dim == 512 ? kSm90DqKeyRows512 : sm90_dkdv_block_n(args.head_dim));
-    maps.vec(p.tma_lse_log2, lse_log2_buf, "lse_log2", kSm90DkdvVecBox);
-    maps.vec(p.tma_dsum, dsum_buf, "dsum", kSm90DkdvVecBox);
+    const bool split = args.head_dim >= 192;  // the split kernels: no lse / dsum copies
+    if (args.head_dim == 512) {  // the split dK/dV kernel's 16-row reader tiles
+      maps.box(p.tma_q_reader, q, "q", kSm90DkdvReaderRows512);
+      maps.box(p.tma_dout_reader, dout, "dout", kSm90DkdvReaderRows512);
+    }
+    if (!split) {
+      maps.vec(p.tma_lse_log2, lse_log2_buf, "lse_log2", kSm90DkdvVecBox);
+      maps.vec(p.tma_dsum, dsum_buf, "dsum", kSm90DkdvVecBox);
+    }
     p.tma = maps.built;
-    if (p.tma) {  // no copy of a tile's run reads past the vectors' zeroed tails
+    if (p.tma && !split) {  // no copy of a tile's run reads past the vectors' zeroed tails
       lse_log2_buf.narrow(0, H * T, kVecTail).zero_();
       dsum_buf.narrow(0, H * T, kVecTail).zero_();
     }

@@ -41,9 +41,7 @@ cudaError_t launch_dq_sm90_split(const BwdParams& p, cudaStream_t stream) {
 
 template <class E, int D>
 cudaError_t launch_dkdv_sm90_split(const BwdParams& p, cudaStream_t stream) {
-  if constexpr (D <= 256) {
-    if (p.tma) return launch_persistent<DkdvSm90Split<D, true>, &dkv_dkdv_sm90_split_kernel<E, D, true>>(p, stream);
-  }
+  if (p.tma) return launch_persistent<DkdvSm90Split<D, true>, &dkv_dkdv_sm90_split_kernel<E, D, true>>(p, stream);
   return launch_persistent<DkdvSm90Split<D>, &dkv_dkdv_sm90_split_kernel<E, D>>(p, stream);
 }
 

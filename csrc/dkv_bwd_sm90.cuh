@@ -381,6 +381,14 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dq_sm90_ws_kernel(const DKV_GRID_CONS
   store_dq_rows<E, kParts>(p, row0 + q0, h, m_valid, w.row_in_tile, tq, w.dq);
 }
 
+// A reader tile's lse_log2 and dsum into sL / sD (cp.async, not committed).
+template <int kThreads, int kBlockM>
+DKV_DEV void load_reader_stats(const BwdParams& p, const ReaderTile& rt, float* sL, float* sD, int tid) {
+  const int64_t si = static_cast<int64_t>(rt.hq) * p.total_q + rt.row;
+  load_vec_async<kBlockM, kThreads>(sL, p.lse_log2 + si, rt.desc.m_valid, p.lse_log2, tid);
+  load_vec_async<kBlockM, kThreads>(sD, p.dsum + si, rt.desc.m_valid, p.dsum, tid);
+}
+
 // The dK/dV kernels' loads of one reader query tile (cp.async, not committed): Q and dO rows into the
 // swizzled tiles sQ / sdO, lse_log2 and dsum into sL / sD; returns the tile.
 template <int D, int kThreads, int kBlockM>
@@ -390,9 +398,7 @@ DKV_DEV ReaderTile load_reader_tile(const BwdParams& p, const ReaderCursor<kBloc
   const int m = rt.desc.m_valid;
   sm90::load_tile_sw128_async<D, kThreads, kBlockM>(sQ, p.q, rt.row, rt.hq, m, tid);
   sm90::load_tile_sw128_async<D, kThreads, kBlockM>(sdO, p.dout, rt.row, rt.hq, m, tid);
-  const int64_t si = static_cast<int64_t>(rt.hq) * p.total_q + rt.row;
-  load_vec_async<kBlockM, kThreads>(sL, p.lse_log2 + si, m, p.lse_log2, tid);
-  load_vec_async<kBlockM, kThreads>(sD, p.dsum + si, m, p.dsum, tid);
+  load_reader_stats<kThreads, kBlockM>(p, rt, sL, sD, tid);
   return rt;
 }
 

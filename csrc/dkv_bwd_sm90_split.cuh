@@ -216,9 +216,10 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dq_sm90_split_kernel(const DKV_GRID_C
 // to its dV product without waiting. Same work items, reader walk and output modes as the other dK/dV
 // kernels; the in-turn schedule; dQ comes from the split dQ kernel above.
 //
-// kTma (d = 192 / 256, DUALKV_CUDA_BWD_TMA=1, the default): thread 0 loads each reader tile's Q and dO
-// by bulk tensor copies (boxes of 64 columns x 64 rows) onto its buffer's mbarrier, which every thread
-// waits on before the tile's block barrier; K / V (once an item) and lse_log2 / dsum stay cp.async.
+// kTma (DUALKV_CUDA_BWD_TMA=1, the default): thread 0 loads each reader tile's Q and dO by bulk tensor
+// copies (boxes of 64 columns x kBlockM rows: the q / dout maps at 192 / 256, their 16-row twins at
+// 512) onto its buffer's mbarrier, which every thread waits on before the tile's block barrier; K / V
+// (once an item) and lse_log2 / dsum stay cp.async.
 // Query rows past a tile's valid ones are loaded as they are (finite; P^T and dS^T are 0 there).
 template <int kHeadDim_, bool kTma_ = false>
 struct DkdvSm90Split {
@@ -233,7 +234,8 @@ struct DkdvSm90Split {
   static constexpr int kSmemBytes =
       (2 * kKvTile + 4 * kQTile) * 2 + kBlockN * kBlockM * 4 + 4 * kBlockM * 4 + 32 + 16 + 1024;
   static_assert(kHeadDim == 192 || kHeadDim == 256 || kHeadDim == 512, "the split wgmma dK/dV kernel: head dim 192, 256 or 512");
-  static_assert(!kTma || kBlockM == kSm90DkdvQueryRows, "(kTma) the binding's q / dout maps: boxes of 64 rows");
+  static_assert(!kTma || kBlockM == (kHeadDim == 512 ? kSm90DkdvReaderRows512 : kSm90DkdvQueryRows),
+                "(kTma) the binding's q / dout maps (tma_q_reader / tma_dout_reader at 512): boxes of kBlockM rows");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one H100 / H200 block");
 };
 
@@ -315,13 +317,13 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_split_kernel(const DKV_GRID
       if constexpr (kTma) {
         const ReaderTile rt = reader_tile(cur, it, rep);
         if (tid == 0) {
+          const TmaDesc& q_map = D == 512 ? p.tma_q_reader : p.tma_q;
+          const TmaDesc& dout_map = D == 512 ? p.tma_dout_reader : p.tma_dout;
           sm90::mbar_arrive_expect_tx(&full[b], 2 * K::kQTile * 2);
-          sm90::tma_load_tile<K::kParts>(sQ0 + b * K::kQTile, p.tma_q, rt.hq, rt.row, kBlockM, &full[b]);
-          sm90::tma_load_tile<K::kParts>(sdO0 + b * K::kQTile, p.tma_dout, rt.hq, rt.row, kBlockM, &full[b]);
+          sm90::tma_load_tile<K::kParts>(sQ0 + b * K::kQTile, q_map, rt.hq, rt.row, kBlockM, &full[b]);
+          sm90::tma_load_tile<K::kParts>(sdO0 + b * K::kQTile, dout_map, rt.hq, rt.row, kBlockM, &full[b]);
         }
-        const int64_t si = static_cast<int64_t>(rt.hq) * p.total_q + rt.row;
-        load_vec_async<kBlockM, K::kThreads>(sL0 + b * kBlockM, p.lse_log2 + si, rt.desc.m_valid, p.lse_log2, tid);
-        load_vec_async<kBlockM, K::kThreads>(sD0 + b * kBlockM, p.dsum + si, rt.desc.m_valid, p.dsum, tid);
+        load_reader_stats<K::kThreads, kBlockM>(p, rt, sL0 + b * kBlockM, sD0 + b * kBlockM, tid);
         return rt.desc;
       } else {
         return load_reader_tile<D, K::kThreads>(p, cur, it, rep, sQ0 + b * K::kQTile, sdO0 + b * K::kQTile,

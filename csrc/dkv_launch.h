@@ -51,6 +51,7 @@ int sm90_dq_block_m(int head_dim);
 int sm90_dkdv_block_n(int head_dim);
 constexpr int kSm90DkdvQueryRows = 64;  // query rows of the dK/dV kernels' reader tiles at head dims 64 / 128
 constexpr int kSm90DqKeyRows512 = 16;    // (BwdParams::tma) key rows of the split dQ kernel's tiles at d = 512
+constexpr int kSm90DkdvReaderRows512 = 16;  // (BwdParams::tma_q_reader) query rows of the split dK/dV kernel's reader tiles at d = 512
 constexpr int kSm90DkdvVecBox = 68;     // (BwdParams::tma) floats of an lse_log2 / dsum copy (DkdvSm90Ws::kVecBox)
 // Backward: dq kernel and dkdv kernel for one head dim.
 template <class E, int D>

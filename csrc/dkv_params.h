@@ -95,11 +95,12 @@ struct BwdParams : AttnArgs {
   int* work_counter = nullptr;          // dynamic scheduler of the dkdv kernel (zeroed)
   bool deterministic = false;
   int accum_rows = 0;  // rows of dk_accum / dv_accum
-  // (DUALKV_CUDA_BWD_TMA=1: the warp-specialised dK/dV kernel's loads as bulk tensor copies) boxes of
-  // 64 columns x 64 rows of q / dout, x 128 rows of k, v, k_ctx, v_ctx; runs of kSm90DkdvVecBox (68)
-  // floats of lse_log2 / dsum viewed flat (nheads * total_q), from 16-byte aligned starts.
+  // (DUALKV_CUDA_BWD_TMA=1: the wgmma backward's loads as bulk tensor copies) boxes of 64 columns x 64
+  // rows of q / dout, x the key tiles' rows of k, v, k_ctx, v_ctx; (head dims 64 / 128) runs of
+  // kSm90DkdvVecBox (68) floats of lse_log2 / dsum viewed flat (nheads * total_q), from 16-byte aligned
+  // starts; (head dim 512) q / dout again in the split dK/dV kernel's 16-row reader boxes.
   bool tma = false;
-  TmaDesc tma_q, tma_dout, tma_k, tma_v, tma_k_ctx, tma_v_ctx, tma_lse_log2, tma_dsum;
+  TmaDesc tma_q, tma_dout, tma_k, tma_v, tma_k_ctx, tma_v_ctx, tma_lse_log2, tma_dsum, tma_q_reader, tma_dout_reader;
 };
 
 // ---- tile sizes (rows of a query tile = 16 * row warps; kDSplit warps share a row group) ----

@@ -307,7 +307,7 @@ def test_wgmma_split_backward_matches_reference(cuda_backend, case, dtype, deter
     """d = 192 / 256 / 512 on sm_90 by default: the wgmma dQ and dK/dV kernels with the warpgroups' roles
     split (csrc/dkv_bwd_sm90_split.cuh; at 512 16-key dQ tiles and two dK/dV passes over 16-row reader
     tiles), on the grid against the fp32 reference, in both accumulation modes, loading by bulk tensor
-    copies (the default; at 512 the dQ kernel's only) or by cp.async (DUALKV_CUDA_BWD_TMA=0); the
+    copies (the default) or by cp.async (DUALKV_CUDA_BWD_TMA=0); the
     profiler shows that the form asked for ran and no mma.sync backward kernel did."""
     _choose_hopper_kernels(monkeypatch, "DUALKV_CUDA_WGMMA_BWD", None, "the wgmma backward")
     if tma is None:
@@ -316,7 +316,7 @@ def test_wgmma_split_backward_matches_reference(cuda_backend, case, dtype, deter
         monkeypatch.setenv("DUALKV_CUDA_BWD_TMA", tma)
     r, kernels = _kernels_of(case, dtype, deterministic)
     _check_against_reference(case, dtype, r)
-    copies = {"dkv_dq_sm90_split_kernel": tma is None, "dkv_dkdv_sm90_split_kernel": tma is None and case[4] <= 256}
+    copies = {"dkv_dq_sm90_split_kernel": tma is None, "dkv_dkdv_sm90_split_kernel": tma is None}
     for kernel, tma_form in copies.items():
         form = f"{kernel}<dkv::{'Bf16' if dtype == torch.bfloat16 else 'Fp16'}, {case[4]}, {str(tma_form).lower()}>"
         assert any(form in name for name in kernels), f"{form} did not run: {sorted(kernels)}"
@@ -379,7 +379,7 @@ def test_auto_at_512(cuda_backend, monkeypatch):
         triton_fwd = any(n.startswith("fwd_kernel") for n in kernels)  # Triton names its kernels bare
         cuda_fwd = any("dkv_fwd_sm90_kernel<dkv::Bf16, 512, false, true>" in n for n in kernels)  # bulk tensor copies
         assert (triton_fwd, cuda_fwd) == (not wgmma_bwd, wgmma_bwd), kernels
-        bwd = "dkv_dkdv_sm90_split_kernel<dkv::Bf16, 512, false>" if wgmma_bwd else "dkv::dkv_dkdv_kernel"
+        bwd = "dkv_dkdv_sm90_split_kernel<dkv::Bf16, 512, true>" if wgmma_bwd else "dkv::dkv_dkdv_kernel"
         assert any(bwd in n for n in kernels), kernels
         _check_against_reference(case, torch.bfloat16, r)
 
