@@ -18,7 +18,8 @@ struct Bf16;
 // Forward for one head dim (E = Fp16 / Bf16, D in 64, 96, 128, 192, 256, 512).
 template <class E, int D>
 cudaError_t run_fwd(const FwdParams& p, cudaStream_t stream);
-// Forward on Hopper warpgroup MMA (fp16 / bf16, head dims 64 / 128 / 192 / 256; blocks of 128 query rows).
+// Forward on Hopper warpgroup MMA (fp16 / bf16, head dims 64 / 128 / 192 / 256 / 512; blocks of 128 query
+// rows, 64 at 512).
 // form: 1 in turn, 2 warp-specialised, 3 with bulk tensor copies (p.tma_* filled): warp-specialised at
 // head dims 64 / 128, in turn at 192 / 256 / 512.
 template <class E>
