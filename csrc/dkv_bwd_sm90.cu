@@ -31,8 +31,7 @@ cudaError_t launch_dkdv_sm90(const BwdParams& p, cudaStream_t stream) {
   return launch_persistent<K, &dkv_dkdv_sm90_kernel<E, D, kOverlap, kDq>>(p, stream);
 }
 
-// p.tma: the forms that load by bulk tensor copies (the dQ kernel at d = 192 / 256 / 512, the dK/dV
-// kernel at 192 / 256; its 16-row reader tiles at 512 stay cp.async).
+// p.tma: the forms that load by bulk tensor copies (both kernels at d = 192 / 256 / 512).
 template <class E, int D>
 cudaError_t launch_dq_sm90_split(const BwdParams& p, cudaStream_t stream) {
   if (p.tma) return launch_tiles<DqSm90Split<D, true>, &dkv_dq_sm90_split_kernel<E, D, true>>(p, stream);

@@ -432,8 +432,7 @@ def main():
         for mode in ("1", "2", "3"):  # the wgmma forward, its warp-specialised form, that form with TMA loads
             os.environ["DUALKV_CUDA_WGMMA"] = mode
             print(f"DUALKV_CUDA_WGMMA={mode}", flush=True)
-            cases = SM90_CASES
-            ok = all([run_case(**c, backward=not args.forward_only) for c in cases]) and ok
+            ok = all([run_case(**c, backward=not args.forward_only) for c in SM90_CASES]) and ok
         ok = check_tma_head_dim() and ok
         ok = check_device_defaults(backward=not args.forward_only) and ok
         ok = check_tma_fallback(backward=not args.forward_only) and ok

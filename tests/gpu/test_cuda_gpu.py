@@ -167,8 +167,8 @@ def _choose_hopper_kernels(monkeypatch, variable: str, mode: str | None, what: s
         monkeypatch.setenv(variable, mode)
 
 
-def _choose_forward(monkeypatch, mode: str | None, head_dim: int) -> None:
-    """DUALKV_CUDA_WGMMA=mode for a case of this head dim (None: unset, the default)."""
+def _choose_forward(monkeypatch, mode: str | None) -> None:
+    """DUALKV_CUDA_WGMMA=mode (None: unset, the default)."""
     _choose_hopper_kernels(monkeypatch, "DUALKV_CUDA_WGMMA", mode, "the wgmma forward")
 
 
@@ -182,7 +182,7 @@ def test_wgmma_forward_matches_reference(cuda_backend, case, dtype, mode, monkey
     warp-specialised form at 64 / 128, the in-turn one at 192 / 256 / 512), on the grid: out / lse /
     gradients (through the default backward) against the fp32 reference, and the profiler shows that
     the form asked for ran."""
-    _choose_forward(monkeypatch, mode, case[4])
+    _choose_forward(monkeypatch, mode)
     r, kernels = _kernels_of(case, dtype)
     _check_against_reference(case, dtype, r)
     tma = mode in (None, "3")
@@ -210,7 +210,7 @@ def test_wgmma_forward_with_growing_scores(cuda_backend, case, mode, monkeypatch
     """Keys scaled up along the sequence (0.2x to 6x), so that later key tiles raise the row maximum far
     above the running one: the wgmma forward moves its running maximum only past a lag of 2^8 and must
     then rescale O and l; out / lse / gradients against the fp32 reference (bf16)."""
-    _choose_forward(monkeypatch, mode, case[4])
+    _choose_forward(monkeypatch, mode)
     r = _run_packed(case, torch.bfloat16, deterministic=False, key_ramp=(0.2, 6.0))
     _check_against_reference(case, torch.bfloat16, r)
 
@@ -316,9 +316,8 @@ def test_wgmma_split_backward_matches_reference(cuda_backend, case, dtype, deter
         monkeypatch.setenv("DUALKV_CUDA_BWD_TMA", tma)
     r, kernels = _kernels_of(case, dtype, deterministic)
     _check_against_reference(case, dtype, r)
-    copies = {"dkv_dq_sm90_split_kernel": tma is None, "dkv_dkdv_sm90_split_kernel": tma is None}
-    for kernel, tma_form in copies.items():
-        form = f"{kernel}<dkv::{'Bf16' if dtype == torch.bfloat16 else 'Fp16'}, {case[4]}, {str(tma_form).lower()}>"
+    for kernel in ("dkv_dq_sm90_split_kernel", "dkv_dkdv_sm90_split_kernel"):
+        form = f"{kernel}<dkv::{'Bf16' if dtype == torch.bfloat16 else 'Fp16'}, {case[4]}, {str(tma is None).lower()}>"
         assert any(form in name for name in kernels), f"{form} did not run: {sorted(kernels)}"
     assert not any(k in name for name in kernels for k in ("dkv_dq_kernel", "dkv_dkdv_kernel")), sorted(kernels)
 
