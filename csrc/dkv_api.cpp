@@ -645,9 +645,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
     // Key boxes: the dK/dV kernels' key tiles, or at d = 512 the split dQ kernel's 16-key tiles.
     maps.keys(p, k, v, k_ctx, v_ctx, args.head_dim == 512 ? kSm90DqKeyRows512 : sm90_dkdv_block_n(args.head_dim));
     const bool split = args.head_dim >= 192;  // the split kernels: no lse / dsum copies
-    if (args.head_dim == 512) {  // the split dK/dV kernel's 16-row reader tiles
+    if (args.head_dim == 512) {  // the split dK/dV kernel's reader tiles: 16 rows at 512, else the maps above
       maps.box(p.tma_q_reader, q, "q", kSm90DkdvReaderRows512);
       maps.box(p.tma_dout_reader, dout, "dout", kSm90DkdvReaderRows512);
+    } else {
+      p.tma_q_reader = p.tma_q;
+      p.tma_dout_reader = p.tma_dout;
     }
     if (!split) {
       maps.vec(p.tma_lse_log2, lse_log2_buf, "lse_log2", kSm90DkdvVecBox);

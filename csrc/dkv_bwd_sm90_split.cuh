@@ -235,7 +235,7 @@ struct DkdvSm90Split {
       (2 * kKvTile + 4 * kQTile) * 2 + kBlockN * kBlockM * 4 + 4 * kBlockM * 4 + 32 + 16 + 1024;
   static_assert(kHeadDim == 192 || kHeadDim == 256 || kHeadDim == 512, "the split wgmma dK/dV kernel: head dim 192, 256 or 512");
   static_assert(!kTma || kBlockM == (kHeadDim == 512 ? kSm90DkdvReaderRows512 : kSm90DkdvQueryRows),
-                "(kTma) the binding's q / dout maps (tma_q_reader / tma_dout_reader at 512): boxes of kBlockM rows");
+                "(kTma) the binding's reader maps tma_q_reader / tma_dout_reader: boxes of kBlockM rows");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one H100 / H200 block");
 };
 
@@ -317,11 +317,9 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_split_kernel(const DKV_GRID
       if constexpr (kTma) {
         const ReaderTile rt = reader_tile(cur, it, rep);
         if (tid == 0) {
-          const TmaDesc& q_map = D == 512 ? p.tma_q_reader : p.tma_q;
-          const TmaDesc& dout_map = D == 512 ? p.tma_dout_reader : p.tma_dout;
           sm90::mbar_arrive_expect_tx(&full[b], 2 * K::kQTile * 2);
-          sm90::tma_load_tile<K::kParts>(sQ0 + b * K::kQTile, q_map, rt.hq, rt.row, kBlockM, &full[b]);
-          sm90::tma_load_tile<K::kParts>(sdO0 + b * K::kQTile, dout_map, rt.hq, rt.row, kBlockM, &full[b]);
+          sm90::tma_load_tile<K::kParts>(sQ0 + b * K::kQTile, p.tma_q_reader, rt.hq, rt.row, kBlockM, &full[b]);
+          sm90::tma_load_tile<K::kParts>(sdO0 + b * K::kQTile, p.tma_dout_reader, rt.hq, rt.row, kBlockM, &full[b]);
         }
         load_reader_stats<K::kThreads, kBlockM>(p, rt, sL0 + b * kBlockM, sD0 + b * kBlockM, tid);
         return rt.desc;

@@ -98,7 +98,8 @@ struct BwdParams : AttnArgs {
   // (DUALKV_CUDA_BWD_TMA=1: the wgmma backward's loads as bulk tensor copies) boxes of 64 columns x 64
   // rows of q / dout, x the key tiles' rows of k, v, k_ctx, v_ctx; (head dims 64 / 128) runs of
   // kSm90DkdvVecBox (68) floats of lse_log2 / dsum viewed flat (nheads * total_q), from 16-byte aligned
-  // starts; (head dim 512) q / dout again in the split dK/dV kernel's 16-row reader boxes.
+  // starts; q / dout in the split dK/dV kernel's reader boxes (tma_q_reader / tma_dout_reader: 16 rows
+  // at head dim 512, else copies of tma_q / tma_dout).
   bool tma = false;
   TmaDesc tma_q, tma_dout, tma_k, tma_v, tma_k_ctx, tma_v_ctx, tma_lse_log2, tma_dsum, tma_q_reader, tma_dout_reader;
 };
