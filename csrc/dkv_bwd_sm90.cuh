@@ -415,12 +415,32 @@ DKV_DEV void open_reader_tile(IssueSS&& issue_ss) {
   sm90::wgmma_commit();
 }
 
+// A transposed tile's lse_log2 per query, read from shared memory where an element needs it.
+DKV_DEV auto shared_lse(const float* sL) {
+  return [sL](int, int query) { return sL[query]; };
+}
+
+// The same values read into registers up front, the 16 queries of thread tq's elements (element e's
+// query 8 (e / 4) + 2 tq + e % 2 is entry 2 (e / 4) + e % 2). For element-wise steps that store to
+// shared memory: the compiler cannot tell those stores from sL, so reads inside the loop would each
+// wait for the stores before them (the split dK/dV kernel's exponentials ran one at a time).
+template <int kBlockM>
+struct ColumnStats {
+  float v[kBlockM / 4];
+  DKV_DEV void load(const float* sL, int tq) {
+#pragma unroll
+    for (int j = 0; j < kBlockM / 4; ++j) v[j] = sL[8 * (j / 2) + 2 * tq + (j % 2)];
+  }
+  DKV_DEV float operator()(int e, int) const { return v[2 * (e / 4) + (e % 2)]; }
+};
+
 // The element-wise step of the dK/dV kernels over a transposed score tile S^T of 64 keys x kBlockM
 // queries (s[4 j + i]: key key_in_tile[i / 2], query 8 j + 2 tq + i % 2): for every element
 // fn(e, query, masked, pr, dtanh) with pr = exp2(score - lse) and dtanh = 1 - tanh^2 under a softcap
-// (1 without one: dS^T = pr (dP^T - D) dtanh). sL holds the tile's lse_log2 per query.
-template <int kBlockM, int kBlockN, class Fn>
-DKV_DEV void transposed_probabilities(const float (&s)[kBlockM / 2], const QTileDesc& desc, const float* sL,
+// (1 without one: dS^T = pr (dP^T - D) dtanh). lse_at(e, query) gives the tile's lse_log2 of the query:
+// read from shared memory (shared_lse) or held in registers (ColumnStats).
+template <int kBlockM, int kBlockN, class LseAt, class Fn>
+DKV_DEV void transposed_probabilities(const float (&s)[kBlockM / 2], const QTileDesc& desc, LseAt&& lse_at,
                                       const int (&key_in_tile)[2], int tq, int W, const ScoreFn& score, Fn&& fn) {
   const int kpos_first = desc.kpos0 + desc.klo, kpos_last = desc.kpos0 + desc.khi - 1;
   const bool need_mask = desc.m_valid < kBlockM || desc.klo > 0 || desc.khi < kBlockN ||
@@ -436,9 +456,9 @@ DKV_DEV void transposed_probabilities(const float (&s)[kBlockM / 2], const QTile
       }
       if constexpr (decltype(cap)::value) {
         const float th = tanh_f(s[e] * score.cap_inv_scale);
-        fn(e, col, masked, fast_exp2(score.cap_log2 * th - sL[col]), 1.f - th * th);
+        fn(e, col, masked, fast_exp2(score.cap_log2 * th - lse_at(e, col)), 1.f - th * th);
       } else {
-        fn(e, col, masked, fast_exp2(score.plain(s[e]) - sL[col]), 1.f);
+        fn(e, col, masked, fast_exp2(score.plain(s[e]) - lse_at(e, col)), 1.f);
       }
     }
   });
@@ -532,7 +552,7 @@ struct DkdvWarpgroup {
   // P^T and dS^T in place of S^T and dP^T for the query tile `desc`, its lse_log2 in sL and dsum in sD
   // (st[4 j + i]: key key_in_tile[i / 2], query 8 j + 2 tq + i % 2).
   DKV_DEV void tile_ds(const QTileDesc& desc, const float* sL, const float* sD, int tq, int W, const ScoreFn& score) {
-    transposed_probabilities<kBlockM, kBlockN>(st, desc, sL, key_in_tile, tq, W, score,
+    transposed_probabilities<kBlockM, kBlockN>(st, desc, shared_lse(sL), key_in_tile, tq, W, score,
                                                [&](int e, int col, bool masked, float pr, float dtanh) {
                                                  const float ds = pr * (dpt[e] - sD[col]) * dtanh;
                                                  st[e] = masked ? 0.f : pr;
@@ -542,7 +562,7 @@ struct DkdvWarpgroup {
   // Schedule 8's element-wise step in two halves (no softcap). First, once S^T has landed
   // (dP^T may still run): P^T in place of S^T, masked elements 0.
   DKV_DEV void tile_p(const QTileDesc& desc, const float* sL, int tq, int W, const ScoreFn& score) {
-    transposed_probabilities<kBlockM, kBlockN>(st, desc, sL, key_in_tile, tq, W, score,
+    transposed_probabilities<kBlockM, kBlockN>(st, desc, shared_lse(sL), key_in_tile, tq, W, score,
                                                [&](int e, int, bool masked, float pr, float) { st[e] = masked ? 0.f : pr; });
   }
   // Then, once dP^T has landed: dS^T = st (dP^T - D) in place of dP^T (0 where st is 0, masked).

@@ -299,7 +299,9 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_split_kernel(const DKV_GRID
   };
   // Warpgroup 0: P^T in place of S^T, and its factor for dS^T into sF.
   auto probabilities = [&](const QTileDesc& desc, int b) {
-    transposed_probabilities<kBlockM, kBlockN>(s, desc, sL0 + b * kBlockM, key_in_tile, tq, W, score,
+    ColumnStats<kBlockM> lse;
+    lse.load(sL0 + b * kBlockM, tq);
+    transposed_probabilities<kBlockM, kBlockN>(s, desc, lse, key_in_tile, tq, W, score,
                                                [&](int e, int, bool masked, float pr, float dtanh) {
                                                  s[e] = masked ? 0.f : pr;
                                                  my_f[e * 128] = masked ? 0.f : pr * dtanh;
