@@ -381,6 +381,14 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dq_sm90_ws_kernel(const DKV_GRID_CONS
   store_dq_rows<E, kParts>(p, row0 + q0, h, m_valid, w.row_in_tile, tq, w.dq);
 }
 
+// A work item's K and V tiles (its nk keys, 128B-swizzled) into sK / sV by all kThreads threads'
+// cp.async (not committed): from k_ctx / v_ctx where the item's keys are a separate context's.
+template <int D, int kThreads, int kBlockN>
+DKV_DEV void load_item_kv(const BwdParams& p, const KvItem& it, uint16_t* sK, uint16_t* sV, int tid) {
+  sm90::load_tile_sw128_async<D, kThreads, kBlockN>(sK, it.ctx_tensor ? p.k_ctx : p.k, it.key_row0, it.hk, it.nk, tid);
+  sm90::load_tile_sw128_async<D, kThreads, kBlockN>(sV, it.ctx_tensor ? p.v_ctx : p.v, it.key_row0, it.hk, it.nk, tid);
+}
+
 // A reader tile's lse_log2 and dsum into sL / sD (cp.async, not committed).
 template <int kThreads, int kBlockM>
 DKV_DEV void load_reader_stats(const BwdParams& p, const ReaderTile& rt, float* sL, float* sD, int tid) {
@@ -737,8 +745,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_kernel(const DKV_GRID_CONST
     const int item = next_item(p, s_item);
     if (item >= total_items) break;
     const KvItem it = decode_item<kBlockN>(p, item);
-    sm90::load_tile_sw128_async<D, K::kThreads, kBlockN>(sK, it.ctx_tensor ? p.k_ctx : p.k, it.key_row0, it.hk, it.nk, tid);
-    sm90::load_tile_sw128_async<D, K::kThreads, kBlockN>(sV, it.ctx_tensor ? p.v_ctx : p.v, it.key_row0, it.hk, it.nk, tid);
+    load_item_kv<D, K::kThreads, kBlockN>(p, it, sK, sV, tid);
 
     auto issue_tile = [&](const ReaderCursor<kBlockM>& cur, int b) -> ReaderTile {
       return load_reader_tile<D, K::kThreads>(p, cur, it, rep, sQ0 + b * K::kQTile, sdO0 + b * K::kQTile,

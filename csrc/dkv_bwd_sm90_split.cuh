@@ -312,8 +312,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dkdv_sm90_split_kernel(const DKV_GRID
     const int item = next_item(p, s_item);
     if (item >= total_items) break;
     const KvItem it = decode_item<kBlockN>(p, item);
-    sm90::load_tile_sw128_async<D, K::kThreads, kBlockN>(sK, it.ctx_tensor ? p.k_ctx : p.k, it.key_row0, it.hk, it.nk, tid);
-    sm90::load_tile_sw128_async<D, K::kThreads, kBlockN>(sV, it.ctx_tensor ? p.v_ctx : p.v, it.key_row0, it.hk, it.nk, tid);
+    load_item_kv<D, K::kThreads, kBlockN>(p, it, sK, sV, tid);
 
     auto issue_tile = [&](const ReaderCursor<kBlockM>& cur, int b) -> QTileDesc {
       if constexpr (kTma) {

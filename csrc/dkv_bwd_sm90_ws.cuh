@@ -203,8 +203,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
           ++n_slots;
         }
       } else {
-        sm90::load_tile_sw128_async<D, 128, kBlockN>(sK, it.ctx_tensor ? p.k_ctx : p.k, it.key_row0, it.hk, it.nk, pt);
-        sm90::load_tile_sw128_async<D, 128, kBlockN>(sV, it.ctx_tensor ? p.v_ctx : p.v, it.key_row0, it.hk, it.nk, pt);
+        load_item_kv<D, 128, kBlockN>(p, it, sK, sV, pt);
         cp_async_commit();
         while (have) {
           const int b = open_slot();
