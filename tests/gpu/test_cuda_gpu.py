@@ -323,36 +323,35 @@ def test_wgmma_split_backward_matches_reference(cuda_backend, case, dtype, deter
 
 
 def test_auto_takes_cuda_where_it_measured_faster(cuda_backend, monkeypatch):
-    """backend="auto" on sm_90 with the wgmma kernels: the CUDA backend at head dims 256, 128 and 64 (bf16;
-    the profiler shows which kernels ran: the in-turn forward at 256 and the warp-specialised one at 128
-    and 64, all loading by bulk tensor copies, as the dK/dV kernels at 128 and 64 do; the result matches
-    the reference); with
-    DUALKV_CUDA_WGMMA_BWD=0 (no wgmma backward) Triton."""
+    """backend="auto" on sm_90 with the wgmma kernels: the CUDA backend at head dims 256, 192, 128 and 64
+    (bf16; the profiler shows which kernels ran: the in-turn forward at 256 / 192 and the warp-specialised
+    one at 128 and 64, all loading by bulk tensor copies, as the dK/dV kernels at 128 and 64 do; the
+    result matches the reference); with DUALKV_CUDA_WGMMA_BWD=0 (no wgmma backward) Triton."""
     from dualkv.core.backends import resolve_backend
 
     hopper = torch.cuda.get_device_capability()[0] == 9
-    q256, q128, q64 = (torch.empty(4, 2, d, device="cuda", dtype=torch.bfloat16) for d in (256, 128, 64))
-    assert (resolve_backend("auto", q256) == "cuda") == hopper
-    assert (resolve_backend("auto", q128) == "cuda") == hopper
-    assert (resolve_backend("auto", q64) == "cuda") == hopper
+    dims = (256, 192, 128, 64)
+    for d in dims:
+        assert (resolve_backend("auto", torch.empty(4, 2, d, device="cuda", dtype=torch.bfloat16)) == "cuda") == hopper
     if hopper:
-        for d in (256, 128, 64):
+        for d in dims:
             case = next(c for c in GRID if c[4] == d)
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 r = _run_packed(case, torch.bfloat16, deterministic=False, backend="auto")
             kernels = sorted({e.name for e in prof.events() if "kernel" in e.name})
-            flags = "true, true" if d <= 128 else "false, true"  # warp-specialised at 64 / 128, in turn at 256
+            flags = "true, true" if d <= 128 else "false, true"  # warp-specialised at 64 / 128, in turn at 192 / 256
             cuda_fwd = any(f"dkv_fwd_sm90_kernel<dkv::Bf16, {d}, {flags}>" in n for n in kernels)
             triton_fwd = any(n.startswith("fwd_kernel") for n in kernels)  # Triton names its kernels bare
-            # a kernel only the chosen backward runs: the split dQ kernel (256), the ws dK/dV kernel
-            # with dQ inside (schedule 6) with bulk tensor copies
-            bwd = {256: "dkv_dq_sm90_split_kernel", 128: "dkv_dkdv_sm90_ws_kernel<dkv::Bf16, 128, true, false, true, false>",
+            # a kernel only the chosen backward runs: the split dQ kernel (256 / 192), the ws dK/dV
+            # kernel with dQ inside (schedule 6) with bulk tensor copies
+            bwd = {256: "dkv_dq_sm90_split_kernel", 192: "dkv_dq_sm90_split_kernel", 128: "dkv_dkdv_sm90_ws_kernel<dkv::Bf16, 128, true, false, true, false>",
                    64: "dkv_dkdv_sm90_ws_kernel<dkv::Bf16, 64, true, false, true, false>"}[d]
             assert (cuda_fwd, triton_fwd) == (True, False), kernels
             assert any(bwd in n for n in kernels), kernels
             _check_against_reference(case, torch.bfloat16, r)
         monkeypatch.setenv("DUALKV_CUDA_WGMMA_BWD", "0")
-        assert resolve_backend("auto", q256) == resolve_backend("auto", q128) == "triton"
+        for d in (256, 192, 128):
+            assert resolve_backend("auto", torch.empty(4, 2, d, device="cuda", dtype=torch.bfloat16)) == "triton"
 
 
 def test_auto_at_512(cuda_backend, monkeypatch):
@@ -509,8 +508,8 @@ def _sanitizer():
 
 # Kernel paths under the sanitizer: the defaults (on sm_90 the wgmma forward and backward), the opt-in
 # Hopper forms (the in-turn forward with the overlapped wgmma backward; the warp-specialised forward at
-# every head dim, 256 included, where it is opt-in, with cp.async at 64 / 128; that one with bulk tensor copies (the
-# default at 64 / 128) asked for; the in-turn and the
+# every head dim, 256 included, where it is opt-in, with cp.async at 64 / 128 (the bulk tensor copies,
+# DUALKV_CUDA_WGMMA=3, are the default forward at every wgmma head dim); the in-turn and the
 # warp-specialised dK/dV kernels that also accumulate dQ; the warp-specialised dK/dV kernel with the
 # in-turn dQ kernel; both warp-specialised; the default schedules' dK/dV kernels with cp.async, where
 # the default has bulk tensor copies; the fused-dQ kernel with dQ deferred a tile, whose consumers
@@ -518,7 +517,7 @@ def _sanitizer():
 # included) and the mma.sync kernels; all but the first differ from
 # the defaults only on an sm_90 GPU.
 SANITIZER_PATHS = {"default": {}, "hopper-opt-in": {"DUALKV_CUDA_WGMMA": "1", "DUALKV_CUDA_WGMMA_BWD": "2"},
-                   "ws-forward": {"DUALKV_CUDA_WGMMA": "2"}, "tma-forward": {"DUALKV_CUDA_WGMMA": "3"},
+                   "ws-forward": {"DUALKV_CUDA_WGMMA": "2"},
                    "fused-dq": {"DUALKV_CUDA_WGMMA_BWD": "3"}, "ws-dkdv": {"DUALKV_CUDA_WGMMA_BWD": "4"},
                    "ws-both": {"DUALKV_CUDA_WGMMA_BWD": "5"}, "ws-fused-dq": {"DUALKV_CUDA_WGMMA_BWD": "6", "DUALKV_CUDA_BWD_TMA": "0"},
                    "ws-split": {"DUALKV_CUDA_WGMMA_BWD": "8", "DUALKV_CUDA_BWD_TMA": "0"},
