@@ -4,7 +4,7 @@ Forward, backward and forward+backward ms, useful TFLOP/s (``harness`` docstring
 for every (config, provider); results, a markdown table and plots in ``benchmarks/results/``.
 
     python -m benchmarks.bench_attention --preset issue3 --validate        # the d=128 table
-    python -m benchmarks.bench_attention --preset all --validate           # + d=256 and d=512 rows
+    python -m benchmarks.bench_attention --preset all --validate           # + d=192, 256 and 512 rows
     python -m benchmarks.bench_attention --configs "28,4K,2K;N=16,P=16K,R=2K,H=16,H_kv=8,d=256"
     python -m benchmarks.bench_attention --preset tiny --device cpu --providers reference   # smoke test
 
@@ -37,17 +37,19 @@ from benchmarks.report import PROVIDER_ORDER, ResultWriter, environment
 MODULE = "benchmarks.bench_attention"
 
 D128 = dict(H=32, H_kv=8, d=128)
+D192 = dict(H=16, H_kv=8, d=192)
 D256 = dict(H=16, H_kv=8, d=256)
 D512 = dict(H=16, H_kv=2, d=512)
 PRESETS = {
     "issue3": [AttnConfig.parse(s, **D128) for s in
                ("28,4K,2K", "28,16K,2K", "16,32K,2K", "16,64K,2K", "32,8K,2K", "8,16K,512", "16,128K,2K")],
+    "d192": [AttnConfig.parse(s, **D192) for s in ("16,16K,2K", "16,32K,2K")],
     "d256": [AttnConfig.parse(s, **D256) for s in ("16,16K,2K", "16,32K,2K")],
     "d512": [AttnConfig.parse(s, **D512) for s in ("16,8K,2K", "16,16K,2K")],
     "quick": [AttnConfig.parse(s, **D128) for s in ("28,4K,2K", "16,32K,2K")],
     "tiny": [AttnConfig.parse("2,64,32", H=4, H_kv=2, d=32)],
 }
-PRESETS["all"] = PRESETS["issue3"] + PRESETS["d256"] + PRESETS["d512"]
+PRESETS["all"] = PRESETS["issue3"] + PRESETS["d192"] + PRESETS["d256"] + PRESETS["d512"]
 
 # Peers each head dim has (the rest answer "unsupported" and are left out of "auto").
 AUTO_PROVIDERS = {

@@ -64,6 +64,8 @@ def test_presets_are_the_issue_table():
                    (8, 16 * K, 512), (16, 128 * K, 2 * K)]
     assert all((c.H, c.H_kv, c.d, c.dtype) == (32, 8, 128, "bfloat16") for c in bench_attention.PRESETS["issue3"])
     assert {(c.H, c.H_kv, c.d) for c in bench_attention.PRESETS["d512"]} == {(16, 2, 512)}
+    assert {(c.H, c.H_kv, c.d) for c in bench_attention.PRESETS["d192"]} == {(16, 8, 192)}
+    assert [c.d for c in bench_attention.PRESETS["all"]] == [128] * 7 + [192] * 2 + [256] * 2 + [512] * 2
 
 
 # ---------------------------------------------------------------------------------------- formulas

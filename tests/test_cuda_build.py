@@ -150,11 +150,12 @@ def test_auto_follows_the_measured_table_per_head_dim(monkeypatch):
     assert resolve_backend("auto", "cuda", head_dim=128, dtype=torch.bfloat16) == "cuda"
     assert resolve_backend("auto", "cuda", head_dim=64, dtype=torch.bfloat16) == "cuda"
     assert resolve_backend("auto", "cuda", head_dim=512, dtype=torch.bfloat16) == "cuda"
+    assert resolve_backend("auto", "cuda", head_dim=192, dtype=torch.bfloat16) == "cuda"
     assert resolve_backend("auto", "cuda", head_dim=96, dtype=torch.bfloat16) == usual  # not measured
     assert resolve_backend("auto", "cpu", head_dim=256, dtype=torch.bfloat16) == "reference"
     assert resolve_backend("triton" if usual == "triton" else "reference", "cuda", head_dim=256,
                            dtype=torch.bfloat16) != "cuda"  # an explicit choice is kept
-    assert asked == [256, 256, 128, 64, 512]
+    assert asked == [256, 256, 128, 64, 512, 192]
     monkeypatch.setattr(cuda, "runs_wgmma", lambda head_dim, device=None: False)
     assert resolve_backend("auto", "cuda", head_dim=256, dtype=torch.bfloat16) == usual
 
@@ -175,7 +176,7 @@ def test_auto_pairs_triton_forward_with_cuda_backward_at_512_on_sm90(monkeypatch
     assert resolve_backend("auto", "cuda", head_dim=512, dtype=torch.bfloat16) == paired
     assert resolve_backend("auto", "cuda", head_dim=512, dtype=torch.float16) == paired
     assert resolve_backend("auto", "cuda", head_dim=512, dtype=torch.float32) == usual
-    assert resolve_backend("auto", "cuda", head_dim=192, dtype=torch.bfloat16) == usual  # not measured
+    assert resolve_backend("auto", "cuda", head_dim=96, dtype=torch.bfloat16) == usual  # not measured
     assert resolve_backend("auto", "cpu", head_dim=512, dtype=torch.bfloat16) == "reference"
 
 
