@@ -217,8 +217,8 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_dq_sm90_split_kernel(const DKV_GRID_C
 // kernels; the in-turn schedule; dQ comes from the split dQ kernel above.
 //
 // kTma (DUALKV_CUDA_BWD_TMA=1, the default): thread 0 loads each reader tile's Q and dO by bulk tensor
-// copies (boxes of 64 columns x kBlockM rows: the q / dout maps at 192 / 256, their 16-row twins at
-// 512) onto its buffer's mbarrier, which every thread waits on before the tile's block barrier; K / V
+// copies (boxes of 64 columns x kBlockM rows: the reader maps tma_q_reader / tma_dout_reader, copies of
+// the q / dout maps at 192 / 256, 16-row twins at 512) onto its buffer's mbarrier, which every thread waits on before the tile's block barrier; K / V
 // (once an item) and lse_log2 / dsum stay cp.async.
 // Query rows past a tile's valid ones are loaded as they are (finite; P^T and dS^T are 0 there).
 template <int kHeadDim_, bool kTma_ = false>
