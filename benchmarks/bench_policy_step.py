@@ -63,6 +63,7 @@ from benchmarks.report import ResultWriter, environment
 from dualkv.core.backends import BACKEND_CHOICES
 from dualkv.core.logprobs import LOGPROB_IMPLS
 from dualkv.models.fused import FUSED_MODES, liger_runs_on, set_fused_ops
+from dualkv.train.distributed import RESHARD_CHOICES, reshard_choice
 from dualkv.train.trainer import OPTIMIZER_IMPLS
 
 MODULE = "benchmarks.bench_policy_step"
@@ -96,7 +97,8 @@ def train_config(args, packing: str, mb: int):
         parallel=ParallelConfig(sp=args.sp, param_dtype="bf16" if cuda else "fp32",
                                 activation_checkpointing=args.activation_checkpointing, compile=args.compile,
                                 checkpoint_keep_attention=args.keep_attention, attention_backend=args.attention_backend,
-                                logprobs_impl=args.logprobs_impl, fused_ops=args.fused_ops),
+                                logprobs_impl=args.logprobs_impl, fused_ops=args.fused_ops,
+                                reshard_after_forward=reshard_choice(args.reshard_after_forward)),
     )
 
 
@@ -355,6 +357,9 @@ def parse_args(argv=None):
     ap.add_argument("--fused-ops", choices=FUSED_MODES, default="auto",
                     help="eager layers' RMSNorm, RoPE and SwiGLU: Liger's fused kernels (auto: on CUDA where installed) "
                          "or PyTorch's ops (off), both packings")
+    ap.add_argument("--reshard-after-forward", choices=tuple(RESHARD_CHOICES), default="auto",
+                    help="FSDP frees each layer's gathered parameters after its forward (always) or keeps them until the "
+                         "backward (never); auto: never on one rank, always on more; both packings")
     ap.add_argument("--optimizer-impl", choices=OPTIMIZER_IMPLS, default="auto",
                     help="AdamW implementation (auto: torch's fused kernel on CUDA), both packings")
     ap.add_argument("--old-logprobs", choices=("recompute", "from-update"), default="recompute",
@@ -425,7 +430,7 @@ def _run(args, argv) -> Path:
                 keep_attention=args.keep_attention, warmup=args.warmup, steps=args.steps, seed=args.seed,
                 world_size=_world(), sp=args.sp, attention_backend=args.attention_backend,
                 logprobs_impl=_logprobs_impl_run(args, device),
-                old_logprobs=args.old_logprobs,
+                old_logprobs=args.old_logprobs, reshard_after_forward=_reshard_run(args),
                 fused_ops=args.fused_ops, liger_ops=not args.compile and liger_runs_on(device),
                 optimizer_impl=_optimizer_impl_run(args, device))
     card = meta["card"]["name"].split()[-1].lower() if device.type == "cuda" else "cpu"
@@ -452,6 +457,11 @@ def _logprobs_impl_run(args, device) -> str:
     return resolve_logprobs_impl(args.logprobs_impl, torch.empty(0, device=device, dtype=dtype))
 
 
+def _reshard_run(args) -> bool:
+    """Whether FSDP reshards after every forward in this run (``--reshard-after-forward`` resolved)."""
+    return train_config(args, args.packings[0], args.mbs[0]).parallel.reshards_after_forward(_world())
+
+
 def _optimizer_impl_run(args, device) -> str:
     """The AdamW implementation the run takes: "auto" resolved as the trainer resolves it."""
     if args.optimizer_impl != "auto":
@@ -461,10 +471,10 @@ def _optimizer_impl_run(args, device) -> str:
 
 SETTINGS = ("preset", "P", "response_range", "responses_per_step", "algorithm", "kl_beta", "activation_checkpointing",
             "compile", "keep_attention", "warmup", "steps", "seed", "world_size", "sp", "attention_backend",
-            "logprobs_impl", "liger_ops", "optimizer_impl", "old_logprobs")
+            "logprobs_impl", "liger_ops", "optimizer_impl", "old_logprobs", "reshard_after_forward")
 # What files written before these settings existed ran (torch's default AdamW on CUDA: foreach).
 SETTING_DEFAULTS = {"world_size": 1, "sp": 1, "attention_backend": "auto", "logprobs_impl": "torch", "liger_ops": False,
-                    "optimizer_impl": "foreach", "old_logprobs": "recompute"}
+                    "optimizer_impl": "foreach", "old_logprobs": "recompute", "reshard_after_forward": True}
 
 
 def merge(paths: list[str], out: str, stem: str) -> Path:
@@ -478,6 +488,11 @@ def merge(paths: list[str], out: str, stem: str) -> Path:
     writer = ResultWriter(out, stem, meta, COLUMNS)
     writer.rows = sorted(rows, key=lambda r: (r["mb"], PACKINGS.index(r["packing"])))
     return write_report(writer)
+
+
+def _reshard_text(meta: dict) -> str:
+    keep = not meta.get("reshard_after_forward", True)
+    return ", FSDP keeps the gathered parameters from forward to backward" if keep else ", FSDP reshards after every forward"
 
 
 def _ranks_text(meta: dict) -> str:
@@ -502,6 +517,7 @@ def write_report(writer) -> Path:
                   f"{', attention backend ' + meta['attention_backend'] if meta.get('attention_backend', 'auto') != 'auto' else ''}"
                   f"{', log-prob head ' + meta['logprobs_impl'] if meta.get('logprobs_impl', 'torch') != 'torch' else ''}"
                   f"{', old log-probs from the update (no old_log_prob pass)' if meta.get('old_logprobs') == 'from-update' else ''}"
+                  f"{_reshard_text(meta)}"
                   f"{_ranks_text(meta)}\n\n"
                   + tables(rows, meta))
     png = plot(rows, writer.dir / f"{writer.stem}.png", meta["card"]["name"])

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from dualkv.models import build_model
+from dualkv.train.distributed import ParallelConfig
 from dualkv.train.grpo import build_parser, config_from_args
 from dualkv.train.trainer import Trainer
 
@@ -140,6 +141,46 @@ def test_logprobs_impl_reaches_policy_and_reference(tmp_path, monkeypatch):
         assert fused[0][key] == pytest.approx(plain[0][key], rel=1e-4, abs=1e-6), key
 
 
+def _gathered(model) -> bool:
+    """Whether the first decoder layer holds its gathered parameters (plain tensors, not FSDP's DTensor shards)."""
+    return not any(hasattr(p, "to_local") for p in model.model.layers[0].parameters())
+
+
+def test_reshard_after_forward_trains_the_same(tmp_path):
+    """On one rank FSDP keeps each layer's gathered parameters from forward to backward by default; the
+    training is bit-identical to resharding after every forward, with two optimizer steps per rollout
+    batch (a gather after each step must see the new values) and the frozen reference gathered once."""
+    args = ["--kl-beta", "0.04", "--mini-batches", "2"]
+    runs = {}
+    for choice in ("auto", "always"):
+        cfg = _config(tmp_path / choice, *args, *(["--reshard-after-forward", choice] if choice != "auto" else []))
+        assert cfg.parallel.reshard_after_forward is {"auto": None, "always": True}[choice]
+        assert cfg.parallel.reshards_after_forward(1) is (choice == "always")
+        trainer = Trainer(cfg)
+        try:
+            history = trainer.run()
+            # the last step ended in a backward (the policy's shards registered again); the reference,
+            # which never runs one, keeps what its first forward gathered unless it reshards
+            runs[choice] = (history, _local(dict(trainer.policy.state_dict())), _gathered(trainer.updater.reference))
+            assert not _gathered(trainer.policy)
+        finally:
+            trainer.close()
+    (hist_keep, params_keep, ref_keep), (hist_always, params_always, ref_always) = runs["auto"], runs["always"]
+    assert ref_keep and not ref_always
+    assert all(h["skipped"] == 0 for h in hist_keep)
+    for h_keep, h_always in zip(hist_keep, hist_always, strict=True):
+        for key in ("loss", "kl", "grad_norm"):
+            assert h_keep[key] == h_always[key], key
+    assert params_keep.keys() == params_always.keys()
+    for k in params_keep:
+        assert torch.equal(params_keep[k], params_always[k]), k
+    assert ParallelConfig(reshard_after_forward=None).reshards_after_forward(2)
+    with pytest.raises(ValueError, match=r"reshard_after_forward: expected None, True or False, got 'never'"):
+        ParallelConfig(reshard_after_forward="never")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--reshard-after-forward", "sometimes"])
+
+
 def test_fused_ops_flag_sets_the_mode(tmp_path):
     """--fused-ops reaches dualkv.models.fused when the trainer builds its models (process-wide)."""
     from dualkv.models import fused
@@ -179,7 +220,6 @@ def test_bad_arguments_and_rollout_files_are_rejected(tmp_path):
     parse = build_parser().parse_args
     cfg = config_from_args(parse(["--activation-checkpointing", "--checkpoint-keep-attention"]))
     assert cfg.parallel.activation_checkpointing and cfg.parallel.checkpoint_keep_attention
-    from dualkv.train.distributed import ParallelConfig
 
     with pytest.raises(ValueError, match=r"attention_backend: expected one of \['auto', 'reference', 'triton', 'cuda'\] or a forward\+backward "
                        r"pair of kernel backends \(e.g. 'triton\+cuda'\), got 'fast'"):
@@ -252,9 +292,11 @@ def _launch(out_dir: Path, nproc: int, *extra):
 def test_torchrun_dp2_sp2_equals_single_process(tmp_path, model, budget):
     args = ["--model", model, "--micro-batch-tokens", budget]
     (m1,), w1 = _launch(tmp_path / "single", 1, *args)
-    # the dense run also checkpoints its layers, keeping attention outputs: the same update, SP included
-    recompute = ["--activation-checkpointing", "--checkpoint-keep-attention"] if "moe" not in model else []
-    (m4,), w4 = _launch(tmp_path / "dist", 4, "--sp", "2", *args, *recompute)
+    # the dense run also checkpoints its layers, keeping attention outputs; the MoE run keeps every layer's
+    # gathered parameters from forward to backward: the same update, SP included
+    options = (["--activation-checkpointing", "--checkpoint-keep-attention"] if "moe" not in model
+               else ["--reshard-after-forward", "never"])
+    (m4,), w4 = _launch(tmp_path / "dist", 4, "--sp", "2", *args, *options)
     assert m1["replicated_tokens"] == m4["replicated_tokens"] and m1["packed_tokens"] == m4["packed_tokens"]
     assert abs(m1["loss"]) > 1e-4
     for key in ("loss", "pg_loss", "kl", "grad_norm") + (("aux_loss",) if "moe" in model else ()):
