@@ -63,7 +63,6 @@ from benchmarks.report import ResultWriter, environment
 from dualkv.core.backends import BACKEND_CHOICES
 from dualkv.core.logprobs import LOGPROB_IMPLS
 from dualkv.models.fused import FUSED_MODES, liger_runs_on, set_fused_ops
-from dualkv.train.distributed import RESHARD_CHOICES, reshard_choice
 from dualkv.train.trainer import OPTIMIZER_IMPLS
 
 MODULE = "benchmarks.bench_policy_step"
@@ -98,7 +97,7 @@ def train_config(args, packing: str, mb: int):
                                 activation_checkpointing=args.activation_checkpointing, compile=args.compile,
                                 checkpoint_keep_attention=args.keep_attention, attention_backend=args.attention_backend,
                                 logprobs_impl=args.logprobs_impl, fused_ops=args.fused_ops,
-                                reshard_after_forward=reshard_choice(args.reshard_after_forward)),
+                                reshard_after_forward=args.reshard_after_forward),
     )
 
 
@@ -357,9 +356,8 @@ def parse_args(argv=None):
     ap.add_argument("--fused-ops", choices=FUSED_MODES, default="auto",
                     help="eager layers' RMSNorm, RoPE and SwiGLU: Liger's fused kernels (auto: on CUDA where installed) "
                          "or PyTorch's ops (off), both packings")
-    ap.add_argument("--reshard-after-forward", choices=tuple(RESHARD_CHOICES), default="auto",
-                    help="FSDP frees each layer's gathered parameters after its forward (always) or keeps them until the "
-                         "backward (never); auto: never on one rank, always on more; both packings")
+    ap.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
+                    help="FSDP keeps each layer's gathered parameters from forward to backward, both packings")
     ap.add_argument("--optimizer-impl", choices=OPTIMIZER_IMPLS, default="auto",
                     help="AdamW implementation (auto: torch's fused kernel on CUDA), both packings")
     ap.add_argument("--old-logprobs", choices=("recompute", "from-update"), default="recompute",
@@ -430,7 +428,7 @@ def _run(args, argv) -> Path:
                 keep_attention=args.keep_attention, warmup=args.warmup, steps=args.steps, seed=args.seed,
                 world_size=_world(), sp=args.sp, attention_backend=args.attention_backend,
                 logprobs_impl=_logprobs_impl_run(args, device),
-                old_logprobs=args.old_logprobs, reshard_after_forward=_reshard_run(args),
+                old_logprobs=args.old_logprobs, reshard_after_forward=args.reshard_after_forward,
                 fused_ops=args.fused_ops, liger_ops=not args.compile and liger_runs_on(device),
                 optimizer_impl=_optimizer_impl_run(args, device))
     card = meta["card"]["name"].split()[-1].lower() if device.type == "cuda" else "cpu"
@@ -455,11 +453,6 @@ def _logprobs_impl_run(args, device) -> str:
 
     dtype = train_config(args, args.packings[0], args.mbs[0]).parallel.dtype
     return resolve_logprobs_impl(args.logprobs_impl, torch.empty(0, device=device, dtype=dtype))
-
-
-def _reshard_run(args) -> bool:
-    """Whether FSDP reshards after every forward in this run (``--reshard-after-forward`` resolved)."""
-    return train_config(args, args.packings[0], args.mbs[0]).parallel.reshards_after_forward(_world())
 
 
 def _optimizer_impl_run(args, device) -> str:
@@ -491,8 +484,7 @@ def merge(paths: list[str], out: str, stem: str) -> Path:
 
 
 def _reshard_text(meta: dict) -> str:
-    keep = not meta.get("reshard_after_forward", True)
-    return ", FSDP keeps the gathered parameters from forward to backward" if keep else ", FSDP reshards after every forward"
+    return "" if meta.get("reshard_after_forward", True) else ", FSDP keeps the gathered parameters from forward to backward"
 
 
 def _ranks_text(meta: dict) -> str:

@@ -146,39 +146,35 @@ def _gathered(model) -> bool:
     return not any(hasattr(p, "to_local") for p in model.model.layers[0].parameters())
 
 
-def test_reshard_after_forward_trains_the_same(tmp_path):
-    """On one rank FSDP keeps each layer's gathered parameters from forward to backward by default; the
-    training is bit-identical to resharding after every forward, with two optimizer steps per rollout
-    batch (a gather after each step must see the new values) and the frozen reference gathered once."""
+def test_no_reshard_after_forward_trains_the_same(tmp_path):
+    """--no-reshard-after-forward keeps each layer's gathered parameters from forward to backward; the
+    training is bit-identical to FSDP's default, with two optimizer steps per rollout batch (a gather
+    after each step must see the new values) and the frozen reference gathered once for good."""
     args = ["--kl-beta", "0.04", "--mini-batches", "2"]
     runs = {}
-    for choice in ("auto", "always"):
-        cfg = _config(tmp_path / choice, *args, *(["--reshard-after-forward", choice] if choice != "auto" else []))
-        assert cfg.parallel.reshard_after_forward is {"auto": None, "always": True}[choice]
-        assert cfg.parallel.reshards_after_forward(1) is (choice == "always")
+    for keep in (False, True):
+        cfg = _config(tmp_path / str(keep), *args, *(["--no-reshard-after-forward"] if keep else []))
+        assert cfg.parallel.reshard_after_forward is not keep
         trainer = Trainer(cfg)
         try:
             history = trainer.run()
             # the last step ended in a backward (the policy's shards registered again); the reference,
             # which never runs one, keeps what its first forward gathered unless it reshards
-            runs[choice] = (history, _local(dict(trainer.policy.state_dict())), _gathered(trainer.updater.reference))
+            runs[keep] = (history, _local(dict(trainer.policy.state_dict())), _gathered(trainer.updater.reference))
             assert not _gathered(trainer.policy)
         finally:
             trainer.close()
-    (hist_keep, params_keep, ref_keep), (hist_always, params_always, ref_always) = runs["auto"], runs["always"]
-    assert ref_keep and not ref_always
+    (hist_keep, params_keep, ref_keep), (hist_default, params_default, ref_default) = runs[True], runs[False]
+    assert ref_keep and not ref_default
     assert all(h["skipped"] == 0 for h in hist_keep)
-    for h_keep, h_always in zip(hist_keep, hist_always, strict=True):
+    for h_keep, h_default in zip(hist_keep, hist_default, strict=True):
         for key in ("loss", "kl", "grad_norm"):
-            assert h_keep[key] == h_always[key], key
-    assert params_keep.keys() == params_always.keys()
+            assert h_keep[key] == h_default[key], key
+    assert params_keep.keys() == params_default.keys()
     for k in params_keep:
-        assert torch.equal(params_keep[k], params_always[k]), k
-    assert ParallelConfig(reshard_after_forward=None).reshards_after_forward(2)
-    with pytest.raises(ValueError, match=r"reshard_after_forward: expected None, True or False, got 'never'"):
+        assert torch.equal(params_keep[k], params_default[k]), k
+    with pytest.raises(ValueError, match=r"reshard_after_forward: expected True or False, got 'never'"):
         ParallelConfig(reshard_after_forward="never")
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["--reshard-after-forward", "sometimes"])
 
 
 def test_fused_ops_flag_sets_the_mode(tmp_path):
@@ -295,7 +291,7 @@ def test_torchrun_dp2_sp2_equals_single_process(tmp_path, model, budget):
     # the dense run also checkpoints its layers, keeping attention outputs; the MoE run keeps every layer's
     # gathered parameters from forward to backward: the same update, SP included
     options = (["--activation-checkpointing", "--checkpoint-keep-attention"] if "moe" not in model
-               else ["--reshard-after-forward", "never"])
+               else ["--no-reshard-after-forward"])
     (m4,), w4 = _launch(tmp_path / "dist", 4, "--sp", "2", *args, *options)
     assert m1["replicated_tokens"] == m4["replicated_tokens"] and m1["packed_tokens"] == m4["packed_tokens"]
     assert abs(m1["loss"]) > 1e-4

@@ -8,10 +8,9 @@
 * ``parallelize_policy``: activation checkpointing (per decoder layer), Ulysses SP on every attention
   module, optional ``torch.compile`` of every decoder layer, then FSDP2 ``fully_shard`` of every
   decoder layer and of the root with ``MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)``.
-  On one rank the layers keep their gathered parameters from forward to backward
-  (``ParallelConfig.reshard_after_forward``): there a gather is only a cast and a copy of every weight,
-  and resharding saves no memory. A backward frees them, so the next forward gathers the
-  optimizer's new values.
+  ``ParallelConfig.reshard_after_forward=False`` keeps each layer's gathered parameters from forward
+  to backward (no second gather, more memory); a backward frees them, so the next forward gathers
+  the optimizer's new values.
   Parameters are sharded over all dp x sp ranks (the dp axis flattened with sp, since SP ranks hold
   the same parameters and their gradient shares add up). FSDP's reduction averages over those
   ``fsdp_size`` ranks, while every micro-batch loss is already normalised by the whole mini-batch
@@ -31,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistContext", "ParallelConfig", "RESHARD_CHOICES", "reshard_choice", "init_distributed", "parallelize_policy", "full_state_dict",
+__all__ = ["DistContext", "ParallelConfig", "init_distributed", "parallelize_policy", "full_state_dict",
            "destroy_distributed"]
 
 
@@ -49,12 +48,11 @@ class ParallelConfig:
     ``"torch"`` or ``"triton"`` (``CausalLM.logprobs_impl``; None leaves the model's, which reads
     ``DUALKV_LOGPROBS_IMPL``, default auto); fused_ops: the eager layers' RMSNorm, RoPE and gated
     activation, Liger-Kernel's fused kernels or PyTorch's ops (``dualkv.models.set_fused_ops``: "auto",
-    "liger" or "off"; a process-wide setting); reshard_after_forward: whether FSDP frees each layer's
-    gathered (``param_dtype``) parameters after its forward, ``True`` (gathered again for the backward: the
-    least memory), ``False`` (kept until the backward frees them; after a no-grad pass, kept until the next
-    backward, so the policy's old_log_prob pass hands them on to the update's first micro-batch and the
-    frozen reference keeps them for good) or ``None``: ``False`` where FSDP shards over one rank (the
-    gathers there are only copies, and sharding saves no memory), ``True`` over more."""
+    "liger" or "off"; a process-wide setting); reshard_after_forward: FSDP frees each layer's gathered (``param_dtype``)
+    parameters after its forward and gathers them again for the backward (True, FSDP's default: the
+    least memory), or keeps them until the backward frees them (False: one gather a micro-batch fewer;
+    after a no-grad pass they stay gathered until the next backward, so the policy's old_log_prob pass
+    hands them on to the update and the frozen reference keeps them for good)."""
 
     sp: int = 1
     param_dtype: str = "bf16"
@@ -65,7 +63,7 @@ class ParallelConfig:
     deterministic_attention: bool = False
     logprobs_impl: str | None = None
     fused_ops: str = "auto"
-    reshard_after_forward: bool | None = None
+    reshard_after_forward: bool = True
 
     def __post_init__(self) -> None:
         from dualkv.core.backends import split_backend
@@ -87,28 +85,14 @@ class ParallelConfig:
         if self.checkpoint_keep_attention and not self.activation_checkpointing:
             raise ValueError("checkpoint_keep_attention: needs activation_checkpointing (it selects what a "
                              "checkpointed layer keeps)")
-        if self.reshard_after_forward not in (None, True, False):
-            raise ValueError(f"reshard_after_forward: expected None, True or False, got {self.reshard_after_forward!r}")
+        if not isinstance(self.reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward: expected True or False, got {self.reshard_after_forward!r}")
         if self.param_dtype not in _DTYPES:
             raise ValueError(f"param_dtype: expected one of {sorted(_DTYPES)}, got {self.param_dtype!r}")
 
     @property
     def dtype(self) -> torch.dtype:
         return _DTYPES[self.param_dtype]
-
-    def reshards_after_forward(self, fsdp_size: int) -> bool:
-        """``reshard_after_forward`` resolved for FSDP over ``fsdp_size`` ranks."""
-        return fsdp_size > 1 if self.reshard_after_forward is None else self.reshard_after_forward
-
-
-RESHARD_CHOICES = {"auto": None, "always": True, "never": False}  # command-line spellings of reshard_after_forward
-
-
-def reshard_choice(text: str) -> bool | None:
-    """``ParallelConfig.reshard_after_forward`` from its command-line spelling (``RESHARD_CHOICES``)."""
-    if text not in RESHARD_CHOICES:
-        raise ValueError(f"reshard_after_forward: expected one of {list(RESHARD_CHOICES)}, got {text!r}")
-    return RESHARD_CHOICES[text]
 
 
 COMPILE_VARIANTS = 32  # torch.compile graphs allowed per decoder-layer function (see ``parallelize``)
@@ -239,14 +223,13 @@ def parallelize_policy(model: torch.nn.Module, ctx: DistContext, cfg: ParallelCo
             block.compile(dynamic=True)
     mp = MixedPrecisionPolicy(param_dtype=cfg.dtype, reduce_dtype=torch.float32)
     mesh = ctx.mesh.dp_sp_mesh if ctx.world_size > 1 else ctx.mesh.mesh["dp"]
-    reshard = cfg.reshards_after_forward(ctx.fsdp_size)
 
     def shard(module, root: bool = False):  # a decoder layer, then the root (what is left: embeddings, final norm)
         if not trainable:
             _store_in(module, cfg.dtype)
         # The root keeps FSDP's own default (it never reshards after forward: the log-prob head reads
         # its weights after the decoder's forward method returns).
-        fully_shard(module, mesh=mesh, mp_policy=mp, **({} if root else {"reshard_after_forward": reshard}))
+        fully_shard(module, mesh=mesh, mp_policy=mp, **({} if root else {"reshard_after_forward": cfg.reshard_after_forward}))
 
     if any(p.is_meta for p in model.parameters()):
         from dualkv.models import materialize

@@ -25,7 +25,7 @@ from dualkv.core.logprobs import LOGPROB_IMPLS
 from dualkv.models.fused import FUSED_MODES
 
 from .arithmetic import ArithmeticConfig
-from .distributed import RESHARD_CHOICES, ParallelConfig, reshard_choice
+from .distributed import ParallelConfig
 from .losses import LossConfig
 from .trainer import OPTIMIZER_IMPLS, OptimConfig, TrainConfig, Trainer
 from .update import UpdateConfig
@@ -106,9 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--checkpoint-keep-attention", action="store_true",
                    help="with --activation-checkpointing: keep attention outputs, recompute the rest of each layer")
     d.add_argument("--compile", action="store_true", help="torch.compile every decoder layer")
-    d.add_argument("--reshard-after-forward", choices=tuple(RESHARD_CHOICES), default="auto",
-                   help="FSDP frees each layer's gathered parameters after its forward (always) or keeps them until "
-                        "the backward (never: no second gather, more memory); auto: never on one rank, always on more")
+    d.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
+                   help="FSDP keeps each layer's gathered parameters from forward to backward (one all-gather a "
+                        "micro-batch fewer, more memory) instead of gathering them again for the backward")
     d.add_argument("--attention-backend", choices=BACKEND_CHOICES, default="auto",
                    help="dualkv_attention backend of every layer (auto: what measured fastest per head dim on CUDA "
                         "tensors; a+b: a's forward, b's backward)")
@@ -167,7 +167,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                                 attention_backend=args.attention_backend,
                                 deterministic_attention=args.deterministic_attention,
                                 logprobs_impl=args.logprobs_impl, fused_ops=args.fused_ops,
-                                reshard_after_forward=reshard_choice(args.reshard_after_forward)),
+                                reshard_after_forward=args.reshard_after_forward),
     )
 
 
