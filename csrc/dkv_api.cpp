@@ -8,16 +8,23 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <c10/util/intrusive_ptr.h>
+
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <deque>
 #include <limits>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <tuple>
 #include <type_traits>
+#include <vector>
 
 #ifndef DKV_EMULATE
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
@@ -337,13 +344,18 @@ struct QueryTiles {
   Tensor prefix, order;
 };
 
-QueryTiles query_tiles(const Tensor& seg_len, const Tensor& seg_ctx_len, int block) {
-  QueryTiles tiles;
+// DUALKV_CUDA_TILE_ORDER: 1 (unset) the order above, 0 the segments' own.
+bool tile_order_by_readers() {
   // Not a kernel form: the CPU emulation takes the device's default too.
   const std::string choice = env_value("DUALKV_CUDA_TILE_ORDER");
   DKV_CHECK(choice.empty() || choice == "0" || choice == "1", kOps,
             ": DUALKV_CUDA_TILE_ORDER: expected one of 0, 1 (or unset), got '", choice, "'");
-  if (choice == "0" || seg_len.size(0) < 2) {
+  return choice != "0";
+}
+
+QueryTiles query_tiles(const Tensor& seg_len, const Tensor& seg_ctx_len, int block, bool by_readers) {
+  QueryTiles tiles;
+  if (!by_readers || seg_len.size(0) < 2) {
     tiles.prefix = prefix_of(seg_len, block);
     return tiles;
   }
@@ -351,6 +363,91 @@ QueryTiles query_tiles(const Tensor& seg_len, const Tensor& seg_ctx_len, int blo
   tiles.order = std::get<1>(at::sort(no_ctx, /*stable=*/true, /*dim=*/0, /*descending=*/false)).to(at::kInt);
   tiles.prefix = prefix_of(seg_len.index_select(0, tiles.order), block);
   return tiles;
+}
+
+// Launch metadata that depends on the layout alone (the query-tile order and prefix, the dK/dV work
+// items, the reader chunks) takes a few dozen small ATen ops and kernels a call, a large share of a
+// call's host time. It is the same for every layer of a micro-batch, so it is kept: keyed by the layout
+// tensors it was computed from, the launch's settings (tile sizes, environment choices) and the device
+// and stream. A key holds weak references to the tensors, so a freed tensor's address can never be
+// taken for a new one's, and their version counters, so an in-place change of a layout tensor computes
+// anew. Tensors without a version counter (made under torch.inference_mode) are never cached, and
+// nothing is cached or reused while the stream is being captured into a CUDA graph (a plan computed
+// then exists only when the graph replays; one reused then must outlive the graph).
+// DUALKV_CUDA_PLAN_CACHE=0: no cache (every call computes).
+class PlanCache {
+ public:
+  using Plan = std::vector<Tensor>;
+
+  template <class Compute>
+  Plan get(const std::vector<Tensor>& layout, std::vector<int64_t> settings, Compute compute) {
+    settings.push_back(static_cast<int64_t>(reinterpret_cast<std::uintptr_t>(current_stream())));
+    settings.push_back(layout.front().device().index());
+    bool cacheable = enabled() && !capturing();
+    for (const Tensor& t : layout) cacheable = cacheable && !t.is_inference();
+    if (!cacheable) return compute();
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto it = entries_.begin(); it != entries_.end(); ++it) {
+      if (matches(*it, layout, settings)) {
+        Entry hit = std::move(*it);
+        entries_.erase(it);
+        entries_.push_front(std::move(hit));
+        return entries_.front().plan;
+      }
+    }
+    Entry entry{{}, {}, std::move(settings), compute()};
+    for (const Tensor& t : layout) {
+      entry.tensors.emplace_back(t.getIntrusivePtr());
+      entry.versions.push_back(t._version());
+    }
+    entries_.push_front(std::move(entry));
+    if (entries_.size() > kEntries) entries_.pop_back();
+    return entries_.front().plan;
+  }
+
+ private:
+  static constexpr size_t kEntries = 16;  // layouts in flight at once: a few (policy, reference, SP slices)
+  struct Entry {
+    std::vector<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>> tensors;
+    std::vector<int64_t> versions;
+    std::vector<int64_t> settings;
+    Plan plan;
+  };
+
+  static bool enabled() {
+    const std::string choice = env_value("DUALKV_CUDA_PLAN_CACHE");
+    DKV_CHECK(choice.empty() || choice == "0" || choice == "1", kOps,
+              ": DUALKV_CUDA_PLAN_CACHE: expected one of 0, 1 (or unset), got '", choice, "'");
+    return choice != "0";
+  }
+
+  static bool capturing() {
+#ifdef DKV_EMULATE
+    return false;
+#else
+    return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+#endif
+  }
+
+  static bool matches(const Entry& e, const std::vector<Tensor>& layout, const std::vector<int64_t>& settings) {
+    if (e.settings != settings || e.tensors.size() != layout.size()) return false;
+    for (size_t i = 0; i < layout.size(); ++i) {
+      // alive, the same object, unchanged since (a live weak reference keeps the address from reuse)
+      if (e.tensors[i].expired() || e.tensors[i]._unsafe_get_target() != layout[i].unsafeGetTensorImpl() ||
+          e.versions[i] != layout[i]._version()) {
+        return false;
+      }
+    }
+    return true;
+  }
+
+  std::mutex mutex_;
+  std::deque<Entry> entries_;  // most recently used first
+};
+
+PlanCache& plan_cache() {
+  static PlanCache* cache = new PlanCache();  // never destroyed: its tensors must not be freed at exit,
+  return *cache;                              // after the CUDA allocator is gone
 }
 
 // The wgmma kernels can run: an sm_90 device whose extension code has wgmma (built for sm_90a), or the
@@ -506,7 +603,12 @@ std::tuple<Tensor, Tensor> fwd(const Tensor& q, const Tensor& k, const Tensor& v
   const bool bf16 = q.scalar_type() == at::kBFloat16;
   const int sm90 = use_sm90_forward(q, args.head_dim);
   const int block_m = sm90 ? sm90_fwd_block_m(args.head_dim) : fwd_config(args.head_dim).block_m;
-  const QueryTiles tiles = query_tiles(segment_lengths(cu_seqlens), seg_ctx_len, block_m);
+  const bool by_readers = tile_order_by_readers();
+  const PlanCache::Plan plan = plan_cache().get({cu_seqlens, seg_ctx_len}, {0, block_m, by_readers}, [&] {
+    const QueryTiles t = query_tiles(segment_lengths(cu_seqlens), seg_ctx_len, block_m, by_readers);
+    return PlanCache::Plan{t.prefix, t.order};
+  });
+  const QueryTiles tiles{plan[0], plan[1]};
 
   FwdParams p;
   static_cast<AttnArgs&>(p) = args;
@@ -588,22 +690,31 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
   if (fused_dq) dq_accum = at::zeros({args.nheads, args.head_dim / 64, T, kDqAccumPitch}, f32);
   const int dq_block = sm90 ? sm90_dq_block_m(args.head_dim) : dq_config(args.head_dim).block_m;
   const int kv_block = sm90 ? sm90_dkdv_block_n(args.head_dim) : dkdv_config(args.head_dim).block_n;
-  const Tensor seg_len = segment_lengths(cu_seqlens);
-  const QueryTiles q_tiles = query_tiles(seg_len, seg_ctx_len, dq_block);
-  // dkdv items per segment: its own key tiles (+ its context tiles, by default); deterministic with
-  // a separate context adds one group per context region.
-  Tensor per_seg = at::div(seg_len + (kv_block - 1), kv_block, "floor");
-  Tensor chunk_end;
-  if (!deterministic) {  // a chunk's context tiles are its leader's items
-    chunk_end = reader_chunk_end(cu_seqlens, seg_ctx_start, seg_ctx_len, reader_chunk_rows());
-    const Tensor leads = chunk_end.gt(at::arange(chunk_end.size(0), chunk_end.options()));
-    per_seg = per_seg + at::div(seg_ctx_len + (kv_block - 1), kv_block, "floor") * leads;
-  }
-  Tensor groups = per_seg;
-  if (deterministic && args.ctx_separate) {
-    groups = at::cat({per_seg, at::div(ctx_key_len + (kv_block - 1), kv_block, "floor")});
-  }
-  Tensor kv_item_prefix = prefix_of(groups, 1);
+  const bool by_readers = tile_order_by_readers();
+  const int64_t chunk_rows = deterministic ? 0 : reader_chunk_rows();
+  const PlanCache::Plan plan = plan_cache().get(
+      {cu_seqlens, seg_ctx_start, seg_ctx_len, ctx_key_len},
+      {1, dq_block, kv_block, by_readers, deterministic, args.ctx_separate, chunk_rows}, [&] {
+        const Tensor seg_len = segment_lengths(cu_seqlens);
+        const QueryTiles q_tiles = query_tiles(seg_len, seg_ctx_len, dq_block, by_readers);
+        // dkdv items per segment: its own key tiles (+ its context tiles, by default); deterministic
+        // with a separate context adds one group per context region.
+        Tensor per_seg = at::div(seg_len + (kv_block - 1), kv_block, "floor");
+        Tensor chunk_end;
+        if (!deterministic) {  // a chunk's context tiles are its leader's items
+          chunk_end = reader_chunk_end(cu_seqlens, seg_ctx_start, seg_ctx_len, chunk_rows);
+          const Tensor leads = chunk_end.gt(at::arange(chunk_end.size(0), chunk_end.options()));
+          per_seg = per_seg + at::div(seg_ctx_len + (kv_block - 1), kv_block, "floor") * leads;
+        }
+        Tensor groups = per_seg;
+        if (deterministic && args.ctx_separate) {
+          groups = at::cat({per_seg, at::div(ctx_key_len + (kv_block - 1), kv_block, "floor")});
+        }
+        return PlanCache::Plan{q_tiles.prefix, q_tiles.order, prefix_of(groups, 1), chunk_end};
+      });
+  const QueryTiles q_tiles{plan[0], plan[1]};
+  const Tensor& kv_item_prefix = plan[2];
+  const Tensor& chunk_end = plan[3];
   Tensor work_counter = at::zeros({1}, q.options().dtype(at::kInt));
 
   BwdParams p;
@@ -631,7 +742,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
   p.grid_tiles = grid_tiles_bound(T, args.layout.num_segments, dq_block);
   p.kv_item_prefix = kv_item_prefix.data_ptr<int>();
   p.chunk_end = deterministic ? nullptr : chunk_end.data_ptr<int>();
-  p.num_item_groups = static_cast<int>(groups.size(0));
+  p.num_item_groups = static_cast<int>(kv_item_prefix.size(0) - 1);
   p.work_counter = work_counter.data_ptr<int>();
   p.deterministic = deterministic;
   p.dq_accum = fused_dq ? dq_accum.data_ptr<float>() : nullptr;

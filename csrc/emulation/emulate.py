@@ -338,6 +338,68 @@ def check_tile_order(device_defaults: bool) -> bool:
         _restore_env(saved)
 
 
+def check_plan_cache() -> bool:
+    """The launch metadata the binding keeps per layout (PlanCache in dkv_api.cpp), with the kernels an
+    sm_90 GPU runs: a second call on the same layout tensors gives bit-identical results; layout tensors
+    changed in place (their version counters move) are planned anew, so the kernels follow the new
+    lengths; tensors made under torch.inference_mode (no version counter) are not kept;
+    DUALKV_CUDA_PLAN_CACHE=0 plans every call, and a bad value is an error naming the variable."""
+    names = ("DUALKV_CUDA_WGMMA", "DUALKV_CUDA_WGMMA_BWD", "DUALKV_CUDA_BWD_TMA", "DUALKV_EMULATE_DEVICE_DEFAULTS",
+             "DUALKV_CUDA_TILE_ORDER", "DUALKV_CUDA_PLAN_CACHE")
+    saved = {n: os.environ.get(n) for n in names}
+    d, H, Hkv = 64, 2, 1
+    gen = torch.Generator().manual_seed(5)
+    # Same packed length and segment count, the two responses' lengths swapped: a stale plan would walk
+    # the first response's 3 query tiles where it now has 1, and leave the second's last rows unwritten.
+    first, second = ([130], [[150, 10]]), ([130], [[10, 150]])
+    T = 290
+    q, k, v, dout = (torch.randn(T, h, d, generator=gen).to(torch.bfloat16) for h in (H, Hkv, Hkv, H))
+    scale = 1.0 / math.sqrt(d)
+
+    def run(meta, expect_meta, what, deterministic=True):
+        out, lse = torch.ops.dualkv_cuda_emu.fwd(q, k, v, None, None, *meta, scale, -1, 0.0)
+        grads = torch.ops.dualkv_cuda_emu.bwd(dout, q, k, v, None, None, out, lse, *meta, scale, -1, 0.0, deterministic)
+        ref_out, _ = reference_attention_meta(q.float(), k.float(), v.float(), expect_meta, scale, None, None)
+        ref_grads = reference_attention_backward_meta(dout.float(), q.float(), k.float(), v.float(), expect_meta, scale,
+                                                      None, None)
+        errs = {"out": (out.float() - ref_out).abs().max().item()}
+        errs.update({n: (g.float() - r).abs().max().item() for n, g, r in zip(("dq", "dk", "dv"), grads, ref_grads)})
+        good = all(e < 0.05 * max(1.0, r.abs().max().item())
+                   for e, r in zip(errs.values(), (ref_out, *ref_grads[:3])))
+        print(f"{'ok' if good else 'FAIL'} plan cache: {what} " + " ".join(f"{n}={e:.3g}" for n, e in errs.items()),
+              flush=True)
+        return good, (out, *grads[:3])
+
+    try:
+        for n in names:
+            os.environ.pop(n, None)
+        os.environ["DUALKV_EMULATE_DEVICE_DEFAULTS"] = "1"
+        meta = AttnMeta.from_layout(PackedLayout.from_lengths(*first))
+        ok, results = run(meta, meta, "first call")
+        good, again = run(meta, meta, "second call, the same layout tensors")
+        same = all(torch.equal(a, b) for a, b in zip(results, again))
+        print(f"{'ok' if same else 'FAIL'} plan cache: the second call's results are bit-identical", flush=True)
+        ok = ok and good and same
+        swapped = AttnMeta.from_layout(PackedLayout.from_lengths(*second))
+        for mine, theirs in zip(meta, swapped):
+            mine.copy_(theirs)  # in place: the same tensor objects, new lengths
+        ok = run(meta, swapped, "layout tensors changed in place")[0] and ok
+        ok = run(meta, swapped, "the changed layout, atomic backward", deterministic=False)[0] and ok
+        os.environ["DUALKV_CUDA_PLAN_CACHE"] = "0"
+        ok = run(meta, swapped, "DUALKV_CUDA_PLAN_CACHE=0")[0] and ok
+        os.environ.pop("DUALKV_CUDA_PLAN_CACHE")
+        with torch.inference_mode():
+            frozen = AttnMeta.from_layout(PackedLayout.from_lengths(*first))
+            ok = run(frozen, frozen, "inference tensors (not kept)")[0] and ok
+            ok = run(frozen, frozen, "inference tensors, again")[0] and ok
+        ok = expect_error({"DUALKV_CUDA_PLAN_CACHE": "2"}, "DUALKV_CUDA_PLAN_CACHE: expected one of 0, 1 (or unset), got '2'",
+                          "DUALKV_CUDA_PLAN_CACHE=2", d=64, dtype=torch.bfloat16, prompts=[20], responses=[[9]], H=1,
+                          Hkv=1) and ok
+        return ok
+    finally:
+        _restore_env(saved)
+
+
 def check_reader_chunks(device_defaults: bool) -> bool:
     """The default backward's reader chunks (DUALKV_CUDA_BWD_CHUNK_ROWS): every segment its own chunk
     (0), runs cut into several chunks (40 rows: chunks of one to three responses, ragged), and whole
@@ -461,6 +523,7 @@ def main():
         ok = check_chunk_ends() and ok
         ok = check_reader_chunks(device_defaults=True) and ok
         ok = check_tile_order(device_defaults=True) and ok
+        ok = check_plan_cache() and ok
         for mode in quick:  # the schedules above; "t": with the TMA producer
             os.environ["DUALKV_CUDA_WGMMA_BWD"] = mode[0]
             os.environ["DUALKV_CUDA_BWD_TMA"] = "1" if mode.endswith("t") else "0"

@@ -157,6 +157,47 @@ def _kernels_of(case, dtype, deterministic=False):
     return r, {e.name for e in prof.events()}
 
 
+def test_launch_plan_is_kept_per_layout(cuda_backend, monkeypatch):
+    """The binding plans a layout's launch once (the query-tile order by a sort, the prefix sums of the
+    tiles and of the dK/dV items, the reader chunks: PlanCache in csrc/dkv_api.cpp): a second
+    forward+backward on the same layout launches no sort or scan kernel and gives bit-identical results;
+    after an in-place change of a layout tensor, or with DUALKV_CUDA_PLAN_CACHE=0, it plans again. The
+    results match the reference."""
+    monkeypatch.delenv("DUALKV_CUDA_PLAN_CACHE", raising=False)
+    case = ([300, 70], [[150, 20], [140]], 4, 2, 128, None, None)
+    layout = PackedLayout.from_lengths(case[0], case[1], device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(3)
+    T = layout.total_tokens
+    q, k, v, dout = (torch.randn(T, h, 128, device="cuda", generator=g, dtype=torch.bfloat16) for h in (4, 2, 2, 4))
+    scale = 1.0 / math.sqrt(128)
+
+    def call():
+        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            out, lse = dualkv_attention(qg, kg, vg, layout, softmax_scale=scale, deterministic=True, return_lse=True,
+                                        backend="cuda")
+            out.backward(dout)
+            torch.cuda.synchronize()
+        planned = any("sort" in e.name.lower() or "scan" in e.name.lower() for e in prof.events())
+        return dict(layout=layout, q=q, k=k, v=v, dout=dout, scale=scale, out=out.detach(), lse=lse, dq=qg.grad,
+                    dk=kg.grad, dv=vg.grad), planned
+
+    def same(a, b):
+        return all(torch.equal(a[n], b[n]) for n in ("out", "lse", "dq", "dk", "dv"))
+
+    first, planned = call()
+    assert planned  # the first call on a layout plans it
+    again, planned = call()
+    assert not planned and same(first, again)
+    layout.cu_seqlens.add_(0)  # in place: the version counter moves, the values stay
+    changed, planned = call()
+    assert planned and same(first, changed)
+    monkeypatch.setenv("DUALKV_CUDA_PLAN_CACHE", "0")
+    off, planned = call()
+    assert planned and same(first, off)
+    _check_against_reference(case, torch.bfloat16, first)
+
+
 def _choose_hopper_kernels(monkeypatch, variable: str, mode: str | None, what: str) -> None:
     """Skip unless the GPU is sm_90; set the kernel-choice variable (None: unset, the default)."""
     if torch.cuda.get_device_capability()[0] != 9:
