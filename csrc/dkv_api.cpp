@@ -1,7 +1,8 @@
 // Torch binding of the DualKV CUDA kernels: ops torch.ops.dualkv_cuda.fwd / bwd.
 //
 // Thin launcher layer: checks (clear errors naming the argument), allocation, the work decomposition
-// (tile prefix sums computed on the device, never a host sync of the metadata), then the kernels.
+// (tile prefix sums computed on the device, never a host sync of the metadata, planned once per layout
+// and kept: PlanCache), then the kernels.
 // The Python backend (dualkv.core.backends.cuda) is the only caller.
 #include <Python.h>
 
