@@ -58,6 +58,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.bench_memory_scaling import parse_range
+from benchmarks.gpu_monitor import GpuMonitor
 from benchmarks.harness import _is_oom, fmt_size, parse_size
 from benchmarks.report import ResultWriter, environment
 from dualkv.core.backends import BACKEND_CHOICES
@@ -70,7 +71,7 @@ PACKINGS = ("dualkv", "replicated")
 PHASES = ("old_log_prob", "ref_log_prob", "update")
 COLUMNS = ["packing", "P", "mb", "groups", "status", "rho", "packed_tokens", "replicated_tokens",
            "time_old_log_prob", "time_ref_log_prob", "time_update", "time_compute", "tokens_per_s",
-           "effective_tokens_per_s", "tflops", "mfu", "useful_mfu", "peak_memory_gib", "steps"]
+           "effective_tokens_per_s", "tflops", "mfu", "useful_mfu", "peak_memory_gib", "steps", "sm_clock_mhz", "power_w"]
 
 
 def predicted_rho(N: int, P: float, R: float) -> float:
@@ -142,13 +143,17 @@ def run_config(args, packing: str, mb: int, meta: dict | None = None) -> dict:
 
     row = dict(packing=packing, P=args.prompt, mb=mb, groups=args.responses_per_step // mb)
     trainer = None
+    # this rank's GPU clock and power over the measured steps (the step runs at the card's power cap)
+    monitor = GpuMonitor(torch.cuda.current_device() if args.device.startswith("cuda") else None)
     try:
+        monitor.__enter__()
         trainer = Trainer(train_config(args, packing, mb))
         for step in range(args.warmup):
             _report_step(packing, mb, step, args, trainer.train_step(step))
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         recs, useful = [], []
+        measured_from = time.monotonic()
         for step in range(args.warmup, args.warmup + args.steps):
             rec = trainer.train_step(step)
             _report_step(packing, mb, step, args, rec)
@@ -157,6 +162,9 @@ def run_config(args, packing: str, mb: int, meta: dict | None = None) -> dict:
             peak = peak_flops(args.peak_tflops)
             rec["useful_mfu"] = useful_flops(trainer, step) / (compute * trainer.ctx.world_size * peak) if peak and compute else None
             recs.append(rec)
+        clocks = monitor.window(measured_from, time.monotonic())
+        if clocks is not None:
+            row.update(sm_clock_mhz=clocks["sm_clock_mhz"], power_w=clocks["power_w"])
         if args.profile:
             row["profile"] = profile_step(trainer, args.warmup + args.steps,
                                           Path(args.out) / f"{args.stem or 'policy_step'}_{packing}_mb{mb}_profile.txt",
@@ -175,6 +183,7 @@ def run_config(args, packing: str, mb: int, meta: dict | None = None) -> dict:
             raise
         row["status"] = "OOM"
     finally:
+        monitor.__exit__(None, None, None)
         if trainer is not None:
             trainer.close()
         trainer = None
@@ -285,6 +294,12 @@ def tables(rows: list[dict], meta: dict) -> str:
                    f"| {_f(r['tokens_per_s'], '.0f')} "
                    f"| {_f(r['effective_tokens_per_s'], '.0f')} | {_f(r['mfu'], '.1%')} | {_f(r['useful_mfu'], '.1%')} "
                    f"| {_f(r['peak_memory_gib'], '.2f')} |")
+    clocked = [r for r in rows if r["status"] == "ok" and r.get("sm_clock_mhz") is not None]
+    if clocked:
+        out += ["", "SM clock and board power over the measured steps (medians of nvidia-smi samples every 200 ms; "
+                "the card's unloaded maximum is higher): " + "; ".join(
+                    f"{r['packing']} mb={r['mb']} {r['sm_clock_mhz']:.0f} MHz"
+                    + (f", {r['power_w']:.0f} W" if r.get("power_w") is not None else "") for r in clocked) + "."]
     out += ["", "rho = N(P+R)/(P+NR) (the batch's replicated / packed tokens) next to the measured speedup "
             "(replicated time / dualkv time):", "",
             "| mb | rho (batch) | rho (E[R]) | update-phase speedup | 3-phase speedup |", "| --- | --- | --- | --- | --- |"]

@@ -243,6 +243,42 @@ def test_policy_step_end_to_end(tmp_path, one_thread):
     assert "3 phases s (steps' range)" in (tmp_path / "step.md").read_text()
 
 
+def test_gpu_monitor_reports_the_clock_of_a_window():
+    """GpuMonitor keeps timestamped (clock, power) samples from its command's output (nvidia-smi's csv
+    rows, here a stand-in) and gives their medians over a stretch of the run; a CPU run samples nothing.
+    The policy-step table prints them under the phases."""
+    import sys
+    import time
+
+    from benchmarks.gpu_monitor import GpuMonitor, parse_sample
+
+    assert parse_sample("1980, 120.14") == (1980.0, 120.14)
+    assert parse_sample("1650, [N/A]") == (1650.0, None)
+    assert parse_sample("clocks.sm [MHz], power.draw [W]") is None and parse_sample("No devices were found") is None
+    script = "import time\nfor c in (1980, 1650, 1700, 1710):\n    print(f'{c}, 600.5', flush=True)\n    time.sleep(0.05)\ntime.sleep(30)"
+    t0 = time.monotonic()
+    with GpuMonitor(0, command=[sys.executable, "-c", script]) as mon:
+        deadline = time.monotonic() + 20
+        while len(mon.samples) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    t1 = time.monotonic()
+    assert mon.window(t0, t1) == dict(sm_clock_mhz=1705.0, power_w=600.5, samples=4)
+    assert mon.window(t1 + 1, t1 + 2) is None
+    assert GpuMonitor(None).command is None
+    with GpuMonitor(None) as idle:
+        pass
+    assert idle.window(0, time.monotonic()) is None
+    with pytest.raises(ValueError, match="interval_ms: expected at least 20, got 5"):
+        GpuMonitor(0, interval_ms=5)
+    meta = dict(P=64, response_range=[8, 16], responses_per_step=8, steps=1, warmup=1)
+    row = dict(packing="dualkv", mb=8, status="ok", time_old_log_prob=0.1, time_ref_log_prob=0.1, time_update=0.2,
+               time_compute=0.4, tokens_per_s=1.0, effective_tokens_per_s=2.0, mfu=0.5, useful_mfu=0.5,
+               peak_memory_gib=None, rho=2.0, packed_tokens=10, replicated_tokens=20)
+    assert "SM clock" not in ps.tables([row], meta)  # files from before the monitor, CPU runs
+    text = ps.tables([dict(row, sm_clock_mhz=1690.0, power_w=675.2)], meta)
+    assert "dualkv mb=8 1690 MHz, 675 W" in text
+
+
 def test_policy_step_table_shows_the_steps_spread():
     """A median hides steps that differ (a compile mid-step, a host stall): the table prints their range."""
     row = dict(time_compute=2.0, time_compute_steps=[1.9, 2.0, 2.6])
