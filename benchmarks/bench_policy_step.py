@@ -144,50 +144,48 @@ def run_config(args, packing: str, mb: int, meta: dict | None = None) -> dict:
     row = dict(packing=packing, P=args.prompt, mb=mb, groups=args.responses_per_step // mb)
     trainer = None
     # this rank's GPU clock and power over the measured steps (the step runs at the card's power cap)
-    monitor = GpuMonitor(torch.cuda.current_device() if args.device.startswith("cuda") else None)
-    try:
-        monitor.__enter__()
-        trainer = Trainer(train_config(args, packing, mb))
-        for step in range(args.warmup):
-            _report_step(packing, mb, step, args, trainer.train_step(step))
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
-        recs, useful = [], []
-        measured_from = time.monotonic()
-        for step in range(args.warmup, args.warmup + args.steps):
-            rec = trainer.train_step(step)
-            _report_step(packing, mb, step, args, rec)
-            compute = sum(rec.get(f"time_{k}", 0.0) for k in PHASES)
-            rec["time_compute"] = compute
-            peak = peak_flops(args.peak_tflops)
-            rec["useful_mfu"] = useful_flops(trainer, step) / (compute * trainer.ctx.world_size * peak) if peak and compute else None
-            recs.append(rec)
-        clocks = monitor.window(measured_from, time.monotonic())
-        if clocks is not None:
-            row.update(sm_clock_mhz=clocks["sm_clock_mhz"], power_w=clocks["power_w"])
-        if args.profile:
-            row["profile"] = profile_step(trainer, args.warmup + args.steps,
-                                          Path(args.out) / f"{args.stem or 'policy_step'}_{packing}_mb{mb}_profile.txt",
-                                          meta or {})
-        peak_gib = max((r["peak_memory_gib"] for r in recs if r.get("peak_memory_gib") is not None), default=None)
-        # every measured step's three phases, so that the table shows the spread behind the median
-        row["time_compute_steps"] = [r["time_compute"] for r in recs]
-        row.update(status="ok", steps=len(recs), rho=_median(recs, "rho"),
-                   packed_tokens=_median(recs, "packed_tokens"), replicated_tokens=_median(recs, "replicated_tokens"),
-                   peak_memory_gib=_max_over_ranks(peak_gib))
-        for key in [f"time_{k}" for k in PHASES] + ["time_compute", "tokens_per_s", "effective_tokens_per_s", "tflops",
-                                                    "mfu", "useful_mfu"]:
-            row[key] = _median(recs, key)
-    except Exception as e:  # noqa: BLE001
-        if not _is_oom(e) or _world() > 1:  # several ranks: one rank's OOM would leave the others waiting
-            raise
-        row["status"] = "OOM"
-    finally:
-        monitor.__exit__(None, None, None)
-        if trainer is not None:
-            trainer.close()
-        trainer = None
-        _free()
+    with GpuMonitor(torch.cuda.current_device() if args.device.startswith("cuda") else None) as monitor:
+        try:
+            trainer = Trainer(train_config(args, packing, mb))
+            for step in range(args.warmup):
+                _report_step(packing, mb, step, args, trainer.train_step(step))
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+            recs, useful = [], []
+            measured_from = time.monotonic()
+            for step in range(args.warmup, args.warmup + args.steps):
+                rec = trainer.train_step(step)
+                _report_step(packing, mb, step, args, rec)
+                compute = sum(rec.get(f"time_{k}", 0.0) for k in PHASES)
+                rec["time_compute"] = compute
+                peak = peak_flops(args.peak_tflops)
+                rec["useful_mfu"] = useful_flops(trainer, step) / (compute * trainer.ctx.world_size * peak) if peak and compute else None
+                recs.append(rec)
+            clocks = monitor.window(measured_from, time.monotonic())
+            if clocks is not None:
+                row.update(sm_clock_mhz=clocks["sm_clock_mhz"], power_w=clocks["power_w"])
+            if args.profile:
+                row["profile"] = profile_step(trainer, args.warmup + args.steps,
+                                              Path(args.out) / f"{args.stem or 'policy_step'}_{packing}_mb{mb}_profile.txt",
+                                              meta or {})
+            peak_gib = max((r["peak_memory_gib"] for r in recs if r.get("peak_memory_gib") is not None), default=None)
+            # every measured step's three phases, so that the table shows the spread behind the median
+            row["time_compute_steps"] = [r["time_compute"] for r in recs]
+            row.update(status="ok", steps=len(recs), rho=_median(recs, "rho"),
+                       packed_tokens=_median(recs, "packed_tokens"), replicated_tokens=_median(recs, "replicated_tokens"),
+                       peak_memory_gib=_max_over_ranks(peak_gib))
+            for key in [f"time_{k}" for k in PHASES] + ["time_compute", "tokens_per_s", "effective_tokens_per_s", "tflops",
+                                                        "mfu", "useful_mfu"]:
+                row[key] = _median(recs, key)
+        except Exception as e:  # noqa: BLE001
+            if not _is_oom(e) or _world() > 1:  # several ranks: one rank's OOM would leave the others waiting
+                raise
+            row["status"] = "OOM"
+        finally:
+            if trainer is not None:
+                trainer.close()
+            trainer = None
+            _free()
     return row
 
 
