@@ -31,6 +31,7 @@ if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
 import torch
 
 from benchmarks import peers  # noqa: F401  (registers the peer providers)
+from benchmarks.gpu_monitor import GpuMonitor
 from benchmarks.harness import MODES, PROVIDERS, AttnConfig, Timer, base_row, run_case, validate_provider
 from benchmarks.report import PROVIDER_ORDER, ResultWriter, environment
 
@@ -172,19 +173,22 @@ def main(argv=None) -> Path:
     only = {p.strip() for p in args.validate_providers.split(",") if p.strip()}
     failed = validate(configs + extra, requested, device, writer, bar, args.validation_shape, only) if (args.validate or args.validate_only) else {}
     timer = Timer(device, budget_ms=args.budget_ms, max_reps=args.max_reps)
-    for cfg, p in ([] if args.validate_only else cases):
-        if (p, cfg.d, cfg.H, cfg.H_kv) in failed:
-            row = dict(base_row(cfg, p), status=failed[(p, cfg.d, cfg.H, cfg.H_kv)])
-        elif args.deadline_s is not None and time.monotonic() - start > args.deadline_s:
-            row = dict(base_row(cfg, p), status="not run: --deadline-s reached")
-        else:
+    # the SM clock and power while each mode is timed (a long run at the power cap clocks lower)
+    with GpuMonitor(device.index if device.index is not None else 0 if device.type == "cuda" else None) as monitor:
+        for cfg, p in ([] if args.validate_only else cases):
+            if (p, cfg.d, cfg.H, cfg.H_kv) in failed:
+                row = dict(base_row(cfg, p), status=failed[(p, cfg.d, cfg.H, cfg.H_kv)])
+            elif args.deadline_s is not None and time.monotonic() - start > args.deadline_s:
+                row = dict(base_row(cfg, p), status="not run: --deadline-s reached")
+            else:
+                if bar is not None:
+                    bar.set_description(f"{cfg.label} d={cfg.d} {p}")
+                row = run_case(cfg, p, device, timer, modes=modes, max_est_s=args.max_est_s, seed=args.seed,
+                               monitor=monitor)
+            writer.add(row)
+            _say(bar, _summary(row))
             if bar is not None:
-                bar.set_description(f"{cfg.label} d={cfg.d} {p}")
-            row = run_case(cfg, p, device, timer, modes=modes, max_est_s=args.max_est_s, seed=args.seed)
-        writer.add(row)
-        _say(bar, _summary(row))
-        if bar is not None:
-            bar.update(1)
+                bar.update(1)
     if bar is not None:
         bar.close()
     for path in writer.finish(plots=not args.no_plots):
@@ -197,7 +201,8 @@ def _summary(row: dict) -> str:
         return f"{row['label']:>14s} d={row['d']:<3d} {row['provider']:26s} {row['status']}"
     parts = [f"{m} {row[m + '_ms']:8.2f} ms {row[m + '_tflops']:5.0f} TF" for m in MODES if m + "_ms" in row]
     mem = f" peak+{row['peak_extra_gib']:.2f} GiB" if "peak_extra_gib" in row else ""
-    return f"{row['label']:>14s} d={row['d']:<3d} {row['provider']:26s} " + " | ".join(parts) + mem
+    clock = f" @{row['fwdbwd_clock_mhz']:.0f} MHz" if row.get("fwdbwd_clock_mhz") is not None else ""
+    return f"{row['label']:>14s} d={row['d']:<3d} {row['provider']:26s} " + " | ".join(parts) + mem + clock
 
 
 if __name__ == "__main__":

@@ -538,9 +538,11 @@ def base_row(cfg: AttnConfig, provider: str) -> dict:
 
 
 def run_case(cfg: AttnConfig, provider: str, device: torch.device, timer: Timer, *, modes=MODES,
-             max_est_s: float | None = None, seed: int = 0) -> dict:
+             max_est_s: float | None = None, seed: int = 0, monitor=None) -> dict:
     """Time one provider on one config; returns a result row (status 'ok', 'OOM', 'unsupported: ...',
-    'skipped: ...' or 'error: ...'). Never raises for a provider's own failure."""
+    'skipped: ...' or 'error: ...'). Never raises for a provider's own failure. ``monitor`` (a running
+    ``benchmarks.gpu_monitor.GpuMonitor``) adds ``<mode>_clock_mhz`` / ``<mode>_power_w``: the medians of
+    the GPU's SM clock and power while each mode was timed, where it sampled any."""
     row = base_row(cfg, provider)
     cls = get_provider(provider)
     computed = cls.computed_pairs(cfg)
@@ -557,7 +559,12 @@ def run_case(cfg: AttnConfig, provider: str, device: torch.device, timer: Timer,
     prov = None
     try:
         prov = cls(cfg, cfg.layout(device), device)
-        row.update(_measure(prov, cfg, device, timer, modes, seed))
+        result = _measure(prov, cfg, device, timer, modes, seed)
+        for mode, (t0, t1) in result.pop("spans").items():
+            clocks = monitor.window(t0, t1) if monitor is not None else None
+            if clocks is not None:
+                row.update({f"{mode}_clock_mhz": clocks["sm_clock_mhz"], f"{mode}_power_w": clocks["power_w"]})
+        row.update(result)
     except Exception as err:  # a peer that fails is recorded, not fatal
         row["status"] = "OOM" if _is_oom(err) else f"error: {_short(err)}"
     finally:
@@ -594,19 +601,26 @@ def _measure(prov: Provider, cfg: AttnConfig, device, timer: Timer, modes, seed:
     def fwdbwd():
         torch.autograd.grad(prov.forward(*inputs), inputs, dout)
 
-    timings = {}
+    timings, spans = {}, {}  # spans: each mode's stretch of host time (time.monotonic), for the clock
     if "fwd" in modes:
+        t0 = time.monotonic()
         timings["fwd"] = timer.measure(fwd)
+        spans["fwd"] = (t0, time.monotonic())
     if "bwd" in modes:
+        t0 = time.monotonic()
         timings["bwd"] = timer.measure(lambda out: torch.autograd.grad(out, inputs, dout), setup=fwd_out)
+        spans["bwd"] = (t0, time.monotonic())
     if "fwdbwd" in modes:
         _sync(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
             base = torch.cuda.memory_allocated(device)
+        t0 = time.monotonic()
         timings["fwdbwd"] = timer.measure(fwdbwd)
+        spans["fwdbwd"] = (t0, time.monotonic())
         if device.type == "cuda":
             result["peak_extra_gib"] = (torch.cuda.max_memory_allocated(device) - base) / 2**30
+    result["spans"] = spans
     for mode, t in timings.items():
         result[f"{mode}_ms"] = t.median_ms
         result[f"{mode}_reps"] = t.reps

@@ -268,6 +268,11 @@ def write_markdown(path: Path, results: list[dict], rows: list[dict] | None = No
         if mode in measured or not measured:
             lines += [markdown_table(rows, mode), ""]
     lines += ["All rows:", "", detail_table(rows), ""]
+    clocks = [r["fwdbwd_clock_mhz"] for r in rows if r.get("fwdbwd_clock_mhz") is not None]
+    if clocks:
+        lines += [f"SM clock while forward+backward was timed: {min(clocks):.0f}-{max(clocks):.0f} MHz over the rows "
+                  "(each row's median of nvidia-smi samples every 200 ms; `<mode>_clock_mhz` and `<mode>_power_w` in "
+                  "the CSV / JSON).", ""]
     for res in results:
         val = res.get("validation", [])
         failed = [r for r in val if r.get("ok") is False]

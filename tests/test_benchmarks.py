@@ -317,6 +317,34 @@ def test_reference_provider_end_to_end(tmp_path):
     assert (tmp_path / "tiny_tflops.png").exists() and (tmp_path / "tiny.md").exists()
 
 
+def test_run_case_records_the_clock_of_each_timed_mode(tmp_path):
+    """With a GPU monitor, each timed mode's row gets the median SM clock and power of the samples taken
+    while it ran (here a stand-in monitor whose window reports its bounds); the markdown names the range."""
+    from benchmarks.report import write_markdown
+
+    class Monitor:
+        def __init__(self):
+            self.windows = []
+
+        def window(self, t0, t1):
+            self.windows.append((t0, t1))
+            return dict(sm_clock_mhz=1600.0 + 100 * len(self.windows), power_w=650.0, samples=3)
+
+    mon = Monitor()
+    row = run_case(AttnConfig(N=1, P=3, R=2, H=2, H_kv=1, d=8), "reference", CPU, Timer(CPU, budget_ms=5, max_reps=2),
+                   monitor=mon)
+    assert row["status"] == "ok" and "spans" not in row
+    assert [row[f"{m}_clock_mhz"] for m in ("fwd", "bwd", "fwdbwd")] == [1700.0, 1800.0, 1900.0]
+    assert row["fwdbwd_power_w"] == 650.0
+    (f0, f1), (b0, b1), (w0, w1) = mon.windows  # one stretch per mode, in the order they were timed
+    assert f0 < f1 <= b0 < b1 <= w0 < w1
+    plain = run_case(AttnConfig(N=1, P=3, R=2, H=2, H_kv=1, d=8), "reference", CPU, Timer(CPU, budget_ms=5, max_reps=2))
+    assert "fwd_clock_mhz" not in plain
+    md = write_markdown(tmp_path / "clocks.md", [dict(meta={}, rows=[row])]).read_text()
+    assert "SM clock while forward+backward was timed: 1900-1900 MHz" in md
+    assert "SM clock" not in write_markdown(tmp_path / "plain.md", [dict(meta={}, rows=[plain])]).read_text()
+
+
 def test_run_case_records_errors():
     @register("test-broken")
     class Broken(Provider):
