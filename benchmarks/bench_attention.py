@@ -174,7 +174,8 @@ def main(argv=None) -> Path:
     failed = validate(configs + extra, requested, device, writer, bar, args.validation_shape, only) if (args.validate or args.validate_only) else {}
     timer = Timer(device, budget_ms=args.budget_ms, max_reps=args.max_reps)
     # the SM clock and power while each mode is timed (a long run at the power cap clocks lower)
-    with GpuMonitor(device.index if device.index is not None else 0 if device.type == "cuda" else None) as monitor:
+    gpu = None if device.type != "cuda" else device.index if device.index is not None else torch.cuda.current_device()
+    with GpuMonitor(gpu) as monitor:
         for cfg, p in ([] if args.validate_only else cases):
             if (p, cfg.d, cfg.H, cfg.H_kv) in failed:
                 row = dict(base_row(cfg, p), status=failed[(p, cfg.d, cfg.H, cfg.H_kv)])
