@@ -5,6 +5,7 @@ reference provider end to end at a tiny shape."""
 import json
 import math
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -343,6 +344,26 @@ def test_run_case_records_the_clock_of_each_timed_mode(tmp_path):
     md = write_markdown(tmp_path / "clocks.md", [dict(meta={}, rows=[row])]).read_text()
     assert "SM clock while forward+backward was timed: 1900-1900 MHz" in md
     assert "SM clock" not in write_markdown(tmp_path / "plain.md", [dict(meta={}, rows=[plain])]).read_text()
+
+
+def test_host_time_benchmark_smoke(tmp_path, capsys):
+    """bench_host times dualkv_attention's layers per call and writes its table and plot; bad arguments
+    are usage errors naming the flag."""
+    from benchmarks import bench_host
+
+    path = bench_host.main(["--backends", "reference", "--device", "cpu", "--calls", "3", "--layers",
+                            "--config", "N=2,P=16,R=8,H=4,H_kv=2,d=16", "--out", str(tmp_path), "--stem", "host"])
+    rows = json.loads(Path(path).read_text())["rows"]
+    assert [r["what"] for r in rows] == ["forward", "forward (grad)", "forward+backward", "input checks",
+                                         "custom op (attention_fwd, reference)", "reference.forward"]
+    assert all(r["us_per_call"] > 0 and r["plan_cache"] == "n/a" for r in rows)
+    assert (tmp_path / "host.png").exists() and "| reference | n/a | forward |" in (tmp_path / "host.md").read_text()
+    for argv, match in ((["--calls", "0"], "--calls: expected a positive count, got 0"),
+                        (["--backends", "fast"], r"--backends: expected names from .*, got \['fast'\]"),
+                        (["--config", "N=0,P=1,R=1"], "--config: size: expected a positive whole number of tokens, got .0.")):
+        with pytest.raises(SystemExit):
+            bench_host.parse_args(["--device", "cpu", *argv])
+        assert re.search(match, capsys.readouterr().err), argv
 
 
 def test_run_case_records_errors():
