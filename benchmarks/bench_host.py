@@ -33,7 +33,7 @@ if __package__ in (None, ""):
 
 import torch
 
-from benchmarks.harness import AttnConfig, _random_qkv, _sync
+from benchmarks.harness import AttnConfig, _random_qkv, _sync, restored_env
 from benchmarks.report import ResultWriter, environment, pyplot, save_figure
 from dualkv.core import dualkv_attention
 from dualkv.core.backends import BACKEND_CHOICES
@@ -91,9 +91,8 @@ def run(backends: list[str], cfg: AttnConfig, device: torch.device, calls: int, 
     plans = {b: (("on", "off") if "cuda" in b.split("+") or (b == "auto" and device.type == "cuda") else ("n/a",))
              for b in backends}
     cases = [(b, plan) for b in backends for plan in plans[b]]
-    saved = os.environ.get(PLAN_CACHE)
     out = []
-    try:
+    with restored_env(PLAN_CACHE):
         for backend, plan in tqdm(cases, desc="host time", dynamic_ncols=True):
             if plan == "off":
                 os.environ[PLAN_CACHE] = "0"
@@ -105,11 +104,6 @@ def run(backends: list[str], cfg: AttnConfig, device: torch.device, calls: int, 
                 out.append(row)
                 if writer is not None:
                     writer.add(row)
-    finally:
-        if saved is None:
-            os.environ.pop(PLAN_CACHE, None)
-        else:
-            os.environ[PLAN_CACHE] = saved
     return out
 
 

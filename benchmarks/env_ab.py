@@ -22,7 +22,7 @@ import statistics
 
 import torch
 
-from benchmarks.harness import parse_size
+from benchmarks.harness import parse_size, restored_env
 from dualkv.core import PackedLayout, dualkv_attention
 from dualkv.core.backends import BACKEND_CHOICES
 
@@ -44,9 +44,8 @@ def parse_layout(text: str, seed: int) -> tuple[str, int, list[int]]:
 
 def time_values(fn, var: str, values: list[str], rounds: int, calls: int) -> dict[str, list[float]]:
     """ms per call of ``fn`` under each value of ``var``, ``rounds`` samples each, taking turns."""
-    saved = os.environ.get(var)
     times: dict[str, list[float]] = {v: [] for v in values}
-    try:
+    with restored_env(var):
         for v in values:  # one warm-up call each
             os.environ[var] = v
             fn()
@@ -60,11 +59,6 @@ def time_values(fn, var: str, values: list[str], rounds: int, calls: int) -> dic
                 end.record()
                 torch.cuda.synchronize()
                 times[v].append(start.elapsed_time(end) / calls)
-    finally:
-        if saved is None:
-            os.environ.pop(var, None)
-        else:
-            os.environ[var] = saved
     return times
 
 

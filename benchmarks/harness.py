@@ -35,6 +35,7 @@ tensors and workspaces.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import os
@@ -50,12 +51,27 @@ from dualkv.core import PackedLayout, dualkv_attention
 __all__ = [
     "AttnConfig", "parse_size", "fmt_size", "attended_pairs", "replicated_pairs", "attention_flops",
     "attention_bytes", "Provider", "PROVIDERS", "register", "get_provider", "Timer", "Timing",
-    "run_case", "validate_provider", "dense_mask", "dense_attention", "MODES",
+    "run_case", "validate_provider", "dense_mask", "dense_attention", "MODES", "restored_env",
 ]
 
 MODES = ("fwd", "bwd", "fwdbwd")
 FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@contextlib.contextmanager
+def restored_env(*names: str):
+    """Environment variables ``names`` as they were on entry, again on exit (a benchmark that switches
+    kernel choices between calls leaves the process's settings alone)."""
+    saved = {name: os.environ.get(name) for name in names}
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 # ----------------------------------------------------------------------------------------- configs

@@ -346,11 +346,12 @@ def test_run_case_records_the_clock_of_each_timed_mode(tmp_path):
     assert "SM clock" not in write_markdown(tmp_path / "plain.md", [dict(meta={}, rows=[plain])]).read_text()
 
 
-def test_host_time_benchmark_smoke(tmp_path, capsys):
-    """bench_host times dualkv_attention's layers per call and writes its table and plot; bad arguments
-    are usage errors naming the flag."""
+def test_host_time_benchmark_smoke(tmp_path, capsys, monkeypatch):
+    """bench_host times dualkv_attention's layers per call and writes its table and plot, leaving the
+    launch-plan setting as it found it; bad arguments are usage errors naming the flag."""
     from benchmarks import bench_host
 
+    monkeypatch.setenv("DUALKV_CUDA_PLAN_CACHE", "1")
     path = bench_host.main(["--backends", "reference", "--device", "cpu", "--calls", "3", "--layers",
                             "--config", "N=2,P=16,R=8,H=4,H_kv=2,d=16", "--out", str(tmp_path), "--stem", "host"])
     rows = json.loads(Path(path).read_text())["rows"]
@@ -358,6 +359,7 @@ def test_host_time_benchmark_smoke(tmp_path, capsys):
                                          "custom op (attention_fwd, reference)", "reference.forward"]
     assert all(r["us_per_call"] > 0 and r["plan_cache"] == "n/a" for r in rows)
     assert (tmp_path / "host.png").exists() and "| reference | n/a | forward |" in (tmp_path / "host.md").read_text()
+    assert os.environ["DUALKV_CUDA_PLAN_CACHE"] == "1"
     for argv, match in ((["--calls", "0"], "--calls: expected a positive count, got 0"),
                         (["--backends", "fast"], r"--backends: expected names from .*, got \['fast'\]"),
                         (["--config", "N=0,P=1,R=1"], "--config: size: expected a positive whole number of tokens, got .0.")):
