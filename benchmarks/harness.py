@@ -575,12 +575,7 @@ def run_case(cfg: AttnConfig, provider: str, device: torch.device, timer: Timer,
     prov = None
     try:
         prov = cls(cfg, cfg.layout(device), device)
-        result = _measure(prov, cfg, device, timer, modes, seed)
-        for mode, (t0, t1) in result.pop("spans").items():
-            clocks = monitor.window(t0, t1) if monitor is not None else None
-            if clocks is not None:
-                row.update({f"{mode}_clock_mhz": clocks["sm_clock_mhz"], f"{mode}_power_w": clocks["power_w"]})
-        row.update(result)
+        row.update(_measure(prov, cfg, device, timer, modes, seed, monitor))
     except Exception as err:  # a peer that fails is recorded, not fatal
         row["status"] = "OOM" if _is_oom(err) else f"error: {_short(err)}"
     finally:
@@ -597,7 +592,7 @@ def _random_qkv(cfg: AttnConfig, device, seed: int):
     return [torch.randn(s, generator=gen, device=device, dtype=cfg.torch_dtype) for s in (shape_q, shape_kv, shape_kv)]
 
 
-def _measure(prov: Provider, cfg: AttnConfig, device, timer: Timer, modes, seed: int) -> dict:
+def _measure(prov: Provider, cfg: AttnConfig, device, timer: Timer, modes, seed: int, monitor=None) -> dict:
     inputs = prov.prepare(*_random_qkv(cfg, device, seed))
     result = dict(input_gib=sum(t.numel() * t.element_size() for t in inputs) / 2**30)
     t0 = time.perf_counter()
@@ -617,26 +612,27 @@ def _measure(prov: Provider, cfg: AttnConfig, device, timer: Timer, modes, seed:
     def fwdbwd():
         torch.autograd.grad(prov.forward(*inputs), inputs, dout)
 
-    timings, spans = {}, {}  # spans: each mode's stretch of host time (time.monotonic), for the clock
+    timings = {}
+
+    def measure(mode, fn, setup=None):  # and the GPU's clock and power meanwhile, where a monitor sampled them
+        t0 = time.monotonic()
+        timings[mode] = timer.measure(fn, setup)
+        clocks = monitor.window(t0, time.monotonic()) if monitor is not None else None
+        if clocks is not None:
+            result.update({f"{mode}_clock_mhz": clocks["sm_clock_mhz"], f"{mode}_power_w": clocks["power_w"]})
+
     if "fwd" in modes:
-        t0 = time.monotonic()
-        timings["fwd"] = timer.measure(fwd)
-        spans["fwd"] = (t0, time.monotonic())
+        measure("fwd", fwd)
     if "bwd" in modes:
-        t0 = time.monotonic()
-        timings["bwd"] = timer.measure(lambda out: torch.autograd.grad(out, inputs, dout), setup=fwd_out)
-        spans["bwd"] = (t0, time.monotonic())
+        measure("bwd", lambda out: torch.autograd.grad(out, inputs, dout), setup=fwd_out)
     if "fwdbwd" in modes:
         _sync(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
             base = torch.cuda.memory_allocated(device)
-        t0 = time.monotonic()
-        timings["fwdbwd"] = timer.measure(fwdbwd)
-        spans["fwdbwd"] = (t0, time.monotonic())
+        measure("fwdbwd", fwdbwd)
         if device.type == "cuda":
             result["peak_extra_gib"] = (torch.cuda.max_memory_allocated(device) - base) / 2**30
-    result["spans"] = spans
     for mode, t in timings.items():
         result[f"{mode}_ms"] = t.median_ms
         result[f"{mode}_reps"] = t.reps
