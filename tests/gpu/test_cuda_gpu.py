@@ -109,11 +109,13 @@ def _ids(case):
     return f"P{p}-R{r}-H{H}/{Hkv}-d{d}-w{w}-cap{cap}".replace(" ", "")
 
 
-def _run_packed(case, dtype, deterministic, backend="cuda", seed=0, key_ramp=None):
-    """One forward + backward of `case`; key_ramp=(lo, hi) scales the packed keys by a ramp over the
-    tokens (scores that grow along the sequence: the running row maximum keeps moving)."""
+def _run_packed(case, dtype, deterministic, backend="cuda", seed=0, key_ramp=None, layout=None):
+    """One forward + backward of `case` (on `layout` when given, else a new one); key_ramp=(lo, hi)
+    scales the packed keys by a ramp over the tokens (scores that grow along the sequence: the running
+    row maximum keeps moving)."""
     prompts, responses, H, Hkv, d, window, softcap = case
-    layout = PackedLayout.from_lengths(prompts, responses, device="cuda")
+    if layout is None:
+        layout = PackedLayout.from_lengths(prompts, responses, device="cuda")
     g = torch.Generator(device="cuda").manual_seed(seed)
     T = layout.total_tokens
     q, k, v = (torch.randn(T, h, d, device="cuda", generator=g, dtype=dtype) for h in (H, Hkv, Hkv))
@@ -149,11 +151,12 @@ def test_grid_matches_reference(cuda_backend, case, dtype):
     _check_against_reference(case, dtype, r)
 
 
-def _kernels_of(case, dtype, deterministic=False):
-    """Run the case (forward and backward) under the CUDA profiler: its result and the names of the
-    kernels that ran."""
+def _kernels_of(case, dtype, deterministic=False, **run):
+    """Run the case (forward and backward; `run`: more arguments of _run_packed) under the CUDA
+    profiler: its result and the names of the kernels that ran."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        r = _run_packed(case, dtype, deterministic=deterministic)
+        r = _run_packed(case, dtype, deterministic=deterministic, **run)
+        torch.cuda.synchronize()
     return r, {e.name for e in prof.events()}
 
 
@@ -166,21 +169,10 @@ def test_launch_plan_is_kept_per_layout(cuda_backend, monkeypatch):
     monkeypatch.delenv("DUALKV_CUDA_PLAN_CACHE", raising=False)
     case = ([300, 70], [[150, 20], [140]], 4, 2, 128, None, None)
     layout = PackedLayout.from_lengths(case[0], case[1], device="cuda")
-    g = torch.Generator(device="cuda").manual_seed(3)
-    T = layout.total_tokens
-    q, k, v, dout = (torch.randn(T, h, 128, device="cuda", generator=g, dtype=torch.bfloat16) for h in (4, 2, 2, 4))
-    scale = 1.0 / math.sqrt(128)
 
-    def call():
-        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            out, lse = dualkv_attention(qg, kg, vg, layout, softmax_scale=scale, deterministic=True, return_lse=True,
-                                        backend="cuda")
-            out.backward(dout)
-            torch.cuda.synchronize()
-        planned = any("sort" in e.name.lower() or "scan" in e.name.lower() for e in prof.events())
-        return dict(layout=layout, q=q, k=k, v=v, dout=dout, scale=scale, out=out.detach(), lse=lse, dq=qg.grad,
-                    dk=kg.grad, dv=vg.grad), planned
+    def call():  # the same inputs (seed) on the same layout each time
+        r, kernels = _kernels_of(case, torch.bfloat16, deterministic=True, seed=3, layout=layout)
+        return r, any("sort" in name.lower() or "scan" in name.lower() for name in kernels)
 
     def same(a, b):
         return all(torch.equal(a[n], b[n]) for n in ("out", "lse", "dq", "dk", "dv"))
