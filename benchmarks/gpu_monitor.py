@@ -54,6 +54,7 @@ class GpuMonitor:
         if interval_ms < 20:
             raise ValueError(f"interval_ms: expected at least 20, got {interval_ms}")
         self.command = command if command is not None else _nvidia_smi(device, interval_ms)
+        self.interval_s = interval_ms / 1000
         self.samples: list[tuple[float, float, float | None]] = []  # (monotonic time, MHz, W)
         self._proc = None
         self._thread = None
@@ -87,8 +88,13 @@ class GpuMonitor:
 
     def window(self, t0: float, t1: float) -> dict | None:
         """Median SM clock (MHz) and board power (W) of the samples taken in [t0, t1] (``time.monotonic``
-        seconds), with their count; None when there is none."""
-        inside = [s for s in list(self.samples) if t0 <= s[0] <= t1]
+        seconds), with their count. A window too short to hold a sample (a kernel timed for 30 ms) takes
+        the one sample nearest to it within one sampling interval; None when there is none."""
+        samples = list(self.samples)
+        inside = [s for s in samples if t0 <= s[0] <= t1]
+        if not inside:
+            near = [s for s in samples if t0 - self.interval_s <= s[0] <= t1 + self.interval_s]
+            inside = [min(near, key=lambda s: max(t0 - s[0], s[0] - t1))] if near else []
         if not inside:
             return None
         powers = [s[2] for s in inside if s[2] is not None]

@@ -264,6 +264,10 @@ def test_gpu_monitor_reports_the_clock_of_a_window():
     t1 = time.monotonic()
     assert mon.window(t0, t1) == dict(sm_clock_mhz=1705.0, power_w=600.5, samples=4)
     assert mon.window(t1 + 1, t1 + 2) is None
+    # a window between two samples (shorter than the interval) takes the nearer one
+    (ta, ca, _), (tb, cb, _) = mon.samples[1:3]
+    assert mon.window(ta + 0.001, ta + 0.002)["sm_clock_mhz"] == ca
+    assert mon.window(tb - 0.002, tb - 0.001) == dict(sm_clock_mhz=cb, power_w=600.5, samples=1)
     assert GpuMonitor(None).command is None
     with GpuMonitor(None) as idle:
         pass
