@@ -265,7 +265,7 @@ def get_provider(name: str) -> type[Provider]:
     return PROVIDERS[name]
 
 
-KERNEL_CHOICE_VARS = ("DUALKV_CUDA_WGMMA", "DUALKV_CUDA_WGMMA_BWD", "DUALKV_CUDA_BWD_TMA")
+KERNEL_CHOICE_VARS = ("DUALKV_CUDA_WGMMA", "DUALKV_CUDA_WGMMA_BWD", "DUALKV_CUDA_BWD_TMA", "DUALKV_TRITON_WS")
 
 
 class _DualKV(Provider):
@@ -314,6 +314,15 @@ class DualKVAuto(_DualKV):
 @register("dualkv-triton")
 class DualKVTriton(_DualKV):
     backend = "triton"
+
+
+@register("dualkv-triton-no-ws")
+class DualKVTritonNoWs(_DualKV):
+    """Triton's forward without the warp-specialised loop (DUALKV_TRITON_WS=0: the multi-loop kernel
+    whose unmasked blocks skip the mask)."""
+
+    backend = "triton"
+    env = {"DUALKV_TRITON_WS": "0"}
 
 
 @register("dualkv-cuda")
@@ -427,6 +436,14 @@ class DualKVCudaWsSplitBwd(DualKVCuda):
     default at d = 64 until 2026-12-02)."""
 
     env = {"DUALKV_CUDA_WGMMA_BWD": "8"}
+
+
+@register("dualkv-pair")
+class DualKVPair(_DualKV):
+    """Triton's forward (its warp-specialised loop where it applies) with the CUDA backend's default
+    backward."""
+
+    backend = "triton+cuda"
 
 
 # Triton's forward with one of the CUDA backward variants above (the pair "auto" takes at d = 64 / 128):

@@ -27,7 +27,7 @@ import torch
 __all__ = ["environment", "ResultWriter", "load_results", "markdown_table", "detail_table", "plot_results", "PROVIDER_ORDER"]
 
 PROVIDER_ORDER = [
-    "dualkv-auto", "dualkv-triton", "dualkv-cuda", "dualkv-cuda-mma", "dualkv-cuda-mma-bwd", "dualkv-cuda-ws", "dualkv-cuda-tma-fwd", "dualkv-cuda-tma-bwd", "dualkv-cuda-cp-async-bwd", "dualkv-cuda-in-turn-fwd",
+    "dualkv-auto", "dualkv-triton", "dualkv-triton-no-ws", "dualkv-pair", "dualkv-cuda", "dualkv-cuda-mma", "dualkv-cuda-mma-bwd", "dualkv-cuda-ws", "dualkv-cuda-tma-fwd", "dualkv-cuda-tma-bwd", "dualkv-cuda-cp-async-bwd", "dualkv-cuda-in-turn-fwd",
     "dualkv-cuda-wgmma-bwd",
     "dualkv-cuda-wgmma-bwd-overlap", "dualkv-cuda-fused-dq", "dualkv-pair-fused-dq",
     "dualkv-cuda-ws-bwd", "dualkv-cuda-ws-both-bwd", "dualkv-pair-ws-bwd", "dualkv-pair-ws-both-bwd", "dualkv-pair-in-turn-bwd",
@@ -271,7 +271,7 @@ def write_markdown(path: Path, results: list[dict], rows: list[dict] | None = No
     clocks = [r["fwdbwd_clock_mhz"] for r in rows if r.get("fwdbwd_clock_mhz") is not None]
     if clocks:
         lines += [f"SM clock while forward+backward was timed: {min(clocks):.0f}-{max(clocks):.0f} MHz over the rows "
-                  "(each row's median of nvidia-smi samples every 200 ms; `<mode>_clock_mhz` and `<mode>_power_w` in "
+                  "(each row's median of nvidia-smi samples every 50 ms, or the nearest sample; `<mode>_clock_mhz` and `<mode>_power_w` in "
                   "the CSV / JSON).", ""]
     for res in results:
         val = res.get("validation", [])

@@ -112,6 +112,57 @@ def test_window_and_softcap(window, softcap):
     _check_all(q, k, v, do, meta, window=window, softcap=softcap, tma=window == 6)
 
 
+WS_CFG = KernelConfig(16, 32, 4, 1, True)  # the warp-specialised forward: one loop, every key block masked
+
+
+@pytest.mark.parametrize("window, softcap", [(None, None), (1, None), (37, 20.0), (200, None)])
+@pytest.mark.parametrize("blocks", [(16, 32), (32, 16)], ids=["m16n32", "m32n16"])
+def test_warp_specialised_forward_matches_reference(window, softcap, blocks):
+    """The single-loop forward (context blocks then own blocks, a per-row limit mask on every block,
+    blocks behind a window skipped) against the reference: several groups, a 1-token prompt and
+    response, GQA 2:1, ragged tails, and padding entries of the tile list (which run as empty tiles
+    in this kernel instead of returning)."""
+    cfg = KernelConfig(*blocks, 4, 1, True)
+    layout, meta, q, k, v, do = _inputs([70, 1, 33], [[40, 9, 1], [5], [17, 64]], 4, 2, 32)
+    _check_all(q, k, v, do, meta, window=window, softcap=softcap, tma=True, fwd_cfg=cfg)
+
+
+def test_warp_specialised_forward_padded_head_dim_fp16():
+    layout, meta, q, k, v, do = _inputs([45], [[30, 3]], 2, 1, 24, dtype=torch.float16)
+    _check_all(q, k, v, do, meta, window=20, tma=True, fwd_cfg=WS_CFG, tol=3e-3)
+
+
+def test_warp_specialised_forward_is_chosen_where_it_applies(monkeypatch):
+    """The packed layout on descriptors takes the warp-specialised forward (the default candidate at
+    head dim 128); DUALKV_TRITON_WS=0, a context in its own tensors, pointer loads, or a padded head
+    dim of 256 columns take the multi-loop kernel; a bad DUALKV_TRITON_WS value is named."""
+    from dualkv.core.backends.triton import configs
+
+    monkeypatch.setattr(configs, "choose", lambda kind, key, head_dim, elem, on_cuda, run=None, warp_specialize=False:
+                        configs.candidates(kind, head_dim, elem, warp_specialize)[0])
+    specs = record_triton_launches(monkeypatch, launcher, ("fwd_kernel",))
+
+    def ws_of(d=128, tma=None, separate=False):
+        specs.clear()
+        layout, meta, q, k, v, _ = _inputs([20], [[9, 4]], 2, 1, d, dtype=torch.float16)
+        if separate:  # flash_attn_dualkv_varlen_func's form: the 20 prompt rows as their own K / V
+            cu = torch.tensor([0, 9, 13], dtype=torch.int32, device=DEVICE)
+            flash_attn_dualkv_varlen_func(q[20:], k[:20], v[:20], k[20:], v[20:], cu, cu, 9, 20, 9, backend="triton")
+        else:
+            launcher.forward(q, k, v, None, None, meta, 0.1, None, None, tma=tma)
+        return [s["constexprs"]["WS"] for s in specs.values()]
+
+    assert ws_of() == [True]
+    assert ws_of(separate=True) == [False]
+    assert ws_of(tma=False) == [False]
+    assert ws_of(d=192) == [False]
+    monkeypatch.setenv("DUALKV_TRITON_WS", "0")
+    assert ws_of() == [False]
+    monkeypatch.setenv("DUALKV_TRITON_WS", "yes")
+    with pytest.raises(ValueError, match="DUALKV_TRITON_WS: expected 0 or 1, got 'yes'"):
+        ws_of()
+
+
 @pytest.mark.parametrize("atomic_dq", [False, True])
 def test_split_readers(atomic_dq):
     """Many readers per prompt block: the reader range is split over programs, partials reduced in order."""
@@ -287,8 +338,8 @@ def test_kernels_keep_one_compiled_variant_across_layouts(monkeypatch):
     more, mid-step, for the first micro-batch whose size happens to divide by 16."""
     from dualkv.core.backends.triton import configs
 
-    monkeypatch.setattr(configs, "choose", lambda kind, key, head_dim, elem, on_cuda, run=None:
-                        configs.candidates(kind, head_dim, elem)[0])
+    monkeypatch.setattr(configs, "choose", lambda kind, key, head_dim, elem, on_cuda, run=None, warp_specialize=False:
+                        configs.candidates(kind, head_dim, elem, warp_specialize)[0])
     names = ("fwd_kernel", "preprocess_kernel", "dkdv_kernel", "reduce_kernel", "dq_kernel")
     specs = record_triton_launches(monkeypatch, launcher, names)
     g = torch.Generator().manual_seed(0)
@@ -312,8 +363,8 @@ def test_kernels_compile_for_hopper_with_gpu_configs(tmp_path, monkeypatch):
     interpreter run (window and softcap on), then compiled in a subprocess outside the interpreter."""
     from dualkv.core.backends.triton import configs
 
-    monkeypatch.setattr(configs, "choose", lambda kind, key, head_dim, elem, on_cuda, run=None:
-                        configs.candidates(kind, head_dim, elem)[0])
+    monkeypatch.setattr(configs, "choose", lambda kind, key, head_dim, elem, on_cuda, run=None, warp_specialize=False:
+                        configs.candidates(kind, head_dim, elem, warp_specialize)[0])
     specs = record_triton_launches(monkeypatch, launcher, ("fwd_kernel", "preprocess_kernel", "dkdv_kernel",
                                                            "reduce_kernel", "dq_kernel", "scale_cast_kernel"))
     layout = PackedLayout.from_lengths([70], [[40, 9]])
@@ -322,6 +373,9 @@ def test_kernels_compile_for_hopper_with_gpu_configs(tmp_path, monkeypatch):
     k, v = (torch.randn(layout.total_tokens, 2, 128, generator=g, dtype=torch.float16).requires_grad_() for _ in range(2))
     out = dualkv_attention(q, k, v, layout, window=50, softcap=20.0, backend="triton")
     out.float().square().sum().backward()
+    monkeypatch.setenv("DUALKV_TRITON_WS", "0")  # and the multi-loop forward
+    dualkv_attention(q, k, v, layout, window=50, softcap=20.0, backend="triton")
     names = {s["name"] for s in specs.values()}
     assert {"fwd_kernel", "preprocess_kernel", "dkdv_kernel", "dq_kernel"} <= names, names
+    assert sorted(s["constexprs"]["WS"] for s in specs.values() if s["name"] == "fwd_kernel") == [False, True]
     compile_for_hopper(specs, tmp_path)

@@ -25,9 +25,10 @@ class KernelConfig:
     block_n: int  # keys per tile
     num_warps: int
     num_stages: int
+    warp_specialize: bool = False  # the forward's unmasked key loop split into producer / consumer warps
 
     def __str__(self) -> str:
-        return f"M{self.block_m}-N{self.block_n}-w{self.num_warps}-s{self.num_stages}"
+        return f"M{self.block_m}-N{self.block_n}-w{self.num_warps}-s{self.num_stages}" + ("-ws" if self.warp_specialize else "")
 
 
 def _bucket(d: int) -> int:
@@ -38,10 +39,10 @@ def _bucket(d: int) -> int:
 # Chosen from sm_90 compiles (``benchmarks/tune_triton.py compile-report``): no register spills where
 # possible, shared memory within a Hopper block; then ordered by H200 timings.
 _CANDIDATES = {
-    "fwd": {
-        64: [(128, 128, 8, 3), (128, 64, 8, 4), (128, 64, 4, 3)],
-        128: [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3)],
-        256: [(128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 2)],
+    "fwd": {  # a fifth entry True: the warp-specialised loop (num_warps = one consumer warpgroup)
+        64: [(128, 128, 8, 3), (128, 128, 4, 2, True), (128, 64, 8, 4), (128, 64, 4, 3)],
+        128: [(128, 128, 4, 2, True), (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3)],
+        256: [(128, 64, 4, 2, True), (128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 2)],
         512: [(32, 32, 4, 2), (64, 32, 8, 2)],
     },
     "dkdv": {  # block_m = queries per step, block_n = keys held by the program
@@ -76,18 +77,24 @@ def acc_regs(kind: str, cfg: KernelConfig, head_dim: int) -> int:
     """fp32 accumulator registers per thread (two tiles for dK/dV, one otherwise)."""
     rows = cfg.block_n if kind == "dkdv" else cfg.block_m
     tiles = 2 if kind == "dkdv" else 1
-    return tiles * rows * head_dim // (32 * cfg.num_warps)
+    warps = cfg.num_warps * (2 if cfg.warp_specialize else 1)  # two consumer warpgroups share the rows
+    return tiles * rows * head_dim // (32 * warps)
 
 
 def keep(kind: str, cfg: KernelConfig, head_dim: int, elem: int) -> bool:
-    """Pruning filter: fits the shared memory of a Hopper block and keeps accumulators in registers."""
+    """Pruning filter: fits the shared memory of a Hopper block and keeps accumulators in registers;
+    a warp-specialised loop with at most 2 stages (3 gave NaN outputs with Triton 3.6 on an H200)."""
+    if cfg.warp_specialize and cfg.num_stages > 2:
+        return False
     return smem_bytes(kind, cfg, head_dim, elem) <= SMEM_LIMIT and acc_regs(kind, cfg, head_dim) <= MAX_ACC_REGS
 
 
-def candidates(kind: str, head_dim: int, elem: int) -> list[KernelConfig]:
-    """Candidates for a kernel ("fwd", "dkdv", "dq") at a head dim, pruned."""
+def candidates(kind: str, head_dim: int, elem: int, warp_specialize: bool = False) -> list[KernelConfig]:
+    """Candidates for a kernel ("fwd", "dkdv", "dq") at a head dim, pruned; warp-specialised ones
+    only where the launch allows them."""
     padded = padded_head_dim(head_dim)
     cands = [KernelConfig(*c) for c in _CANDIDATES[kind][_bucket(padded)]]
+    cands = [c for c in cands if warp_specialize or not c.warp_specialize]
     kept = [c for c in cands if keep(kind, c, padded, elem)]
     return kept or cands[-1:]
 
@@ -102,6 +109,14 @@ def regime(total_q: int, n_segments: int, n_regions: int) -> tuple[int, int]:
     per_seg = max(total_q // max(n_segments, 1), 1)
     per_group = max(total_q // max(n_regions, 1), 1)
     return int(math.log2(per_seg)), int(math.log2(per_group))
+
+
+def warp_specialize_enabled() -> bool:
+    """The forward's warp-specialised loop where a launch allows it (``DUALKV_TRITON_WS``: 1 on, 0 off)."""
+    value = os.environ.get("DUALKV_TRITON_WS", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"DUALKV_TRITON_WS: expected 0 or 1, got {value!r}")
+    return value == "1"
 
 
 def atomic_dq_default() -> bool:
@@ -119,14 +134,14 @@ _TUNED: dict[tuple, KernelConfig] = {}
 
 
 def choose(kind: str, key: tuple, head_dim: int, elem: int, on_cuda: bool,
-           run: Callable[[KernelConfig], None] | None = None) -> KernelConfig:
+           run: Callable[[KernelConfig], None] | None = None, warp_specialize: bool = False) -> KernelConfig:
     """The config for a launch: the interpreter's, a tuned one (once per key), or the default."""
     if not on_cuda:
         return INTERPRET_CONFIG
-    cands = candidates(kind, head_dim, elem)
+    cands = candidates(kind, head_dim, elem, warp_specialize)
     if run is None or not autotune_enabled():
         return cands[0]
-    full_key = (kind, head_dim, elem, *key)
+    full_key = (kind, head_dim, elem, warp_specialize, *key)
     if full_key not in _TUNED:
         _TUNED[full_key] = _tune(cands, run)
     return _TUNED[full_key]

@@ -82,27 +82,100 @@ def _attend_region(
     return acc, m_i, l_i
 
 
-@triton.jit(do_not_specialize=["n_tiles", "total_q", "window"])
+@triton.jit
+def _attend_ws(
+    acc, m_i, l_i, q, K, V, hk, ctx_start, ctx_len, seg_start, seg_len, offs_m, q_lo, q_end, window, qk_scale,
+    cap_log2, pre_cap, BLOCK_N: tl.constexpr, DIM: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """Every key block of a tile in ONE warp-specialised loop (Triton's Hopper pass splits a single
+    loop into a TMA producer and two consumer warpgroups; it leaves a kernel with several loops, or
+    a branch inside the loop, as it is). So there is no unmasked fast path: every block is masked,
+    by a compare and select per score against per-row limits.
+
+    K, V: descriptors over (rows, heads_k * DIM) holding the context rows too (the packed layout).
+    The tile's queries are ``offs_m`` (indices inside the segment, in [q_lo, q_end)); it reads its
+    context blocks (rows ``ctx_start + x``, x < ctx_len: all visible) then its own keys up to its
+    last query, skipping the blocks wholly behind the window of its first query.
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    qpos = ctx_len + offs_m  # logical positions; context keys sit at 0.., own keys at ctx_len..
+    n_ctx = tl.cdiv(ctx_len, BLOCK_N)
+    n_own = tl.cdiv(tl.minimum(seg_len, q_end), BLOCK_N)  # own keys some row of the tile sees
+    c0 = n_ctx * 0
+    o0 = n_own * 0
+    if HAS_WINDOW:
+        first = tl.maximum(ctx_len + q_lo - window + 1, 0)  # first key position any row sees
+        c0 = tl.minimum(first // BLOCK_N, n_ctx)
+        o0 = tl.minimum(tl.maximum(first - ctx_len, 0) // BLOCK_N, n_own)
+    n_c = n_ctx - c0
+    for b in tl.range(n_c + n_own - o0, warp_specialize=True):
+        in_ctx = b < n_c
+        x = tl.where(in_ctx, c0 + b, o0 + b - n_c) * BLOCK_N  # first key of the block inside its region
+        row = tl.where(in_ctx, ctx_start, seg_start) + x
+        kpos = tl.where(in_ctx, 0, ctx_len) + x  # the block's first key position
+        # key j of the block is visible to row r iff lower[r] <= j <= limit[r]
+        limit = tl.where(in_ctx, ctx_len - 1 - x, tl.minimum(offs_m, seg_len - 1) - x)
+        k = K.load([row, hk * DIM])
+        v = V.load([row, hk * DIM])
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        s, _ = scores_log2(qk, qk_scale, cap_log2, pre_cap, HAS_SOFTCAP)
+        if HAS_WINDOW:
+            lower = qpos - window + 1 - kpos
+            s = tl.where((offs_n[None, :] <= limit[:, None]) & (offs_n[None, :] >= lower[:, None]), s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows whose window starts later
+        else:
+            s = tl.where(offs_n[None, :] <= limit[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: a row sees a key in its first block
+            m_use = m_new
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit(do_not_specialize=["n_tiles", "total_q", "total_ctx", "window"])
 def fwd_kernel(
     Q, K, V, KC, VC, O, LSE, TILES, CU, CTX_START, CTX_LEN,
-    n_tiles, total_q, nheads, qk_scale, cap_log2, pre_cap, window,
+    n_tiles, total_q, total_ctx, nheads, qk_scale, cap_log2, pre_cap, window,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kct, stride_kch, stride_vct, stride_vch, stride_ot, stride_oh,
     REP: tl.constexpr, DIM: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr,
+    WS: tl.constexpr = False,
 ):
-    """Q, K, V, KC, VC are pointers, or (with TMA) 2-D tensor descriptors over (rows, heads * DIM)."""
+    """Q, K, V, KC, VC are pointers, or (with TMA) 2-D tensor descriptors over (rows, heads * DIM).
+    With WS (the packed layout: KC / VC are K / V) they are pointers that the kernel wraps
+    in descriptors itself: the warp-specialised loop re-blocks them for its two consumer warpgroups,
+    which a descriptor made on the host does not allow."""
+    if WS:
+        nk = (nheads // REP) * DIM
+        Q = tl.make_tensor_descriptor(Q, [total_q, nheads * DIM], [stride_qt, 1], [BLOCK_M, HEAD_DIM])
+        K = tl.make_tensor_descriptor(K, [total_q, nk], [stride_kt, 1], [BLOCK_N, HEAD_DIM])
+        V = tl.make_tensor_descriptor(V, [total_q, nk], [stride_vt, 1], [BLOCK_N, HEAD_DIM])
     pid = tl.program_id(0)
     tile = pid // nheads
     h = pid % nheads  # heads are the fast axis: a tile's heads run together and share K/V in L2
     seg = tl.load(TILES + tile)
-    if seg < 0:
-        return
     mb = tl.load(TILES + n_tiles + tile)
+    if not WS:
+        if seg < 0:
+            return
+    else:  # no early exit (the warp-specialising pass takes no branch out of the kernel): a padding
+        live = seg >= 0  # entry runs as an empty segment 0 tile that reads and writes nothing
+        seg = tl.where(live, seg, 0)
+        mb = tl.where(live, mb, 0)
     seg_start = tl.load(CU + seg)
     seg_len = tl.load(CU + seg + 1) - seg_start
     ctx_start = tl.load(CTX_START + seg)
     ctx_len = tl.load(CTX_LEN + seg)
+    if WS:
+        seg_len = tl.where(live, seg_len, 0)
+        ctx_len = tl.where(live, ctx_len, 0)
     hk = h // REP
 
     offs_r = tl.arange(0, BLOCK_M)
@@ -119,15 +192,20 @@ def fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    if ctx_len > 0:
+    if WS:
+        acc, m_i, l_i = _attend_ws(acc, m_i, l_i, q, K, V, hk, ctx_start, ctx_len, seg_start, seg_len, offs_m,
+                                   mb * BLOCK_M, mb * BLOCK_M + BLOCK_M, window, qk_scale, cap_log2, pre_cap,
+                                   BLOCK_N, DIM, HAS_WINDOW, HAS_SOFTCAP, DOT_PREC)
+    else:
+        if ctx_len > 0:
+            acc, m_i, l_i = _attend_region(
+                acc, m_i, l_i, q, KC, VC, hk, stride_kct, stride_kch, stride_vct, stride_vch,
+                ctx_start, ctx_len, 0, qpos, qmin, qmax, window, qk_scale, cap_log2, pre_cap,
+                BLOCK_N, DIM, HEAD_DIM, HAS_WINDOW, HAS_SOFTCAP, DOT_PREC, TMA)
         acc, m_i, l_i = _attend_region(
-            acc, m_i, l_i, q, KC, VC, hk, stride_kct, stride_kch, stride_vct, stride_vch,
-            ctx_start, ctx_len, 0, qpos, qmin, qmax, window, qk_scale, cap_log2, pre_cap,
+            acc, m_i, l_i, q, K, V, hk, stride_kt, stride_kh, stride_vt, stride_vh,
+            seg_start, seg_len, ctx_len, qpos, qmin, qmax, window, qk_scale, cap_log2, pre_cap,
             BLOCK_N, DIM, HEAD_DIM, HAS_WINDOW, HAS_SOFTCAP, DOT_PREC, TMA)
-    acc, m_i, l_i = _attend_region(
-        acc, m_i, l_i, q, K, V, hk, stride_kt, stride_kh, stride_vt, stride_vh,
-        seg_start, seg_len, ctx_len, qpos, qmin, qmax, window, qk_scale, cap_log2, pre_cap,
-        BLOCK_N, DIM, HEAD_DIM, HAS_WINDOW, HAS_SOFTCAP, DOT_PREC, TMA)
 
     l_safe = tl.where(row_ok, l_i, 1.0)
     out = acc / l_safe[:, None]

@@ -39,6 +39,16 @@ def tma_supported(*tensors: torch.Tensor) -> bool:
     return True
 
 
+def _ensure_allocator() -> None:
+    """Descriptors made inside a kernel need a scratch buffer per launch from Triton's allocator (a
+    context variable, so each thread asks); torch's caching allocator serves it unless the caller
+    set one."""
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+
+
 def _desc(t: torch.Tensor, rows: int, head_dim: int):
     """A descriptor over (rows, heads, dim) seen as (rows, heads * dim), copying (rows, head_dim) boxes."""
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -99,20 +109,28 @@ def forward(q, k, v, k_ctx, v_ctx, meta, softmax_scale, window, softcap, config:
     kc = k if k_ctx is None else k_ctx
     vc = v if v_ctx is None else v_ctx
     o = _Opts(q, k, softmax_scale, window, softcap, tma_supported(q, k, v, kc, vc) if tma is None else tma)
+    # the warp-specialised forward: descriptors, context keys in k / v; not at d = 192, where zeroing
+    # Q's padding keeps a second 128 x 256 copy of it in shared memory beside the K / V ring (262 KB)
+    padded_wide = o.dim != o.head_dim and o.head_dim >= 256
+    ws_ok = o.tma and k_ctx is None and not padded_wide and configs.warp_specialize_enabled()
 
     def run(cfg: KernelConfig):
         tiles = schedule.query_tiles(meta, T, cfg.block_m, window if o.has_window else None)
         n_tiles = tiles.shape[1]
+        ws = cfg.warp_specialize and ws_ok
+        if ws:
+            _ensure_allocator()
+        host_desc = o.tma and not ws  # a warp-specialised kernel makes its own
         fwd_kernel[(n_tiles * H,)](
-            *o.tiles(cfg.block_m, q), *o.tiles(cfg.block_n, k, v, kc, vc), out, lse,
-            tiles, meta.cu_seqlens, meta.seg_ctx_start, meta.seg_ctx_len,
-            n_tiles, T, H, o.qk_scale, o.cap_log2, o.pre_cap, o.window,
+            *(o.tiles(cfg.block_m, q) if host_desc else [q]), *(o.tiles(cfg.block_n, k, v, kc, vc) if host_desc else [k, v, kc, vc]),
+            out, lse, tiles, meta.cu_seqlens, meta.seg_ctx_start, meta.seg_ctx_len,
+            n_tiles, T, kc.shape[0], H, o.qk_scale, o.cap_log2, o.pre_cap, o.window,
             q.stride(0), q.stride(1), *_kv_strides(k, v, kc, vc), out.stride(0), out.stride(1),
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            **o.constexprs(),
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, WS=ws, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, **o.constexprs(),
         )
 
-    cfg = config or configs.choose("fwd", o.key(meta, T), o.dim, o.elem, o.on_cuda, run)
+    cfg = config or configs.choose("fwd", o.key(meta, T), o.dim, o.elem, o.on_cuda, run, warp_specialize=ws_ok)
     run(cfg)
     return out, lse
 
