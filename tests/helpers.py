@@ -104,7 +104,10 @@ for spec in json.loads(open(sys.argv[1]).read()):
     source = ASTSource(fn=fn, signature=spec["signature"], constexprs=spec["constexprs"])
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=spec["options"])
     assert len(compiled.asm["cubin"]) > 0, spec["name"]
-    print("compiled", spec["name"], flush=True)
+    # a warp-specialised kernel hands registers between its producer and consumers
+    split = "setmaxnreg" in compiled.asm["ptx"]
+    print("compiled", spec["name"], json.dumps(spec["constexprs"], sort_keys=True), "warp-specialised" if split else "-",
+          flush=True)
 """
 
 
@@ -176,11 +179,11 @@ def record_triton_launches(monkeypatch, module, names) -> dict:
     return specs
 
 
-def compile_for_hopper(specs: dict, tmp_path, dtypes=("bf16",)) -> None:
+def compile_for_hopper(specs: dict, tmp_path, dtypes=("bf16",)) -> list[tuple[str, dict, bool]]:
     """Compile every recorded launch to sm_90 machine code, in a subprocess outside the Triton
     interpreter (which never runs Triton's compiler), with its fp16 arguments and descriptors as each
     of ``dtypes`` (the interpreter has no bf16, the GPU runs it). Skips where Triton has no
-    ahead-of-time compile API."""
+    ahead-of-time compile API. Returns (kernel name, constexprs, warp-specialised or not) per launch."""
     import json
     import os
     import subprocess
@@ -204,4 +207,6 @@ def compile_for_hopper(specs: dict, tmp_path, dtypes=("bf16",)) -> None:
     if "ImportError" in run.stderr and ("GPUTarget" in run.stderr or "ASTSource" in run.stderr):
         pytest.skip("this Triton has no ahead-of-time compile API")
     assert run.returncode == 0, run.stderr[-4000:]
-    assert run.stdout.count("compiled") == len(launches)
+    lines = [line.split(" ", 2) for line in run.stdout.splitlines() if line.startswith("compiled ")]
+    assert len(lines) == len(launches), run.stdout[-2000:]
+    return [(name, json.loads(rest.rsplit(" ", 1)[0]), rest.endswith(" warp-specialised")) for _, name, rest in lines]
