@@ -115,13 +115,13 @@ def test_window_and_softcap(window, softcap):
 WS_CFG = KernelConfig(16, 32, 4, 1, True)  # the warp-specialised forward: one loop, every key block masked
 
 
-@pytest.mark.parametrize("window, softcap", [(None, None), (1, None), (37, 20.0), (200, None)])
-@pytest.mark.parametrize("blocks", [(16, 32), (32, 16)], ids=["m16n32", "m32n16"])
-def test_warp_specialised_forward_matches_reference(window, softcap, blocks):
-    """The single-loop forward (context blocks then own blocks, a per-row limit mask on every block,
-    blocks behind a window skipped) against the reference: several groups, a 1-token prompt and
-    response, GQA 2:1, ragged tails, and padding entries of the tile list (which run as empty tiles
-    in this kernel instead of returning)."""
+@pytest.mark.parametrize("window, softcap, blocks", [(None, None, (16, 32)), (1, None, (32, 16)),
+                                                     (37, 20.0, (16, 32)), (200, None, (32, 16))])
+def test_warp_specialised_forward_and_dq_match_reference(window, softcap, blocks):
+    """The single-loop forward and dQ (context blocks then own blocks, a per-row limit mask on every
+    block, blocks behind a window skipped; dQ reading LSE / delta from segment-aligned rows) against
+    the reference: several groups, a 1-token prompt and response, GQA 2:1, ragged tails, and padding
+    entries of the tile list (which run as empty tiles in these kernels instead of returning)."""
     cfg = KernelConfig(*blocks, 4, 1, True)
     layout, meta, q, k, v, do = _inputs([70, 1, 33], [[40, 9, 1], [5], [17, 64]], 4, 2, 32)
     _check_all(q, k, v, do, meta, window=window, softcap=softcap, tma=True, fwd_cfg=cfg)
@@ -132,15 +132,31 @@ def test_warp_specialised_forward_padded_head_dim_fp16():
     _check_all(q, k, v, do, meta, window=20, tma=True, fwd_cfg=WS_CFG, tol=3e-3)
 
 
+def test_aligned_rows_start_each_segment_on_16_bytes():
+    """The dQ kernel's LSE / delta rows: each segment's rows are contiguous from a multiple of 4 (16
+    bytes of fp32), in order, inside the width the launcher allocates."""
+    meta = AttnMeta.from_layout(PackedLayout.from_lengths([5, 1, 8], [[3, 1], [2], [4, 4, 7]]))
+    T = int(meta.cu_seqlens[-1])
+    aligned = schedule.aligned_rows(meta, T)
+    cu = meta.cu_seqlens.long()
+    assert aligned.start.tolist() == [0, 8, 12, 16, 20, 24, 32, 36, 40]
+    for s_ in range(cu.numel() - 1):
+        got = aligned.rows[cu[s_]:cu[s_ + 1]]
+        assert got.tolist() == list(range(int(aligned.start[s_]), int(aligned.start[s_]) + int(cu[s_ + 1] - cu[s_])))
+    assert aligned.width % 4 == 0 and aligned.width >= int(aligned.rows.max()) + 1
+    assert aligned.width == -(-(T + 3 * (cu.numel() - 1)) // 4) * 4
+
+
 def test_warp_specialised_forward_is_chosen_where_it_applies(monkeypatch):
-    """The packed layout on descriptors takes the warp-specialised forward (the default candidate at
-    head dim 128); DUALKV_TRITON_WS=0, a context in its own tensors, pointer loads, or a padded head
-    dim of 256 columns take the multi-loop kernel; a bad DUALKV_TRITON_WS value is named."""
+    """The packed layout on descriptors takes the warp-specialised forward and dQ (their default
+    candidates at head dim 128; at 256 the forward only); DUALKV_TRITON_WS=0, a context in its own
+    tensors, pointer loads, or a padded head dim of 256 columns take the multi-loop kernels; a bad
+    DUALKV_TRITON_WS value is named."""
     from dualkv.core.backends.triton import configs
 
     monkeypatch.setattr(configs, "choose", lambda kind, key, head_dim, elem, on_cuda, run=None, warp_specialize=False:
                         configs.candidates(kind, head_dim, elem, warp_specialize)[0])
-    specs = record_triton_launches(monkeypatch, launcher, ("fwd_kernel",))
+    specs = record_triton_launches(monkeypatch, launcher, ("fwd_kernel", "dq_kernel"))
 
     def ws_of(d=128, tma=None, separate=False):
         specs.clear()
@@ -149,15 +165,17 @@ def test_warp_specialised_forward_is_chosen_where_it_applies(monkeypatch):
             cu = torch.tensor([0, 9, 13], dtype=torch.int32, device=DEVICE)
             flash_attn_dualkv_varlen_func(q[20:], k[:20], v[:20], k[20:], v[20:], cu, cu, 9, 20, 9, backend="triton")
         else:
-            launcher.forward(q, k, v, None, None, meta, 0.1, None, None, tma=tma)
-        return [s["constexprs"]["WS"] for s in specs.values()]
+            out, lse = launcher.forward(q, k, v, None, None, meta, 0.1, None, None, tma=tma)
+            launcher.backward(q, q, k, v, None, None, out, lse, meta, 0.1, None, None, True, tma=tma)
+        return {s["name"]: s["constexprs"]["WS"] for s in specs.values()}
 
-    assert ws_of() == [True]
-    assert ws_of(separate=True) == [False]
-    assert ws_of(tma=False) == [False]
-    assert ws_of(d=192) == [False]
+    assert ws_of() == {"fwd_kernel": True, "dq_kernel": True}
+    assert ws_of(separate=True) == {"fwd_kernel": False}
+    assert ws_of(tma=False) == {"fwd_kernel": False, "dq_kernel": False}
+    assert ws_of(d=192) == {"fwd_kernel": False, "dq_kernel": False}
+    assert ws_of(d=256) == {"fwd_kernel": True, "dq_kernel": False}  # dQ's loop gave NaN there
     monkeypatch.setenv("DUALKV_TRITON_WS", "0")
-    assert ws_of() == [False]
+    assert ws_of() == {"fwd_kernel": False, "dq_kernel": False}
     monkeypatch.setenv("DUALKV_TRITON_WS", "yes")
     with pytest.raises(ValueError, match="DUALKV_TRITON_WS: expected 0 or 1, got 'yes'"):
         ws_of()
@@ -373,12 +391,14 @@ def test_kernels_compile_for_hopper_with_gpu_configs(tmp_path, monkeypatch):
     k, v = (torch.randn(layout.total_tokens, 2, 128, generator=g, dtype=torch.float16).requires_grad_() for _ in range(2))
     out = dualkv_attention(q, k, v, layout, window=50, softcap=20.0, backend="triton")
     out.float().square().sum().backward()
-    monkeypatch.setenv("DUALKV_TRITON_WS", "0")  # and the multi-loop forward
-    dualkv_attention(q, k, v, layout, window=50, softcap=20.0, backend="triton")
+    monkeypatch.setenv("DUALKV_TRITON_WS", "0")  # and the multi-loop forward and dQ
+    dualkv_attention(q, k, v, layout, window=50, softcap=20.0, backend="triton").float().square().sum().backward()
     names = {s["name"] for s in specs.values()}
     assert {"fwd_kernel", "preprocess_kernel", "dkdv_kernel", "dq_kernel"} <= names, names
-    assert sorted(s["constexprs"]["WS"] for s in specs.values() if s["name"] == "fwd_kernel") == [False, True]
+    for name in ("fwd_kernel", "dq_kernel"):
+        assert sorted(s["constexprs"]["WS"] for s in specs.values() if s["name"] == name) == [False, True]
     compiled = compile_for_hopper(specs, tmp_path)
-    # Triton's pass really split the WS forward (it silently leaves a loop it cannot split), and only it
+    # Triton's pass really split the WS forward and dQ (it silently leaves a loop it cannot split), and
+    # nothing else
     split = {name + ("-ws" if ce.get("WS") else ""): ws for name, ce, ws in compiled}
-    assert split.pop("fwd_kernel-ws") and "fwd_kernel" in split and not any(split.values()), split
+    assert split.pop("fwd_kernel-ws") and split.pop("dq_kernel-ws") and not any(split.values()), split

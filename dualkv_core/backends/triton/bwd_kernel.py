@@ -21,7 +21,8 @@ import triton
 import triton.language as tl
 
 from . import schedule
-from .common import key_blocks, load_block, load_rows, query_blocks, scores_log2, store_rows, visible, zero_pad
+from .common import (key_blocks, load_block, load_rows, query_blocks, scores_log2, store_rows, visible, ws_key_block,
+                     ws_key_walk, ws_visible, zero_pad)
 
 # Rows of the key-item table, as compile-time constants.
 I_BLOCK = tl.constexpr(schedule.BLOCK)
@@ -306,27 +307,73 @@ def _dq_region(
     return dq
 
 
-@triton.jit(do_not_specialize=["n_tiles", "total_q", "window"])
+@triton.jit
+def _dq_ws(
+    dq, q, do, lse2, delta, K, V, hk, ctx_start, ctx_len, seg_start, seg_len, offs_m, q_lo, q_end, window, qk_scale,
+    cap_log2, pre_cap, BLOCK_N: tl.constexpr, DIM: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """dQ over every key block of a tile in ONE warp-specialised loop: the forward's walk
+    (``ws_key_walk``: context blocks, then own blocks, each masked by per-row limits).
+    K, V: descriptors holding the context rows too (the packed layout)."""
+    c0, n_c, o0, n_blocks = ws_key_walk(ctx_len, seg_len, q_lo, q_end, window, BLOCK_N, HAS_WINDOW)
+    for b in tl.range(n_blocks, warp_specialize=True):
+        row, limit, lower = ws_key_block(b, c0, n_c, o0, ctx_start, ctx_len, seg_start, seg_len, offs_m, window,
+                                         BLOCK_N)
+        k = K.load([row, hk * DIM])
+        v = V.load([row, hk * DIM])
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        s, t = scores_log2(qk, qk_scale, cap_log2, pre_cap, HAS_SOFTCAP)
+        p = tl.where(ws_visible(limit, lower, BLOCK_N, HAS_WINDOW), tl.math.exp2(s - lse2[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+        ds = p * (dp - delta[:, None])
+        if HAS_SOFTCAP:
+            ds = ds * (1.0 - t * t)
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
+    return dq
+
+
+@triton.jit(do_not_specialize=["n_tiles", "total_q", "window", "t_pad"])
 def dq_kernel(
-    Q, K, V, KC, VC, DO, LSE, DELTA, DQ, TILES, CU, CTX_START, CTX_LEN,
-    n_tiles, total_q, nheads, qk_scale, cap_log2, pre_cap, sm_scale, window,
+    Q, K, V, KC, VC, DO, LSE, DELTA, DQ, TILES, CU, CTX_START, CTX_LEN, PAD_START,
+    n_tiles, total_q, t_pad, nheads, qk_scale, cap_log2, pre_cap, sm_scale, window,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kct, stride_kch, stride_vct, stride_vch, stride_dot, stride_doh, stride_dqt, stride_dqh,
     REP: tl.constexpr, DIM: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr,
+    WS: tl.constexpr = False,
 ):
-    """dQ without atomics (deterministic): one program per (query tile, head), like the forward."""
+    """dQ without atomics (deterministic): one program per (query tile, head), like the forward.
+
+    With WS, its warp-specialised single loop: Q, K, V, DO are pointers wrapped in descriptors here,
+    and LSE / DELTA are the (nheads, t_pad) copies with each segment's rows from ``PAD_START[seg]`` (a
+    multiple of 4, so a descriptor can read them: the pass takes nothing but descriptor loads among
+    what its loop reads), LSE already in log2 units."""
+    if WS:
+        nk = (nheads // REP) * DIM
+        Q = tl.make_tensor_descriptor(Q, [total_q, nheads * DIM], [stride_qt, 1], [BLOCK_M, HEAD_DIM])
+        DO = tl.make_tensor_descriptor(DO, [total_q, nheads * DIM], [stride_dot, 1], [BLOCK_M, HEAD_DIM])
+        K = tl.make_tensor_descriptor(K, [total_q, nk], [stride_kt, 1], [BLOCK_N, HEAD_DIM])
+        V = tl.make_tensor_descriptor(V, [total_q, nk], [stride_vt, 1], [BLOCK_N, HEAD_DIM])
     pid = tl.program_id(0)
     tile = pid // nheads
     h = pid % nheads
     seg = tl.load(TILES + tile)
-    if seg < 0:
-        return
     mb = tl.load(TILES + n_tiles + tile)
+    if not WS:
+        if seg < 0:
+            return
+    else:  # no early exit in a warp-specialised kernel: a padding entry runs as an empty tile
+        live = seg >= 0
+        seg = tl.where(live, seg, 0)
+        mb = tl.where(live, mb, 0)
     seg_start = tl.load(CU + seg)
     seg_len = tl.load(CU + seg + 1) - seg_start
     ctx_start = tl.load(CTX_START + seg)
     ctx_len = tl.load(CTX_LEN + seg)
+    if WS:
+        seg_len = tl.where(live, seg_len, 0)
+        ctx_len = tl.where(live, ctx_len, 0)
     hk = h // REP
     offs_r = tl.arange(0, BLOCK_M)
     offs_m = mb * BLOCK_M + offs_r
@@ -338,19 +385,27 @@ def dq_kernel(
     q = zero_pad(q, offs_d, DIM, HEAD_DIM, TMA)
     do = zero_pad(do, offs_d, DIM, HEAD_DIM, TMA)
     rows = (seg_start + offs_m).to(tl.int64)
-    lse2 = tl.load(LSE + h.to(tl.int64) * total_q + rows, mask=ok, other=0.0) * 1.4426950408889634
-    delta = tl.load(DELTA + h.to(tl.int64) * total_q + rows, mask=ok, other=0.0)
-    qpos = ctx_len + offs_m
-    qmin = ctx_len + mb * BLOCK_M
-    qmax = ctx_len + tl.minimum(seg_len, mb * BLOCK_M + BLOCK_M) - 1
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    if ctx_len > 0:
-        dq = _dq_region(dq, q, do, lse2, delta, KC, VC, hk, stride_kct, stride_kch, stride_vct, stride_vch,
-                        ctx_start, ctx_len, 0, qpos, qmin, qmax, window, qk_scale, cap_log2, pre_cap,
+    if WS:  # rows past the segment read its padding or the next segment's values; they are never stored
+        at = h * t_pad + tl.load(PAD_START + seg) + mb * BLOCK_M
+        lse2 = tl.make_tensor_descriptor(LSE, [nheads * t_pad], [1], [BLOCK_M]).load([at])
+        delta = tl.make_tensor_descriptor(DELTA, [nheads * t_pad], [1], [BLOCK_M]).load([at])
+        dq = _dq_ws(dq, q, do, lse2, delta, K, V, hk, ctx_start, ctx_len, seg_start, seg_len, offs_m, mb * BLOCK_M,
+                    mb * BLOCK_M + BLOCK_M, window, qk_scale, cap_log2, pre_cap, BLOCK_N, DIM, HAS_WINDOW,
+                    HAS_SOFTCAP, DOT_PREC)
+    else:
+        lse2 = tl.load(LSE + h.to(tl.int64) * total_q + rows, mask=ok, other=0.0) * 1.4426950408889634
+        delta = tl.load(DELTA + h.to(tl.int64) * total_q + rows, mask=ok, other=0.0)
+        qpos = ctx_len + offs_m
+        qmin = ctx_len + mb * BLOCK_M
+        qmax = ctx_len + tl.minimum(seg_len, mb * BLOCK_M + BLOCK_M) - 1
+        if ctx_len > 0:
+            dq = _dq_region(dq, q, do, lse2, delta, KC, VC, hk, stride_kct, stride_kch, stride_vct, stride_vch,
+                            ctx_start, ctx_len, 0, qpos, qmin, qmax, window, qk_scale, cap_log2, pre_cap,
+                            BLOCK_N, DIM, HEAD_DIM, HAS_WINDOW, HAS_SOFTCAP, DOT_PREC, TMA)
+        dq = _dq_region(dq, q, do, lse2, delta, K, V, hk, stride_kt, stride_kh, stride_vt, stride_vh,
+                        seg_start, seg_len, ctx_len, qpos, qmin, qmax, window, qk_scale, cap_log2, pre_cap,
                         BLOCK_N, DIM, HEAD_DIM, HAS_WINDOW, HAS_SOFTCAP, DOT_PREC, TMA)
-    dq = _dq_region(dq, q, do, lse2, delta, K, V, hk, stride_kt, stride_kh, stride_vt, stride_vh,
-                    seg_start, seg_len, ctx_len, qpos, qmin, qmax, window, qk_scale, cap_log2, pre_cap,
-                    BLOCK_N, DIM, HEAD_DIM, HAS_WINDOW, HAS_SOFTCAP, DOT_PREC, TMA)
     dq = dq * sm_scale
     store_rows(DQ + rows[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :], dq.to(DQ.dtype.element_ty),
                ok, offs_d, DIM, HEAD_DIM)

@@ -70,6 +70,49 @@ def query_blocks(i_lo, i_hi, off_q, kmin, kmax, window, BLOCK_M: tl.constexpr, H
 
 
 @triton.jit
+def ws_key_walk(ctx_len, seg_len, q_lo, q_end, window, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """The key blocks of a query tile (queries ``[q_lo, q_end)`` of a segment) as ONE range, for the
+    single-loop kernels that Triton's Hopper pass warp-specialises (it leaves a kernel with several
+    loops, or a branch inside its loop, as it is): context blocks ``c0 ..`` (``n_c`` of them), then
+    own blocks ``o0 ..`` up to the tile's last query; blocks wholly behind the window of its first
+    query are skipped. Returns (c0, n_c, o0, n_blocks)."""
+    n_ctx = tl.cdiv(ctx_len, BLOCK_N)
+    n_own = tl.cdiv(tl.minimum(seg_len, q_end), BLOCK_N)
+    c0 = n_ctx * 0
+    o0 = n_own * 0
+    if HAS_WINDOW:
+        first = tl.maximum(ctx_len + q_lo - window + 1, 0)  # first key position any row sees
+        c0 = tl.minimum(first // BLOCK_N, n_ctx)
+        o0 = tl.minimum(tl.maximum(first - ctx_len, 0) // BLOCK_N, n_own)
+    n_c = n_ctx - c0
+    return c0, n_c, o0, n_c + n_own - o0
+
+
+@triton.jit
+def ws_key_block(b, c0, n_c, o0, ctx_start, ctx_len, seg_start, seg_len, offs_m, window, BLOCK_N: tl.constexpr):
+    """Block ``b`` of ``ws_key_walk``: its first row in K / V (the packed layout: context rows are
+    rows of K / V) and, per query row, the first and last of its keys the row sees (``lower`` is only
+    meant with a window): ``ws_visible`` turns them into the mask where the scores are used (a mask
+    made here would be held in registers across the matmul)."""
+    in_ctx = b < n_c
+    x = tl.where(in_ctx, c0 + b, o0 + b - n_c) * BLOCK_N  # first key of the block inside its region
+    row = tl.where(in_ctx, ctx_start, seg_start) + x
+    limit = tl.where(in_ctx, ctx_len - 1 - x, tl.minimum(offs_m, seg_len - 1) - x)
+    lower = ctx_len + offs_m - window + 1 - (tl.where(in_ctx, 0, ctx_len) + x)
+    return row, limit, lower
+
+
+@triton.jit
+def ws_visible(limit, lower, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """(BLOCK_M, BLOCK_N) bool: key j of the block is visible to row r iff lower[r] <= j <= limit[r]."""
+    offs_n = tl.arange(0, BLOCK_N)
+    vis = offs_n[None, :] <= limit[:, None]
+    if HAS_WINDOW:
+        vis = vis & (offs_n[None, :] >= lower[:, None])
+    return vis
+
+
+@triton.jit
 def visible(qpos, kpos, window, HAS_WINDOW: tl.constexpr):
     """(M, N) bool: causal and (optionally) inside the window. qpos: (M, 1), kpos: (1, N)."""
     vis = kpos <= qpos

@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import key_blocks, load_block, scores_log2, store_rows, visible, zero_pad
+from .common import key_blocks, load_block, scores_log2, store_rows, visible, ws_key_block, ws_key_walk, ws_visible, zero_pad
 
 
 @triton.jit
@@ -88,47 +88,27 @@ def _attend_ws(
     cap_log2, pre_cap, BLOCK_N: tl.constexpr, DIM: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    """Every key block of a tile in ONE warp-specialised loop (Triton's Hopper pass splits a single
-    loop into a TMA producer and two consumer warpgroups; it leaves a kernel with several loops, or
-    a branch inside the loop, as it is). So there is no unmasked fast path: every block is masked,
-    by a compare and select per score against per-row limits.
+    """Every key block of a tile in ONE warp-specialised loop (``ws_key_walk``): Triton's Hopper pass
+    splits it into a TMA producer and two consumer warpgroups. There is no unmasked fast path: a
+    branch to one would turn the specialisation off, so every block is masked.
 
     K, V: descriptors over (rows, heads_k * DIM) holding the context rows too (the packed layout).
-    The tile's queries are ``offs_m`` (indices inside the segment, in [q_lo, q_end)); it reads its
-    context blocks (rows ``ctx_start + x``, x < ctx_len: all visible) then its own keys up to its
-    last query, skipping the blocks wholly behind the window of its first query.
+    The tile's queries are ``offs_m`` (indices inside the segment, in [q_lo, q_end)).
     """
-    offs_n = tl.arange(0, BLOCK_N)
-    qpos = ctx_len + offs_m  # logical positions; context keys sit at 0.., own keys at ctx_len..
-    n_ctx = tl.cdiv(ctx_len, BLOCK_N)
-    n_own = tl.cdiv(tl.minimum(seg_len, q_end), BLOCK_N)  # own keys some row of the tile sees
-    c0 = n_ctx * 0
-    o0 = n_own * 0
-    if HAS_WINDOW:
-        first = tl.maximum(ctx_len + q_lo - window + 1, 0)  # first key position any row sees
-        c0 = tl.minimum(first // BLOCK_N, n_ctx)
-        o0 = tl.minimum(tl.maximum(first - ctx_len, 0) // BLOCK_N, n_own)
-    n_c = n_ctx - c0
-    for b in tl.range(n_c + n_own - o0, warp_specialize=True):
-        in_ctx = b < n_c
-        x = tl.where(in_ctx, c0 + b, o0 + b - n_c) * BLOCK_N  # first key of the block inside its region
-        row = tl.where(in_ctx, ctx_start, seg_start) + x
-        kpos = tl.where(in_ctx, 0, ctx_len) + x  # the block's first key position
-        # key j of the block is visible to row r iff lower[r] <= j <= limit[r]
-        limit = tl.where(in_ctx, ctx_len - 1 - x, tl.minimum(offs_m, seg_len - 1) - x)
+    c0, n_c, o0, n_blocks = ws_key_walk(ctx_len, seg_len, q_lo, q_end, window, BLOCK_N, HAS_WINDOW)
+    for b in tl.range(n_blocks, warp_specialize=True):
+        row, limit, lower = ws_key_block(b, c0, n_c, o0, ctx_start, ctx_len, seg_start, seg_len, offs_m, window,
+                                         BLOCK_N)
         k = K.load([row, hk * DIM])
         v = V.load([row, hk * DIM])
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
         s, _ = scores_log2(qk, qk_scale, cap_log2, pre_cap, HAS_SOFTCAP)
+        s = tl.where(ws_visible(limit, lower, BLOCK_N, HAS_WINDOW), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
         if HAS_WINDOW:
-            lower = qpos - window + 1 - kpos
-            s = tl.where((offs_n[None, :] <= limit[:, None]) & (offs_n[None, :] >= lower[:, None]), s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows whose window starts later
         else:
-            s = tl.where(offs_n[None, :] <= limit[:, None], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: a row sees a key in its first block
-            m_use = m_new
+            m_use = m_new  # finite: a row sees a key in its first block
         p = tl.math.exp2(s - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)

@@ -49,6 +49,14 @@ def _ensure_allocator() -> None:
         triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
 
 
+def _warp_specialise(o: "_Opts", k_ctx) -> bool:
+    """Whether the forward / dQ may take their warp-specialised single loop: descriptors, context keys
+    in k / v, and not at d = 192, where zeroing Q's padding keeps a second 128 x 256 copy of it in
+    shared memory beside the K / V ring (262 KB)."""
+    padded_wide = o.dim != o.head_dim and o.head_dim >= 256
+    return o.tma and k_ctx is None and not padded_wide and configs.warp_specialize_enabled()
+
+
 def _desc(t: torch.Tensor, rows: int, head_dim: int):
     """A descriptor over (rows, heads, dim) seen as (rows, heads * dim), copying (rows, head_dim) boxes."""
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -109,10 +117,7 @@ def forward(q, k, v, k_ctx, v_ctx, meta, softmax_scale, window, softcap, config:
     kc = k if k_ctx is None else k_ctx
     vc = v if v_ctx is None else v_ctx
     o = _Opts(q, k, softmax_scale, window, softcap, tma_supported(q, k, v, kc, vc) if tma is None else tma)
-    # the warp-specialised forward: descriptors, context keys in k / v; not at d = 192, where zeroing
-    # Q's padding keeps a second 128 x 256 copy of it in shared memory beside the K / V ring (262 KB)
-    padded_wide = o.dim != o.head_dim and o.head_dim >= 256
-    ws_ok = o.tma and k_ctx is None and not padded_wide and configs.warp_specialize_enabled()
+    ws_ok = _warp_specialise(o, k_ctx)
 
     def run(cfg: KernelConfig):
         tiles = schedule.query_tiles(meta, T, cfg.block_m, window if o.has_window else None)
@@ -168,6 +173,7 @@ class Backward:
                        tma_supported(q, k, v, kc, vc, dout) if tma is None else tma)
         self.args = (q, k, v, kc, vc, dout, out, lse, meta)
         self.window = window if self.o.has_window else None
+        self.ws_ok = _warp_specialise(self.o, k_ctx)
         self.split_rows = split_rows
         self.atomic = atomic_dq
         dev = q.device
@@ -192,7 +198,8 @@ class Backward:
         cfg = dkdv_config or configs.choose("dkdv", key, o.dim, o.elem, o.on_cuda, self.dkdv)
         self.dkdv(cfg)
         if not self.atomic:
-            self.dq_kernel(dq_config or configs.choose("dq", key, o.dim, o.elem, o.on_cuda, self.dq_kernel))
+            self.dq_kernel(dq_config or configs.choose("dq", key, o.dim, o.elem, o.on_cuda, self.dq_kernel,
+                                                       warp_specialize=self.ws_ok))
 
     def preprocess(self, block: int = 64):
         """delta = rowsum(dO * O) (and a zeroed dQ accumulator for the atomic path)."""
@@ -241,12 +248,21 @@ class Backward:
         tiles = schedule.query_tiles(meta, T, cfg.block_m, self.window)
         n_tiles = tiles.shape[1]
         dq = self.dq
+        ws = cfg.warp_specialize and self.ws_ok
+        if ws:  # descriptors made in the kernel; LSE (in log2 units) and delta on 16-byte aligned rows
+            _ensure_allocator()
+            aligned = schedule.aligned_rows(meta, T)
+            lse_arg = lse.new_zeros((H, aligned.width)).index_copy_(1, aligned.rows, lse * LOG2E)
+            delta_arg = lse.new_zeros((H, aligned.width)).index_copy_(1, aligned.rows, self.delta)
+            pad_start, width, args = aligned.start, aligned.width, [q, k, v, kc, vc, dout]
+        else:
+            lse_arg, delta_arg, pad_start, width = lse, self.delta, meta.cu_seqlens, T
+            args = [*o.tiles(cfg.block_m, q), *o.tiles(cfg.block_n, k, v, kc, vc), *o.tiles(cfg.block_m, dout)]
         dq_kernel[(n_tiles * H,)](
-            *o.tiles(cfg.block_m, q), *o.tiles(cfg.block_n, k, v, kc, vc), *o.tiles(cfg.block_m, dout),
-            lse, self.delta, dq, tiles, meta.cu_seqlens, meta.seg_ctx_start, meta.seg_ctx_len,
-            n_tiles, T, H, o.qk_scale, o.cap_log2, o.pre_cap, o.scale, o.window,
+            *args, lse_arg, delta_arg, dq, tiles, meta.cu_seqlens, meta.seg_ctx_start, meta.seg_ctx_len, pad_start,
+            n_tiles, T, width, H, o.qk_scale, o.cap_log2, o.pre_cap, o.scale, o.window,
             q.stride(0), q.stride(1), *_kv_strides(k, v, kc, vc), dout.stride(0), dout.stride(1),
             dq.stride(0), dq.stride(1),
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, WS=ws, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **o.constexprs(),
         )

@@ -62,6 +62,26 @@ def query_tiles(meta, total_q: int, block_m: int, window: int | None) -> torch.T
     return _sort_heavy_first(cost, table)
 
 
+class AlignedRows(NamedTuple):
+    start: torch.Tensor  # (S,) int32: each segment's first row, a multiple of 4
+    rows: torch.Tensor  # (total_q,) int64: where each token's row goes
+    width: int  # rows in all, a multiple of 4
+
+
+def aligned_rows(meta, total_q: int) -> AlignedRows:
+    """Per-token rows with every segment starting at a multiple of 4 (16 bytes of fp32), so that a
+    kernel can read a segment's per-row statistics (LSE, delta) through a tensor descriptor, whose
+    first element must be 16-byte aligned. Built on the device; the width is bounded from shapes."""
+    cu = meta.cu_seqlens.long()
+    seg_len = cu[1:] - cu[:-1]
+    S = seg_len.numel()
+    padded = (seg_len + 3) // 4 * 4
+    start = torch.cumsum(padded, 0) - padded
+    seg = torch.repeat_interleave(torch.arange(S, device=cu.device), seg_len, output_size=total_q)
+    rows = torch.arange(total_q, device=cu.device) - cu[seg] + start[seg]
+    return AlignedRows(start.to(torch.int32), rows, _cdiv(total_q + 3 * S, 4) * 4)
+
+
 class KeyItems(NamedTuple):
     table: torch.Tensor  # (ITEM_ROWS, n) int32
     ws_rows: int  # rows of each fp32 partial workspace (dk, dv)
