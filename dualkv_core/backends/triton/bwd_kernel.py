@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 
 from . import schedule
-from .common import (key_blocks, load_block, load_rows, query_blocks, scores_log2, store_rows, visible, ws_key_block,
-                     ws_key_walk, ws_visible, zero_pad)
+from .common import (key_blocks, load_block, load_rows, query_blocks, scores_log2, store_rows, visible,
+                     ws_block_scores, ws_key_walk, zero_pad)
 
 # Rows of the key-item table, as compile-time constants.
 I_BLOCK = tl.constexpr(schedule.BLOCK)
@@ -255,6 +255,16 @@ def reduce_kernel(WSK, WSV, DK, DV, DKC, DVC, ITEMS, CU, CTX_LEN, CTX_KEY_START,
 
 
 @triton.jit
+def _dq_step(dq, p, t, do, k, v, delta, HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr):
+    """dQ += dS K for one key block, dS = P (dP - delta) (times the softcap's derivative 1 - t^2)."""
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+    ds = p * (dp - delta[:, None])
+    if HAS_SOFTCAP:
+        ds = ds * (1.0 - t * t)
+    return tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
+
+
+@triton.jit
 def _dq_steps(
     dq, q, do, lse2, delta, K, V, hk, stride_kt, stride_kh, stride_vt, stride_vh,
     row0, n_keys, off, x_lo, n_blocks, qpos, window, qk_scale, cap_log2, pre_cap,
@@ -275,11 +285,7 @@ def _dq_steps(
         if MASK:
             vis = visible(qpos[:, None], (off + x + offs_n)[None, :], window, HAS_WINDOW) & inb[None, :]
             p = tl.where(vis, p, 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
-        ds = p * (dp - delta[:, None])
-        if HAS_SOFTCAP:
-            ds = ds * (1.0 - t * t)
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
+        dq = _dq_step(dq, p, t, do, k, v, delta, HAS_SOFTCAP, DOT_PREC)
     return dq
 
 
@@ -318,18 +324,11 @@ def _dq_ws(
     K, V: descriptors holding the context rows too (the packed layout)."""
     c0, n_c, o0, n_blocks = ws_key_walk(ctx_len, seg_len, q_lo, q_end, window, BLOCK_N, HAS_WINDOW)
     for b in tl.range(n_blocks, warp_specialize=True):
-        row, limit, lower = ws_key_block(b, c0, n_c, o0, ctx_start, ctx_len, seg_start, seg_len, offs_m, window,
-                                         BLOCK_N)
-        k = K.load([row, hk * DIM])
-        v = V.load([row, hk * DIM])
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-        s, t = scores_log2(qk, qk_scale, cap_log2, pre_cap, HAS_SOFTCAP)
-        p = tl.where(ws_visible(limit, lower, BLOCK_N, HAS_WINDOW), tl.math.exp2(s - lse2[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
-        ds = p * (dp - delta[:, None])
-        if HAS_SOFTCAP:
-            ds = ds * (1.0 - t * t)
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
+        k, v, s, t, vis = ws_block_scores(b, c0, n_c, o0, q, K, V, hk, ctx_start, ctx_len, seg_start, seg_len, offs_m,
+                                          window, qk_scale, cap_log2, pre_cap, BLOCK_N, DIM, HAS_WINDOW, HAS_SOFTCAP,
+                                          DOT_PREC)
+        p = tl.where(vis, tl.math.exp2(s - lse2[:, None]), 0.0)
+        dq = _dq_step(dq, p, t, do, k, v, delta, HAS_SOFTCAP, DOT_PREC)
     return dq
 
 

@@ -89,27 +89,27 @@ def ws_key_walk(ctx_len, seg_len, q_lo, q_end, window, BLOCK_N: tl.constexpr, HA
 
 
 @triton.jit
-def ws_key_block(b, c0, n_c, o0, ctx_start, ctx_len, seg_start, seg_len, offs_m, window, BLOCK_N: tl.constexpr):
-    """Block ``b`` of ``ws_key_walk``: its first row in K / V (the packed layout: context rows are
-    rows of K / V) and, per query row, the first and last of its keys the row sees (``lower`` is only
-    meant with a window): ``ws_visible`` turns them into the mask where the scores are used (a mask
-    made here would be held in registers across the matmul)."""
+def ws_block_scores(b, c0, n_c, o0, q, K, V, hk, ctx_start, ctx_len, seg_start, seg_len, offs_m, window, qk_scale,
+                    cap_log2, pre_cap, BLOCK_N: tl.constexpr, DIM: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                    HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Block ``b`` of ``ws_key_walk``: its K and V tiles (descriptors over the packed layout, context
+    rows being rows of K / V), the scores (``scores_log2``: s and t) and which keys each query row sees
+    (key j of the block iff lower[r] <= j <= limit[r]), built after the matmul: a mask built before
+    the loads would be held in registers across them. Returns (k, v, s, t, visible)."""
     in_ctx = b < n_c
     x = tl.where(in_ctx, c0 + b, o0 + b - n_c) * BLOCK_N  # first key of the block inside its region
     row = tl.where(in_ctx, ctx_start, seg_start) + x
-    limit = tl.where(in_ctx, ctx_len - 1 - x, tl.minimum(offs_m, seg_len - 1) - x)
-    lower = ctx_len + offs_m - window + 1 - (tl.where(in_ctx, 0, ctx_len) + x)
-    return row, limit, lower
-
-
-@triton.jit
-def ws_visible(limit, lower, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr):
-    """(BLOCK_M, BLOCK_N) bool: key j of the block is visible to row r iff lower[r] <= j <= limit[r]."""
+    k = K.load([row, hk * DIM])
+    v = V.load([row, hk * DIM])
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+    s, t = scores_log2(qk, qk_scale, cap_log2, pre_cap, HAS_SOFTCAP)
     offs_n = tl.arange(0, BLOCK_N)
+    limit = tl.where(in_ctx, ctx_len - 1 - x, tl.minimum(offs_m, seg_len - 1) - x)
     vis = offs_n[None, :] <= limit[:, None]
     if HAS_WINDOW:
+        lower = ctx_len + offs_m - window + 1 - (tl.where(in_ctx, 0, ctx_len) + x)
         vis = vis & (offs_n[None, :] >= lower[:, None])
-    return vis
+    return k, v, s, t, vis
 
 
 @triton.jit

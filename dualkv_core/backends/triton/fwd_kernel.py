@@ -16,7 +16,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import key_blocks, load_block, scores_log2, store_rows, visible, ws_key_block, ws_key_walk, ws_visible, zero_pad
+from .common import key_blocks, load_block, scores_log2, store_rows, visible, ws_block_scores, ws_key_walk, zero_pad
+
+
+@triton.jit
+def _online_step(acc, m_i, l_i, s, m_use, v, DOT_PREC: tl.constexpr):
+    """One key block of the online softmax: rescale by the moved maximum (``m_use``, where the row
+    maximum was ``m_i``), add the block's probabilities' row sums and P V. Returns (acc, l_i)."""
+    p = tl.math.exp2(s - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    return tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC), l_i
 
 
 @triton.jit
@@ -49,11 +60,7 @@ def _attend(
         else:
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_use = m_new
-        p = tl.math.exp2(s - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
+        acc, l_i = _online_step(acc, m_i, l_i, s, m_use, v, DOT_PREC)
         m_i = m_new
     return acc, m_i, l_i
 
@@ -97,23 +104,16 @@ def _attend_ws(
     """
     c0, n_c, o0, n_blocks = ws_key_walk(ctx_len, seg_len, q_lo, q_end, window, BLOCK_N, HAS_WINDOW)
     for b in tl.range(n_blocks, warp_specialize=True):
-        row, limit, lower = ws_key_block(b, c0, n_c, o0, ctx_start, ctx_len, seg_start, seg_len, offs_m, window,
-                                         BLOCK_N)
-        k = K.load([row, hk * DIM])
-        v = V.load([row, hk * DIM])
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-        s, _ = scores_log2(qk, qk_scale, cap_log2, pre_cap, HAS_SOFTCAP)
-        s = tl.where(ws_visible(limit, lower, BLOCK_N, HAS_WINDOW), s, float("-inf"))
+        k, v, s, _, vis = ws_block_scores(b, c0, n_c, o0, q, K, V, hk, ctx_start, ctx_len, seg_start, seg_len, offs_m,
+                                          window, qk_scale, cap_log2, pre_cap, BLOCK_N, DIM, HAS_WINDOW, HAS_SOFTCAP,
+                                          DOT_PREC)
+        s = tl.where(vis, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         if HAS_WINDOW:
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows whose window starts later
         else:
             m_use = m_new  # finite: a row sees a key in its first block
-        p = tl.math.exp2(s - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
+        acc, l_i = _online_step(acc, m_i, l_i, s, m_use, v, DOT_PREC)
         m_i = m_new
     return acc, m_i, l_i
 
