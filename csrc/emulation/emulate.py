@@ -477,15 +477,7 @@ def main():
     ap.add_argument("--sm90-bwd", action="store_true",
                     help="the wgmma backward's cases (DUALKV_CUDA_WGMMA_BWD=1 .. 6 and 8, with the wgmma forward)")
     ap.add_argument("--forward-only", action="store_true", help="with --sm90: skip the backward")
-    ap.add_argument("--part", default="0/1", metavar="K/N",
-                    help="with --sm90-bwd: run the K-th of N interleaved shares of its checks and schedules "
-                         "(N processes cover the run; default all of it)")
     args = ap.parse_args()
-    try:
-        part, parts = (int(x) for x in args.part.split("/"))
-        assert 0 <= part < parts
-    except (ValueError, AssertionError):
-        ap.error(f"--part: expected K/N with 0 <= K < N, got {args.part!r}")
     listed = SM90_BWD_CASES if args.sm90_bwd else CASES
     if args.only is not None and not 0 <= args.only < len(listed):
         ap.error(f"--only: expected a case index 0 .. {len(listed) - 1}, got {args.only}")
@@ -525,27 +517,21 @@ def main():
         # its deterministic fallback to 5, a softcap and a separate context
         quick = {"1": (3, 4, 6, 7), "1t": (7, 10), "2": (3, 4, 6), "3": (0, 4, 5), "4": (0, 1, 2), "5": (0, 1), "6": (0, 1, 4, 5, 11),
                  "8": (0, 1, 3, 4, 5, 6), "6t": (0, 1, 4, 11), "8t": (1, 3, 4, 5), "9t": (0, 1, 2, 4, 5, 11)}
-        def schedule(mode):  # "t": with the TMA producer
-            def run():
-                os.environ["DUALKV_CUDA_WGMMA_BWD"] = mode[0]
-                os.environ["DUALKV_CUDA_BWD_TMA"] = "1" if mode.endswith("t") else "0"
-                print(f"DUALKV_CUDA_WGMMA_BWD={mode[0]} DUALKV_CUDA_BWD_TMA={os.environ['DUALKV_CUDA_BWD_TMA']}",
-                      flush=True)
-                cases = [SM90_BWD_CASES[i] for i in quick[mode]] if args.quick else SM90_BWD_CASES
-                if args.only is not None:
-                    cases = [SM90_BWD_CASES[args.only]]
-                return all([run_case(**c) for c in cases])
-            return run
-
-        work = [check_wgmma_path, lambda: check_device_defaults(backward=True),
-                lambda: check_tma_fallback(backward=True), check_chunk_ends,
-                lambda: check_reader_chunks(device_defaults=True), lambda: check_tile_order(device_defaults=True),
-                check_plan_cache, *(schedule(mode) for mode in quick)]
-        ok = True
-        for item in work[part::parts]:  # each item runs in a fresh default environment
-            for key in ("DUALKV_CUDA_WGMMA_BWD", "DUALKV_CUDA_BWD_TMA"):
-                os.environ.pop(key, None)
-            ok = item() and ok
+        ok = check_wgmma_path()
+        ok = check_device_defaults(backward=True) and ok
+        ok = check_tma_fallback(backward=True) and ok
+        ok = check_chunk_ends() and ok
+        ok = check_reader_chunks(device_defaults=True) and ok
+        ok = check_tile_order(device_defaults=True) and ok
+        ok = check_plan_cache() and ok
+        for mode in quick:  # the schedules above; "t": with the TMA producer
+            os.environ["DUALKV_CUDA_WGMMA_BWD"] = mode[0]
+            os.environ["DUALKV_CUDA_BWD_TMA"] = "1" if mode.endswith("t") else "0"
+            print(f"DUALKV_CUDA_WGMMA_BWD={mode[0]} DUALKV_CUDA_BWD_TMA={os.environ['DUALKV_CUDA_BWD_TMA']}", flush=True)
+            cases = [SM90_BWD_CASES[i] for i in quick[mode]] if args.quick else SM90_BWD_CASES
+            if args.only is not None:
+                cases = [SM90_BWD_CASES[args.only]]
+            ok = all([run_case(**c) for c in cases]) and ok
         print("ALL OK" if ok else "FAILURES")
         sys.exit(0 if ok else 1)
     cases = CASES[:2] if args.quick else CASES
