@@ -106,8 +106,8 @@ for spec in json.loads(open(sys.argv[1]).read()):
     assert len(compiled.asm["cubin"]) > 0, spec["name"]
     # a warp-specialised kernel hands registers between its producer and consumers
     split = "setmaxnreg" in compiled.asm["ptx"]
-    print("compiled", spec["name"], json.dumps(spec["constexprs"], sort_keys=True), "warp-specialised" if split else "-",
-          flush=True)
+    print("compiled", spec["name"], json.dumps(spec["constexprs"], sort_keys=True),
+          "warp-specialised" if split else "-", flush=True)
 """
 
 

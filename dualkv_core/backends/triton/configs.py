@@ -28,7 +28,8 @@ class KernelConfig:
     warp_specialize: bool = False  # the forward's unmasked key loop split into producer / consumer warps
 
     def __str__(self) -> str:
-        return f"M{self.block_m}-N{self.block_n}-w{self.num_warps}-s{self.num_stages}" + ("-ws" if self.warp_specialize else "")
+        ws = "-ws" if self.warp_specialize else ""
+        return f"M{self.block_m}-N{self.block_n}-w{self.num_warps}-s{self.num_stages}{ws}"
 
 
 def _bucket(d: int) -> int:

@@ -125,10 +125,10 @@ def forward(q, k, v, k_ctx, v_ctx, meta, softmax_scale, window, softcap, config:
         ws = cfg.warp_specialize and ws_ok
         if ws:
             _ensure_allocator()
-        host_desc = o.tma and not ws  # a warp-specialised kernel makes its own
+        # a warp-specialised kernel makes its own descriptors
+        qkv = [q, k, v, kc, vc] if ws else [*o.tiles(cfg.block_m, q), *o.tiles(cfg.block_n, k, v, kc, vc)]
         fwd_kernel[(n_tiles * H,)](
-            *(o.tiles(cfg.block_m, q) if host_desc else [q]), *(o.tiles(cfg.block_n, k, v, kc, vc) if host_desc else [k, v, kc, vc]),
-            out, lse, tiles, meta.cu_seqlens, meta.seg_ctx_start, meta.seg_ctx_len,
+            *qkv, out, lse, tiles, meta.cu_seqlens, meta.seg_ctx_start, meta.seg_ctx_len,
             n_tiles, T, kc.shape[0], H, o.qk_scale, o.cap_log2, o.pre_cap, o.window,
             q.stride(0), q.stride(1), *_kv_strides(k, v, kc, vc), out.stride(0), out.stride(1),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, WS=ws, num_warps=cfg.num_warps,
