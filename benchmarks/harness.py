@@ -318,8 +318,8 @@ class DualKVTriton(_DualKV):
 
 @register("dualkv-triton-no-ws")
 class DualKVTritonNoWs(_DualKV):
-    """Triton's forward without the warp-specialised loop (DUALKV_TRITON_WS=0: the multi-loop kernel
-    whose unmasked blocks skip the mask)."""
+    """Triton's forward and dQ without the warp-specialised loop (DUALKV_TRITON_WS=0: the multi-loop
+    kernels, whose unmasked blocks skip the mask)."""
 
     backend = "triton"
     env = {"DUALKV_TRITON_WS": "0"}

@@ -25,7 +25,7 @@ class KernelConfig:
     block_n: int  # keys per tile
     num_warps: int
     num_stages: int
-    warp_specialize: bool = False  # the forward's unmasked key loop split into producer / consumer warps
+    warp_specialize: bool = False  # fwd / dq: the single key loop split into producer / consumer warps
 
     def __str__(self) -> str:
         ws = "-ws" if self.warp_specialize else ""
@@ -115,7 +115,8 @@ def regime(total_q: int, n_segments: int, n_regions: int) -> tuple[int, int]:
 
 
 def warp_specialize_enabled() -> bool:
-    """The forward's warp-specialised loop where a launch allows it (``DUALKV_TRITON_WS``: 1 on, 0 off)."""
+    """The forward's and dQ's warp-specialised loops where a launch allows them (``DUALKV_TRITON_WS``: 1 on,
+    0 off)."""
     value = os.environ.get("DUALKV_TRITON_WS", "1")
     if value not in ("0", "1"):
         raise ValueError(f"DUALKV_TRITON_WS: expected 0 or 1, got {value!r}")

@@ -118,10 +118,10 @@ def _attend_ws(
     return acc, m_i, l_i
 
 
-@triton.jit(do_not_specialize=["n_tiles", "total_q", "total_ctx", "window"])
+@triton.jit(do_not_specialize=["n_tiles", "total_q", "window"])
 def fwd_kernel(
     Q, K, V, KC, VC, O, LSE, TILES, CU, CTX_START, CTX_LEN,
-    n_tiles, total_q, total_ctx, nheads, qk_scale, cap_log2, pre_cap, window,
+    n_tiles, total_q, nheads, qk_scale, cap_log2, pre_cap, window,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kct, stride_kch, stride_vct, stride_vch, stride_ot, stride_oh,
     REP: tl.constexpr, DIM: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,

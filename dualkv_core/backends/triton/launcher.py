@@ -129,7 +129,7 @@ def forward(q, k, v, k_ctx, v_ctx, meta, softmax_scale, window, softcap, config:
         qkv = [q, k, v, kc, vc] if ws else [*o.tiles(cfg.block_m, q), *o.tiles(cfg.block_n, k, v, kc, vc)]
         fwd_kernel[(n_tiles * H,)](
             *qkv, out, lse, tiles, meta.cu_seqlens, meta.seg_ctx_start, meta.seg_ctx_len,
-            n_tiles, T, kc.shape[0], H, o.qk_scale, o.cap_log2, o.pre_cap, o.window,
+            n_tiles, T, H, o.qk_scale, o.cap_log2, o.pre_cap, o.window,
             q.stride(0), q.stride(1), *_kv_strides(k, v, kc, vc), out.stride(0), out.stride(1),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, WS=ws, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages, **o.constexprs(),
