@@ -181,6 +181,51 @@ def test_warp_specialised_forward_is_chosen_where_it_applies(monkeypatch):
         ws_of()
 
 
+ROWS_CFG = KernelConfig(16, 32, 4, 1)
+
+
+@pytest.mark.parametrize("softcap, split_rows", [(None, 4096), (None, 1), (20.0, 1)])
+def test_dkdv_row_loop_matches_reference(softcap, split_rows):
+    """The one-loop dK/dV (query row blocks from a multiple of 4, masked by row bounds): own rows of
+    prompts and responses, a prompt block's readers (split over programs, partials reduced in order),
+    1-token segments, ragged key blocks whose tail rows are other segments' keys, GQA 2:1."""
+    layout, meta, q, k, v, do = _inputs([70, 1, 33], [[40, 9, 1], [5], [17, 64]], 4, 2, 32, seed=5)
+    _check_all(q, k, v, do, meta, softcap=softcap, tma=True, bwd_cfg=ROWS_CFG, split_rows=split_rows)
+
+
+def test_dkdv_row_loop_padded_head_dim_fp16():
+    """Head dim 24 on descriptors: the padded columns of K / V (the next head's) are zeroed."""
+    layout, meta, q, k, v, do = _inputs([45], [[30, 3]], 2, 1, 24, dtype=torch.float16, seed=2)
+    _check_all(q, k, v, do, meta, tma=True, bwd_cfg=ROWS_CFG, tol=3e-3)
+
+
+def test_dkdv_row_loop_is_chosen_where_it_applies(monkeypatch):
+    """The packed layout on descriptors without a window takes the one-loop dK/dV; a window, pointer
+    loads, the atomic dQ, or a context in its own tensors take the per-segment kernel."""
+    specs = record_triton_launches(monkeypatch, launcher, ("dkdv_kernel", "dkdv_rows_kernel"))
+
+    def kernel(tma=True, window=None, atomic_dq=False, separate=False):
+        specs.clear()
+        layout, meta, q, k, v, do = _inputs([20], [[9, 4]], 2, 1, 16)
+        if separate:
+            cu = torch.tensor([0, 9, 13], dtype=torch.int32, device=DEVICE)
+            leaves = [t.requires_grad_() for t in (q[20:], k[:20], v[:20], k[20:], v[20:])]
+            out = flash_attn_dualkv_varlen_func(*leaves, cu, cu, 9, 20, 9, backend="triton")
+            out.square().sum().backward()
+        else:
+            out, lse = launcher.forward(q, k, v, None, None, meta, 0.1, window, None, tma=tma)
+            launcher.backward(do, q, k, v, None, None, out, lse, meta, 0.1, window, None, False, tma=tma,
+                              atomic_dq=atomic_dq)
+        (name,) = {s["name"] for s in specs.values()}
+        return name
+
+    assert kernel() == "dkdv_rows_kernel"
+    assert kernel(window=8) == "dkdv_kernel"
+    assert kernel(tma=False) == "dkdv_kernel"
+    assert kernel(atomic_dq=True) == "dkdv_kernel"
+    assert kernel(separate=True) == "dkdv_kernel"
+
+
 @pytest.mark.parametrize("atomic_dq", [False, True])
 def test_split_readers(atomic_dq):
     """Many readers per prompt block: the reader range is split over programs, partials reduced in order."""
@@ -358,7 +403,7 @@ def test_kernels_keep_one_compiled_variant_across_layouts(monkeypatch):
 
     monkeypatch.setattr(configs, "choose", lambda kind, key, head_dim, elem, on_cuda, run=None, warp_specialize=False:
                         configs.candidates(kind, head_dim, elem, warp_specialize)[0])
-    names = ("fwd_kernel", "preprocess_kernel", "dkdv_kernel", "reduce_kernel", "dq_kernel")
+    names = ("fwd_kernel", "preprocess_kernel", "dkdv_rows_kernel", "reduce_kernel", "dq_kernel")
     specs = record_triton_launches(monkeypatch, launcher, names)
     g = torch.Generator().manual_seed(0)
     for prompts, responses in (([70], [[40, 9]]), ([64], [[33, 31]]), ([80], [[47, 1]]), ([100], [[5, 7, 4]])):
@@ -384,19 +429,22 @@ def test_kernels_compile_for_hopper_with_gpu_configs(tmp_path, monkeypatch):
     monkeypatch.setattr(configs, "choose", lambda kind, key, head_dim, elem, on_cuda, run=None, warp_specialize=False:
                         configs.candidates(kind, head_dim, elem, warp_specialize)[0])
     specs = record_triton_launches(monkeypatch, launcher, ("fwd_kernel", "preprocess_kernel", "dkdv_kernel",
-                                                           "reduce_kernel", "dq_kernel", "scale_cast_kernel"))
+                                                           "dkdv_rows_kernel", "reduce_kernel", "dq_kernel",
+                                                           "scale_cast_kernel"))
     layout = PackedLayout.from_lengths([70], [[40, 9]])
     g = torch.Generator().manual_seed(0)
     q = torch.randn(layout.total_tokens, 4, 128, generator=g, dtype=torch.float16).requires_grad_()
     k, v = (torch.randn(layout.total_tokens, 2, 128, generator=g, dtype=torch.float16).requires_grad_() for _ in range(2))
     out = dualkv_attention(q, k, v, layout, window=50, softcap=20.0, backend="triton")
     out.float().square().sum().backward()
+    # no window: the one-loop dK/dV
+    dualkv_attention(q, k, v, layout, softcap=20.0, backend="triton").float().square().sum().backward()
     monkeypatch.setenv("DUALKV_TRITON_WS", "0")  # and the multi-loop forward and dQ
     dualkv_attention(q, k, v, layout, window=50, softcap=20.0, backend="triton").float().square().sum().backward()
     names = {s["name"] for s in specs.values()}
-    assert {"fwd_kernel", "preprocess_kernel", "dkdv_kernel", "dq_kernel"} <= names, names
+    assert {"fwd_kernel", "preprocess_kernel", "dkdv_kernel", "dkdv_rows_kernel", "dq_kernel"} <= names, names
     for name in ("fwd_kernel", "dq_kernel"):
-        assert sorted(s["constexprs"]["WS"] for s in specs.values() if s["name"] == name) == [False, True]
+        assert {s["constexprs"]["WS"] for s in specs.values() if s["name"] == name} == {False, True}
     compiled = compile_for_hopper(specs, tmp_path)
     # Triton's pass really split the WS forward and dQ (it silently leaves a loop it cannot split), and
     # nothing else

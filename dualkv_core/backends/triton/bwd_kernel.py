@@ -222,6 +222,105 @@ def dkdv_kernel(
         _store_block(DK, DV, DKC, DVC, own, krow.to(tl.int64) * row_stride + tile, dk, dv, kok, offs_d, DIM, HEAD_DIM)
 
 
+@triton.jit(do_not_specialize=["n_items", "total_q", "t4"])
+def dkdv_rows_kernel(
+    Q, K, V, DO, LSE2, DELTA, DK, DV, WSK, WSV, ITEMS, CU,
+    n_items, total_q, t4, nheads_k, qk_scale, cap_log2, pre_cap, sm_scale,
+    stride_qt, stride_kt, stride_vt, stride_dot,
+    REP: tl.constexpr, DIM: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """dK/dV of one (key item, kv head) in ONE loop over query row blocks (the packed layout, no window).
+
+    In the packed layout a key row is seen by exactly the query rows at or after it up to the end of
+    its segment (the segment's own queries, causally), plus, for a prompt's key block, every row of
+    its split's reader range ``[r0, r1)`` (responses see their whole prompt). So the loop walks
+    blocks of rows, not segments: the own rows from the key block's row, then the reader rows, for
+    each of the REP query heads in turn, and masks each block by row bounds alone. One loop and
+    BLOCK_N = 128 keys with 8 warps: 1.2x faster than the per-segment kernel at d = 128 on an H200.
+
+    Blocks start on rows that are multiples of 4 so that LSE2 (log2 units) and DELTA, both
+    (nheads, t4) with t4 a multiple of 4, are read through 1-D descriptors. Q, K, V, DO are pointers
+    wrapped in descriptors here; a padding entry of the item table runs as an empty program. (Triton
+    3.6's warp-specialising pass miscompiles this loop: with two consumer warpgroups the second half
+    of each key block came out wrong on an H200, so the loop stays an ordinary pipelined one.)
+    """
+    nheads = nheads_k * REP
+    Q = tl.make_tensor_descriptor(Q, [total_q, nheads * DIM], [stride_qt, 1], [BLOCK_M, HEAD_DIM])
+    DO = tl.make_tensor_descriptor(DO, [total_q, nheads * DIM], [stride_dot, 1], [BLOCK_M, HEAD_DIM])
+    K = tl.make_tensor_descriptor(K, [total_q, nheads_k * DIM], [stride_kt, 1], [BLOCK_N, HEAD_DIM])
+    V = tl.make_tensor_descriptor(V, [total_q, nheads_k * DIM], [stride_vt, 1], [BLOCK_N, HEAD_DIM])
+    LSE2 = tl.make_tensor_descriptor(LSE2, [nheads * t4], [1], [BLOCK_M])
+    DELTA = tl.make_tensor_descriptor(DELTA, [nheads * t4], [1], [BLOCK_M])
+    pid = tl.program_id(0)
+    item = pid // nheads_k
+    hk = pid % nheads_k
+    unit = tl.load(ITEMS + item)
+    live = unit >= 0
+    unit = tl.where(live, unit, 0)
+    blk = tl.load(ITEMS + I_BLOCK * n_items + item)
+    z = tl.load(ITEMS + I_SPLIT * n_items + item)
+    nz = tl.load(ITEMS + I_NSPLIT * n_items + item)
+    region = tl.load(ITEMS + I_REGION * n_items + item)
+    r0 = tl.load(ITEMS + I_R0 * n_items + item)
+    r1 = tl.load(ITEMS + I_R1 * n_items + item)
+    seg_start = tl.load(CU + unit)
+    seg_end = tl.load(CU + unit + 1)
+    krow = seg_start + blk * BLOCK_N
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    k = zero_pad(K.load([krow, hk * DIM]), offs_d, DIM, HEAD_DIM, True)
+    v = zero_pad(V.load([krow, hk * DIM]), offs_d, DIM, HEAD_DIM, True)
+    own_lo = krow - krow % 4
+    n_own = tl.where(live & (z == 0), tl.cdiv(seg_end - own_lo, BLOCK_M), 0)
+    read_lo = r0 - r0 % 4
+    n_read = tl.where(live & (region >= 0) & (r1 > r0), tl.cdiv(r1 - read_lo, BLOCK_M), 0)
+    n_blocks = n_own + n_read
+    key_rows = krow + offs_n
+
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    for i in range(REP * n_blocks):
+        r = i // n_blocks
+        b = i - r * n_blocks
+        hq = hk * REP + r
+        in_own = b < n_own
+        row = tl.where(in_own, own_lo + b * BLOCK_M, read_lo + (b - n_own) * BLOCK_M)
+        q = Q.load([row, hq * DIM])
+        do = DO.load([row, hq * DIM])
+        lse2 = LSE2.load([hq * t4 + row])
+        delta = DELTA.load([hq * t4 + row])
+        qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)  # (BLOCK_N, BLOCK_M)
+        s_t, t_t = scores_log2(qk_t, qk_scale, cap_log2, pre_cap, HAS_SOFTCAP)
+        rows = (row + offs_m)[None, :]
+        lower = tl.where(in_own, key_rows, r0)[:, None]
+        upper = tl.where(in_own, seg_end, r1)
+        p_t = tl.where((rows >= lower) & (rows < upper), tl.math.exp2(s_t - lse2[None, :]), 0.0)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+        ds_t = p_t * (dp_t - delta[None, :])
+        if HAS_SOFTCAP:
+            ds_t = ds_t * (1.0 - t_t * t_t)
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)
+
+    dk = dk * sm_scale
+    # Rows past the segment (a ragged last block) are other tokens' keys: their sums are dropped. A
+    # split item writes its fp32 partial, a whole one its dK/dV (one of the two masks is empty).
+    end = tl.where(live, seg_end, 0)
+    to_ws = key_rows < tl.where(nz > 1, end, 0)
+    to_out = key_rows < tl.where(nz > 1, 0, end)
+    row_stride = nheads_k * DIM
+    tile = offs_n[:, None] * row_stride + hk * DIM + offs_d[None, :]
+    ws_row = (tl.load(ITEMS + I_WS_BASE * n_items + item) + z * (seg_end - seg_start) + blk * BLOCK_N).to(tl.int64)
+    store_rows(WSK + ws_row * row_stride + tile, dk, to_ws, offs_d, DIM, HEAD_DIM)
+    store_rows(WSV + ws_row * row_stride + tile, dv, to_ws, offs_d, DIM, HEAD_DIM)
+    out = krow.to(tl.int64) * row_stride + tile
+    store_rows(DK + out, dk.to(DK.dtype.element_ty), to_out, offs_d, DIM, HEAD_DIM)
+    store_rows(DV + out, dv.to(DV.dtype.element_ty), to_out, offs_d, DIM, HEAD_DIM)
+
+
 @triton.jit(do_not_specialize=["n_items", "n_seg"])
 def reduce_kernel(WSK, WSV, DK, DV, DKC, DVC, ITEMS, CU, CTX_LEN, CTX_KEY_START, CTX_KEY_LEN,
                   n_items, n_seg, nheads_k, DIM: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):

@@ -52,6 +52,11 @@ _CANDIDATES = {
         256: [(32, 32, 4, 2), (32, 64, 8, 2), (16, 64, 8, 2), (16, 32, 4, 2)],
         512: [(16, 16, 4, 2), (16, 32, 8, 2)],
     },
+    "dkdv_rows": {  # the one-loop dK/dV of the packed layout on descriptors (none at d = 512: no descriptors)
+        64: [(64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 8, 2)],
+        128: [(64, 128, 8, 3), (64, 128, 8, 2), (32, 128, 8, 3), (64, 64, 4, 3)],
+        256: [(64, 64, 8, 2), (32, 64, 8, 2), (32, 32, 4, 2)],
+    },
     "dq": {
         # the warp-specialised loop at 64 / 128 only: at 256 (M128-N32) it gave NaN with Triton 3.6
         64: [(128, 64, 4, 2, True), (128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2)],
@@ -69,7 +74,7 @@ INTERPRET_CONFIG = KernelConfig(32, 32, 4, 1)
 def smem_bytes(kind: str, cfg: KernelConfig, head_dim: int, elem: int) -> int:
     """Estimate of the shared memory one program needs (pipelined tiles plus resident tiles)."""
     m, n, st = cfg.block_m, cfg.block_n, max(cfg.num_stages, 1)
-    if kind == "dkdv":  # Q and dO stream in; K and V stay
+    if kind.startswith("dkdv"):  # Q and dO stream in; K and V stay
         return (2 * m * head_dim * st + 2 * n * head_dim) * elem
     # fwd / dq: K and V stream in, Q (and dO) stay
     resident = (2 if kind == "dq" else 1) * m * head_dim
@@ -78,8 +83,8 @@ def smem_bytes(kind: str, cfg: KernelConfig, head_dim: int, elem: int) -> int:
 
 def acc_regs(kind: str, cfg: KernelConfig, head_dim: int) -> int:
     """fp32 accumulator registers per thread (two tiles for dK/dV, one otherwise)."""
-    rows = cfg.block_n if kind == "dkdv" else cfg.block_m
-    tiles = 2 if kind == "dkdv" else 1
+    rows = cfg.block_n if kind.startswith("dkdv") else cfg.block_m
+    tiles = 2 if kind.startswith("dkdv") else 1
     warps = cfg.num_warps * (2 if cfg.warp_specialize else 1)  # two consumer warpgroups share the rows
     return tiles * rows * head_dim // (32 * warps)
 
@@ -93,7 +98,7 @@ def keep(kind: str, cfg: KernelConfig, head_dim: int, elem: int) -> bool:
 
 
 def candidates(kind: str, head_dim: int, elem: int, warp_specialize: bool = False) -> list[KernelConfig]:
-    """Candidates for a kernel ("fwd", "dkdv", "dq") at a head dim, pruned; warp-specialised ones
+    """Candidates for a kernel ("fwd", "dkdv", "dkdv_rows", "dq") at a head dim, pruned; warp-specialised ones
     only where the launch allows them."""
     padded = padded_head_dim(head_dim)
     cands = [KernelConfig(*c) for c in _CANDIDATES[kind][_bucket(padded)]]

@@ -13,7 +13,7 @@ import torch
 import triton
 
 from . import configs, schedule
-from .bwd_kernel import dkdv_kernel, dq_kernel, preprocess_kernel, reduce_kernel, scale_cast_kernel
+from .bwd_kernel import dkdv_kernel, dkdv_rows_kernel, dq_kernel, preprocess_kernel, reduce_kernel, scale_cast_kernel
 from .common import LOG2E
 from .configs import KernelConfig
 from .fwd_kernel import fwd_kernel
@@ -174,6 +174,9 @@ class Backward:
         self.args = (q, k, v, kc, vc, dout, out, lse, meta)
         self.window = window if self.o.has_window else None
         self.ws_ok = _warp_specialise(self.o, k_ctx)
+        # dK/dV's one loop over query rows masks by row bounds alone: descriptors, the packed layout,
+        # no window, and no atomic dQ inside it
+        self.rows_dkdv = self.o.tma and not self.separate and not atomic_dq and not self.o.has_window
         self.split_rows = split_rows
         self.atomic = atomic_dq
         dev = q.device
@@ -195,7 +198,8 @@ class Backward:
         o, meta, T = self.o, self.args[8], self.args[0].shape[0]
         key = o.key(meta, T, (self.atomic, self.separate))
         self.preprocess()
-        cfg = dkdv_config or configs.choose("dkdv", key, o.dim, o.elem, o.on_cuda, self.dkdv)
+        kind = "dkdv_rows" if self.rows_dkdv else "dkdv"
+        cfg = dkdv_config or configs.choose(kind, key, o.dim, o.elem, o.on_cuda, self.dkdv)
         self.dkdv(cfg)
         if not self.atomic:
             self.dq_kernel(dq_config or configs.choose("dq", key, o.dim, o.elem, o.on_cuda, self.dq_kernel,
@@ -220,18 +224,23 @@ class Backward:
         wsk = torch.empty((items.ws_rows, Hkv, d), dtype=torch.float32, device=q.device)
         wsv = torch.empty_like(wsk)
         grid = (n_items * Hkv,)
-        dq_tma = self.atomic and o.tma and o.on_cuda  # the interpreter has no TMA reduce-add
-        dq_arg = o.tiles(cfg.block_m, self.dq_acc)[0] if dq_tma else self.dq_acc
         n_seg = meta.cu_seqlens.numel() - 1
-        dkdv_kernel[grid](
-            *o.tiles(cfg.block_m, q), *o.tiles(cfg.block_n, k, v, kc, vc),
-            *o.tiles(cfg.block_m, dout), lse, self.delta, dq_arg, self.dk, self.dv, self.dkc, self.dvc, wsk, wsv,
-            items.table, meta.cu_seqlens, meta.seg_ctx_len, meta.ctx_key_start, meta.ctx_key_len,
-            n_items, n_seg, T, Hkv, o.qk_scale, o.cap_log2, o.pre_cap, o.scale, o.window,
-            q.stride(0), q.stride(1), *_kv_strides(k, v, kc, vc), dout.stride(0), dout.stride(1),
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ATOMIC_DQ=self.atomic, DQ_TMA=dq_tma,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **o.constexprs(),
-        )
+        if self.rows_dkdv:
+            _ensure_allocator()
+            t4 = -(-T // 4) * 4  # LSE (log2 units) and delta on rows a 1-D descriptor can start at
+            lse2 = lse.new_zeros((q.shape[1], t4))
+            lse2[:, :T] = lse * LOG2E
+            delta = lse.new_zeros((q.shape[1], t4))
+            delta[:, :T] = self.delta
+            dkdv_rows_kernel[grid](
+                q, k, v, dout, lse2, delta, self.dk, self.dv, wsk, wsv, items.table, meta.cu_seqlens,
+                n_items, T, t4, Hkv, o.qk_scale, o.cap_log2, o.pre_cap, o.scale,
+                q.stride(0), k.stride(0), v.stride(0), dout.stride(0),
+                REP=o.rep, DIM=o.dim, HEAD_DIM=o.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                HAS_SOFTCAP=o.has_softcap, DOT_PREC=o.dot_prec, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )
+        else:
+            self._dkdv_multi_loop(cfg, items, wsk, wsv)
         reduce_kernel[grid](
             wsk, wsv, self.dk, self.dv, self.dkc, self.dvc, items.table, meta.cu_seqlens, meta.seg_ctx_len,
             meta.ctx_key_start, meta.ctx_key_len, n_items, n_seg, Hkv,
@@ -240,6 +249,24 @@ class Backward:
         if self.atomic:
             n = self.dq.numel()
             scale_cast_kernel[(triton.cdiv(n, 4096),)](self.dq_acc, self.dq, n, o.scale, BLOCK=4096, num_warps=4)
+
+    def _dkdv_multi_loop(self, cfg: KernelConfig, items, wsk, wsv):
+        """The dK/dV kernel with a loop per reader segment: any layout, windows, the atomic dQ."""
+        q, k, v, kc, vc, dout, _, lse, meta = self.args
+        o, T, Hkv = self.o, q.shape[0], k.shape[1]
+        n_items = items.table.shape[1]
+        dq_tma = self.atomic and o.tma and o.on_cuda  # the interpreter has no TMA reduce-add
+        dq_arg = o.tiles(cfg.block_m, self.dq_acc)[0] if dq_tma else self.dq_acc
+        n_seg = meta.cu_seqlens.numel() - 1
+        dkdv_kernel[(n_items * Hkv,)](
+            *o.tiles(cfg.block_m, q), *o.tiles(cfg.block_n, k, v, kc, vc),
+            *o.tiles(cfg.block_m, dout), lse, self.delta, dq_arg, self.dk, self.dv, self.dkc, self.dvc, wsk, wsv,
+            items.table, meta.cu_seqlens, meta.seg_ctx_len, meta.ctx_key_start, meta.ctx_key_len,
+            n_items, n_seg, T, Hkv, o.qk_scale, o.cap_log2, o.pre_cap, o.scale, o.window,
+            q.stride(0), q.stride(1), *_kv_strides(k, v, kc, vc), dout.stride(0), dout.stride(1),
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ATOMIC_DQ=self.atomic, DQ_TMA=dq_tma,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **o.constexprs(),
+        )
 
     def dq_kernel(self, cfg: KernelConfig):
         """dQ, query-parallel, written once in the input dtype."""
