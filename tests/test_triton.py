@@ -184,13 +184,16 @@ def test_warp_specialised_forward_is_chosen_where_it_applies(monkeypatch):
 ROWS_CFG = KernelConfig(16, 32, 4, 1)
 
 
-@pytest.mark.parametrize("softcap, split_rows", [(None, 4096), (None, 1), (20.0, 1)])
-def test_dkdv_row_loop_matches_reference(softcap, split_rows):
+@pytest.mark.parametrize("softcap, split_rows, atomic_dq", [(None, 4096, False), (None, 1, False), (20.0, 1, False),
+                                                           (None, 4096, True), (20.0, 1, True)])
+def test_dkdv_row_loop_matches_reference(softcap, split_rows, atomic_dq):
     """The one-loop dK/dV (query row blocks from a multiple of 4, masked by row bounds): own rows of
     prompts and responses, a prompt block's readers (split over programs, partials reduced in order),
-    1-token segments, ragged key blocks whose tail rows are other segments' keys, GQA 2:1."""
+    1-token segments, ragged key blocks whose tail rows are other segments' keys (zeroed for the
+    atomic dQ, which this loop also computes), GQA 2:1."""
     layout, meta, q, k, v, do = _inputs([70, 1, 33], [[40, 9, 1], [5], [17, 64]], 4, 2, 32, seed=5)
-    _check_all(q, k, v, do, meta, softcap=softcap, tma=True, bwd_cfg=ROWS_CFG, split_rows=split_rows)
+    _check_all(q, k, v, do, meta, softcap=softcap, tma=True, bwd_cfg=ROWS_CFG, split_rows=split_rows,
+               atomic_dq=atomic_dq)
 
 
 def test_dkdv_row_loop_padded_head_dim_fp16():
@@ -200,8 +203,8 @@ def test_dkdv_row_loop_padded_head_dim_fp16():
 
 
 def test_dkdv_row_loop_is_chosen_where_it_applies(monkeypatch):
-    """The packed layout on descriptors without a window takes the one-loop dK/dV; a window, pointer
-    loads, the atomic dQ, or a context in its own tensors take the per-segment kernel."""
+    """The packed layout on descriptors without a window takes the one-loop dK/dV (with the atomic dQ
+    too); a window, pointer loads, or a context in its own tensors take the per-segment kernel."""
     specs = record_triton_launches(monkeypatch, launcher, ("dkdv_kernel", "dkdv_rows_kernel"))
 
     def kernel(tma=True, window=None, atomic_dq=False, separate=False):
@@ -222,7 +225,7 @@ def test_dkdv_row_loop_is_chosen_where_it_applies(monkeypatch):
     assert kernel() == "dkdv_rows_kernel"
     assert kernel(window=8) == "dkdv_kernel"
     assert kernel(tma=False) == "dkdv_kernel"
-    assert kernel(atomic_dq=True) == "dkdv_kernel"
+    assert kernel(atomic_dq=True) == "dkdv_rows_kernel"
     assert kernel(separate=True) == "dkdv_kernel"
 
 

@@ -224,11 +224,11 @@ def dkdv_kernel(
 
 @triton.jit(do_not_specialize=["n_items", "total_q", "t4"])
 def dkdv_rows_kernel(
-    Q, K, V, DO, LSE2, DELTA, DK, DV, WSK, WSV, ITEMS, CU,
+    Q, K, V, DO, LSE2, DELTA, DQ_ACC, DK, DV, WSK, WSV, ITEMS, CU,
     n_items, total_q, t4, nheads_k, qk_scale, cap_log2, pre_cap, sm_scale,
     stride_qt, stride_kt, stride_vt, stride_dot,
     REP: tl.constexpr, DIM: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr, ATOMIC_DQ: tl.constexpr = False, DQ_TMA: tl.constexpr = False,
 ):
     """dK/dV of one (key item, kv head) in ONE loop over query row blocks (the packed layout, no window).
 
@@ -241,7 +241,9 @@ def dkdv_rows_kernel(
 
     Blocks start on rows that are multiples of 4 so that LSE2 (log2 units) and DELTA, both
     (nheads, t4) with t4 a multiple of 4, are read through 1-D descriptors. Q, K, V, DO are pointers
-    wrapped in descriptors here; a padding entry of the item table runs as an empty program. (Triton
+    wrapped in descriptors here; a padding entry of the item table runs as an empty program. With
+    ATOMIC_DQ each step also adds its unscaled dQ = dS^T K to DQ_ACC ((total_q, nheads, DIM) fp32;
+    through the copy engine's reduce-add with DQ_TMA). (Triton
     3.6's warp-specialising pass miscompiles this loop: with two consumer warpgroups the second half
     of each key block came out wrong on an H200, so the loop stays an ordinary pipelined one.)
     """
@@ -273,12 +275,16 @@ def dkdv_rows_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     k = zero_pad(K.load([krow, hk * DIM]), offs_d, DIM, HEAD_DIM, True)
     v = zero_pad(V.load([krow, hk * DIM]), offs_d, DIM, HEAD_DIM, True)
+    key_rows = krow + offs_n
+    if ATOMIC_DQ:  # rows past the segment are other tokens' keys: zeroed, their dQ terms vanish
+        k = tl.where((key_rows < seg_end)[:, None], k, 0.0)
+        if DQ_TMA:
+            DQ_ACC = tl.make_tensor_descriptor(DQ_ACC, [total_q, nheads * DIM], [nheads * DIM, 1], [BLOCK_M, HEAD_DIM])
     own_lo = krow - krow % 4
     n_own = tl.where(live & (z == 0), tl.cdiv(seg_end - own_lo, BLOCK_M), 0)
     read_lo = r0 - r0 % 4
     n_read = tl.where(live & (region >= 0) & (r1 > r0), tl.cdiv(r1 - read_lo, BLOCK_M), 0)
     n_blocks = n_own + n_read
-    key_rows = krow + offs_n
 
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
@@ -303,7 +309,12 @@ def dkdv_rows_kernel(
         ds_t = p_t * (dp_t - delta[None, :])
         if HAS_SOFTCAP:
             ds_t = ds_t * (1.0 - t_t * t_t)
-        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)
+        ds_t = ds_t.to(q.dtype)
+        dk = tl.dot(ds_t, q, dk, input_precision=DOT_PREC)
+        if ATOMIC_DQ:  # rows this block does not reach receive exact zeros
+            dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PREC)  # (BLOCK_M, HEAD_DIM)
+            _add_dq(DQ_ACC, dq, row, hq, nheads * DIM, (row + offs_m) < total_q, offs_m, offs_d, DIM, HEAD_DIM,
+                    DQ_TMA)
 
     dk = dk * sm_scale
     # Rows past the segment (a ragged last block) are other tokens' keys: their sums are dropped. A

@@ -57,6 +57,11 @@ _CANDIDATES = {
         128: [(64, 128, 8, 3), (64, 128, 8, 2), (32, 128, 8, 3), (64, 64, 4, 3)],
         256: [(64, 64, 8, 2), (32, 64, 8, 2), (32, 32, 4, 2)],
     },
+    "dkdv_rows_atomic": {  # the same with dQ added through fp32 reduce-add (a dQ tile staged in shared memory)
+        64: [(64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 8, 2)],
+        128: [(64, 128, 8, 2), (32, 128, 8, 3), (64, 64, 4, 3)],
+        256: [(32, 64, 8, 2), (32, 32, 4, 2)],
+    },
     "dq": {
         # the warp-specialised loop at 64 / 128 only: at 256 (M128-N32) it gave NaN with Triton 3.6
         64: [(128, 64, 4, 2, True), (128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2)],
@@ -74,8 +79,9 @@ INTERPRET_CONFIG = KernelConfig(32, 32, 4, 1)
 def smem_bytes(kind: str, cfg: KernelConfig, head_dim: int, elem: int) -> int:
     """Estimate of the shared memory one program needs (pipelined tiles plus resident tiles)."""
     m, n, st = cfg.block_m, cfg.block_n, max(cfg.num_stages, 1)
-    if kind.startswith("dkdv"):  # Q and dO stream in; K and V stay
-        return (2 * m * head_dim * st + 2 * n * head_dim) * elem
+    if kind.startswith("dkdv"):  # Q and dO stream in; K and V stay (and a dQ tile in fp32 for the atomic dQ)
+        staged = m * head_dim * 4 if kind.endswith("atomic") else 0
+        return (2 * m * head_dim * st + 2 * n * head_dim) * elem + staged
     # fwd / dq: K and V stream in, Q (and dO) stay
     resident = (2 if kind == "dq" else 1) * m * head_dim
     return (2 * n * head_dim * st + resident) * elem
@@ -98,7 +104,7 @@ def keep(kind: str, cfg: KernelConfig, head_dim: int, elem: int) -> bool:
 
 
 def candidates(kind: str, head_dim: int, elem: int, warp_specialize: bool = False) -> list[KernelConfig]:
-    """Candidates for a kernel ("fwd", "dkdv", "dkdv_rows", "dq") at a head dim, pruned; warp-specialised ones
+    """Candidates for a kernel ("fwd", "dkdv", "dkdv_rows", "dkdv_rows_atomic", "dq") at a head dim, pruned; warp-specialised ones
     only where the launch allows them."""
     padded = padded_head_dim(head_dim)
     cands = [KernelConfig(*c) for c in _CANDIDATES[kind][_bucket(padded)]]

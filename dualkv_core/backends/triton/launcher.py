@@ -174,9 +174,8 @@ class Backward:
         self.args = (q, k, v, kc, vc, dout, out, lse, meta)
         self.window = window if self.o.has_window else None
         self.ws_ok = _warp_specialise(self.o, k_ctx)
-        # dK/dV's one loop over query rows masks by row bounds alone: descriptors, the packed layout,
-        # no window, and no atomic dQ inside it
-        self.rows_dkdv = self.o.tma and not self.separate and not atomic_dq and not self.o.has_window
+        # dK/dV's one loop over query rows masks by row bounds alone: descriptors, the packed layout, no window
+        self.rows_dkdv = self.o.tma and not self.separate and not self.o.has_window
         self.split_rows = split_rows
         self.atomic = atomic_dq
         dev = q.device
@@ -198,7 +197,7 @@ class Backward:
         o, meta, T = self.o, self.args[8], self.args[0].shape[0]
         key = o.key(meta, T, (self.atomic, self.separate))
         self.preprocess()
-        kind = "dkdv_rows" if self.rows_dkdv else "dkdv"
+        kind = ("dkdv_rows_atomic" if self.atomic else "dkdv_rows") if self.rows_dkdv else "dkdv"
         cfg = dkdv_config or configs.choose(kind, key, o.dim, o.elem, o.on_cuda, self.dkdv)
         self.dkdv(cfg)
         if not self.atomic:
@@ -233,11 +232,13 @@ class Backward:
             delta = lse.new_zeros((q.shape[1], t4))
             delta[:, :T] = self.delta
             dkdv_rows_kernel[grid](
-                q, k, v, dout, lse2, delta, self.dk, self.dv, wsk, wsv, items.table, meta.cu_seqlens,
+                q, k, v, dout, lse2, delta, self.dq_acc, self.dk, self.dv, wsk, wsv, items.table, meta.cu_seqlens,
                 n_items, T, t4, Hkv, o.qk_scale, o.cap_log2, o.pre_cap, o.scale,
                 q.stride(0), k.stride(0), v.stride(0), dout.stride(0),
                 REP=o.rep, DIM=o.dim, HEAD_DIM=o.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                HAS_SOFTCAP=o.has_softcap, DOT_PREC=o.dot_prec, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                HAS_SOFTCAP=o.has_softcap, DOT_PREC=o.dot_prec, ATOMIC_DQ=self.atomic,
+                DQ_TMA=self.atomic and o.on_cuda,  # the interpreter has no TMA reduce-add
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
         else:
             self._dkdv_multi_loop(cfg, items, wsk, wsv)
