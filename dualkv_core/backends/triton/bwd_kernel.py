@@ -66,6 +66,19 @@ def _add_dq(DQ_ACC, dq, row, hq, stride_dqt, ok, offs_m, offs_d, DIM: tl.constex
 
 
 @triton.jit
+def _dkdv_step(dk, dv, p_t, t_t, q, do, v, delta, HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr):
+    """dV += P^T dO and dK += dS^T Q for one query block, in the key-major layout (p_t: (keys, queries)),
+    dS = P (dP - delta) (times the softcap's derivative 1 - t^2). Returns (dk, dv, ds_t in q's dtype)."""
+    dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+    ds_t = p_t * (dp_t - delta[None, :])
+    if HAS_SOFTCAP:
+        ds_t = ds_t * (1.0 - t_t * t_t)
+    ds_t = ds_t.to(q.dtype)
+    return tl.dot(ds_t, q, dk, input_precision=DOT_PREC), dv, ds_t
+
+
+@triton.jit
 def _dkdv_segment(
     dk, dv, k, v, kpos, kmin, kmax, Q, DO, LSE, DELTA, DQ_ACC, hq,
     stride_qt, stride_qh, stride_dot, stride_doh, stride_dqt,
@@ -98,13 +111,7 @@ def _dkdv_segment(
         if (b < n_front) | (b >= full_hi):
             vis = visible((off_q + i + offs_m)[None, :], kpos[:, None], window, HAS_WINDOW) & ok[None, :]
             p_t = tl.where(vis, p_t, 0.0)
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
-        ds_t = p_t * (dp_t - delta[None, :])
-        if HAS_SOFTCAP:
-            ds_t = ds_t * (1.0 - t_t * t_t)
-        ds_t = ds_t.to(q.dtype)
-        dk = tl.dot(ds_t, q, dk, input_precision=DOT_PREC)
+        dk, dv, ds_t = _dkdv_step(dk, dv, p_t, t_t, q, do, v, delta, HAS_SOFTCAP, DOT_PREC)
         if ATOMIC_DQ:  # unscaled; rows this block does not own receive exact zeros
             dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PREC)  # (BLOCK_M, HEAD_DIM)
             _add_dq(DQ_ACC, dq, row, hq, stride_dqt, ok, offs_m, offs_d, DIM, HEAD_DIM, DQ_TMA)
@@ -304,13 +311,7 @@ def dkdv_rows_kernel(
         lower = tl.where(in_own, key_rows, r0)[:, None]
         upper = tl.where(in_own, seg_end, r1)
         p_t = tl.where((rows >= lower) & (rows < upper), tl.math.exp2(s_t - lse2[None, :]), 0.0)
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
-        ds_t = p_t * (dp_t - delta[None, :])
-        if HAS_SOFTCAP:
-            ds_t = ds_t * (1.0 - t_t * t_t)
-        ds_t = ds_t.to(q.dtype)
-        dk = tl.dot(ds_t, q, dk, input_precision=DOT_PREC)
+        dk, dv, ds_t = _dkdv_step(dk, dv, p_t, t_t, q, do, v, delta, HAS_SOFTCAP, DOT_PREC)
         if ATOMIC_DQ:  # rows this block does not reach receive exact zeros
             dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PREC)  # (BLOCK_M, HEAD_DIM)
             _add_dq(DQ_ACC, dq, row, hq, nheads * DIM, (row + offs_m) < total_q, offs_m, offs_d, DIM, HEAD_DIM,
