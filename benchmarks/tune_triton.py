@@ -61,14 +61,19 @@ TUNE_CANDIDATES = {
 
 
 def tune_candidates(d: int) -> dict:
-    """TUNE_CANDIDATES at d=128; the library's pruned candidates at other head dims."""
+    """TUNE_CANDIDATES at d=128; the library's pruned candidates at other head dims (for dK/dV those of
+    the one-loop kernel where these shapes take it: head dims up to 256, read through descriptors)."""
     if d == 128:
         return TUNE_CANDIDATES
     from dualkv.core.backends.triton import configs
 
-    cands = {kind: [(c.block_m, c.block_n, c.num_warps, c.num_stages) for c in configs.candidates(kind, d, 2)]
-             for kind in ("fwd", "dkdv", "dq")}
-    return dict(cands, dkdv_atomic=cands["dkdv"][:1])
+    rows = d <= 256
+    library_kind = {"fwd": "fwd", "dkdv": "dkdv_rows" if rows else "dkdv", "dq": "dq",
+                    "dkdv_atomic": "dkdv_rows_atomic" if rows else "dkdv"}
+    cands = {kind: [(c.block_m, c.block_n, c.num_warps, c.num_stages, c.warp_specialize)
+                    for c in configs.candidates(name, d, 2, warp_specialize=True)]
+             for kind, name in library_kind.items()}
+    return dict(cands, dkdv_atomic=cands["dkdv_atomic"][:1])
 
 
 def attended_pairs(P: int, N: int, R: int, G: int = 1) -> int:
@@ -203,15 +208,17 @@ def precompile(jobs: list[tuple], procs: int) -> None:
 def compile_report(head_dims: list[int], dtype: str = "bf16") -> None:
     """Compile every candidate config for sm_90 (no GPU needed): registers, shared memory, spills."""
     from dualkv.core.backends.triton import configs
-    from dualkv.core.backends.triton.bwd_kernel import dkdv_kernel, dq_kernel
+    from dualkv.core.backends.triton.bwd_kernel import dkdv_kernel, dkdv_rows_kernel, dq_kernel
     from dualkv.core.backends.triton.fwd_kernel import fwd_kernel
     from dualkv.core.backends.triton.launcher import MAX_TMA_HEAD_DIM
 
-    kernels = {"fwd": fwd_kernel, "dkdv": dkdv_kernel, "dq": dq_kernel}
+    kernels = {"fwd": fwd_kernel, "dkdv": dkdv_kernel, "dkdv_rows": dkdv_rows_kernel, "dq": dq_kernel}
     for d in head_dims:
         hd = configs.padded_head_dim(d)
         tma = hd <= MAX_TMA_HEAD_DIM
         for kind, fn in kernels.items():
+            if kind == "dkdv_rows" and not tma:  # the one-loop dK/dV reads through descriptors only
+                continue
             for cfg in configs.candidates(kind, d, 2):
                 usage = _compile_sm90(fn, kind, d, hd, dtype, cfg, tma)
                 print(f"d={d:3d} {kind:4s} {cfg!s:16s} tma={tma!s:5s} {usage}", flush=True)
@@ -227,20 +234,23 @@ def _compile_sm90(fn, kind, d, hd, dtype, cfg, tma, atomic_dq=False) -> str:
 
     const = dict(REP=4, DIM=d, HEAD_DIM=hd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_WINDOW=False,
                  HAS_SOFTCAP=False, DOT_PREC="tf32", TMA=tma)
-    if kind == "dkdv":
+    if kind.startswith("dkdv"):
         const.update(ATOMIC_DQ=atomic_dq, DQ_TMA=tma and atomic_dq)
+    const = {name: value for name, value in const.items() if name in fn.arg_names}
+    in_kernel_desc = kind == "dkdv_rows"  # pointers the kernel wraps in descriptors itself
     sig, attrs = {}, {}
     for i, arg in enumerate(fn.arg_names):
         if arg in const:
             sig[arg] = "constexpr"
-        elif arg in ("Q", "DO", "K", "V", "KC", "VC") or (arg == "DQ_ACC" and kind == "dkdv" and atomic_dq):
+        elif not in_kernel_desc and (arg in ("Q", "DO", "K", "V", "KC", "VC")
+                                     or (arg == "DQ_ACC" and kind == "dkdv" and atomic_dq)):
             rows = cfg.block_n if arg in ("K", "V", "KC", "VC") else cfg.block_m
             ty = "fp32" if arg == "DQ_ACC" else dtype
             sig[arg] = f"tensordesc<{ty}[{rows}, {hd}]>" if tma else f"*{ty}"
         elif arg.isupper():
             sig[arg] = "*i32" if arg in ("TILES", "ITEMS", "CU", "CTX_START", "CTX_LEN", "CTX_KEY_START",
-                                         "CTX_KEY_LEN") else ("*fp32" if arg in ("LSE", "DELTA", "WSK", "WSV",
-                                                                               "DQ_ACC") else f"*{dtype}")
+                                         "CTX_KEY_LEN") else ("*fp32" if arg in ("LSE", "LSE2", "DELTA", "WSK",
+                                                                               "WSV", "DQ_ACC") else f"*{dtype}")
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif arg in ("qk_scale", "cap_log2", "pre_cap", "sm_scale"):
             sig[arg] = "fp32"
