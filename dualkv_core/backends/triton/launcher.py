@@ -174,8 +174,9 @@ class Backward:
         self.args = (q, k, v, kc, vc, dout, out, lse, meta)
         self.window = window if self.o.has_window else None
         self.ws_ok = _warp_specialise(self.o, k_ctx)
-        # dK/dV's one loop over query rows masks by row bounds alone: descriptors, the packed layout, no window
-        self.rows_dkdv = self.o.tma and not self.separate and not self.o.has_window
+        # dK/dV's one loop over query rows masks by row bounds alone: descriptors, the packed layout, no
+        # window, and (heads x rows) of LSE / delta indexable in 32 bits
+        self.rows_dkdv = self.o.tma and not self.separate and not self.o.has_window and H * (T + 3) < 2**31
         self.split_rows = split_rows
         self.atomic = atomic_dq
         dev = q.device
