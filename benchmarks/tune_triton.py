@@ -54,7 +54,9 @@ TUNE_CANDIDATES = {
             (64, 64, 4, 2), (64, 32, 4, 4), (64, 32, 4, 3), (64, 128, 4, 2)],
     # the one-loop dK/dV (the packed layout on descriptors, no window: what these shapes take)
     "dkdv": [(64, 128, 8, 3), (64, 128, 8, 2), (64, 128, 8, 4), (32, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 3),
-             (64, 64, 4, 4), (128, 64, 8, 2)],
+             (64, 64, 4, 4), (128, 64, 8, 2),
+             # small enough in registers and shared memory for two programs per SM (sm_90 compile, not yet timed)
+             (64, 64, 4, 2), (32, 64, 4, 2)],
     "dq": [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 3)],
     "dkdv_atomic": [(32, 128, 8, 3), (64, 128, 8, 2)],
 }

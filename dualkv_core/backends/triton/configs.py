@@ -54,7 +54,7 @@ _CANDIDATES = {
     },
     "dkdv_rows": {  # the one-loop dK/dV of the packed layout on descriptors (none at d = 512: no descriptors)
         64: [(64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 8, 2)],
-        128: [(64, 128, 8, 3), (64, 128, 8, 2), (32, 128, 8, 3), (64, 64, 4, 3)],
+        128: [(64, 128, 8, 3), (64, 128, 8, 2), (32, 128, 8, 3), (64, 64, 4, 3), (64, 64, 4, 2)],
         256: [(64, 64, 8, 2), (32, 64, 8, 2), (32, 32, 4, 2)],
     },
     "dkdv_rows_atomic": {  # the same with dQ added through fp32 reduce-add (a dQ tile staged in shared memory)
