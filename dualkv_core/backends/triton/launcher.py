@@ -225,24 +225,7 @@ class Backward:
         wsv = torch.empty_like(wsk)
         grid = (n_items * Hkv,)
         n_seg = meta.cu_seqlens.numel() - 1
-        if self.rows_dkdv:
-            _ensure_allocator()
-            t4 = -(-T // 4) * 4  # LSE (log2 units) and delta on rows a 1-D descriptor can start at
-            lse2 = lse.new_zeros((q.shape[1], t4))
-            lse2[:, :T] = lse * LOG2E
-            delta = lse.new_zeros((q.shape[1], t4))
-            delta[:, :T] = self.delta
-            dkdv_rows_kernel[grid](
-                q, k, v, dout, lse2, delta, self.dq_acc, self.dk, self.dv, wsk, wsv, items.table, meta.cu_seqlens,
-                n_items, T, t4, Hkv, o.qk_scale, o.cap_log2, o.pre_cap, o.scale,
-                q.stride(0), k.stride(0), v.stride(0), dout.stride(0),
-                REP=o.rep, DIM=o.dim, HEAD_DIM=o.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                HAS_SOFTCAP=o.has_softcap, DOT_PREC=o.dot_prec, ATOMIC_DQ=self.atomic,
-                DQ_TMA=self.atomic and o.on_cuda,  # the interpreter has no TMA reduce-add
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            )
-        else:
-            self._dkdv_multi_loop(cfg, items, wsk, wsv)
+        (self._dkdv_rows if self.rows_dkdv else self._dkdv_segments)(cfg, items.table, wsk, wsv)
         reduce_kernel[grid](
             wsk, wsv, self.dk, self.dv, self.dkc, self.dvc, items.table, meta.cu_seqlens, meta.seg_ctx_len,
             meta.ctx_key_start, meta.ctx_key_len, n_items, n_seg, Hkv,
@@ -252,18 +235,38 @@ class Backward:
             n = self.dq.numel()
             scale_cast_kernel[(triton.cdiv(n, 4096),)](self.dq_acc, self.dq, n, o.scale, BLOCK=4096, num_warps=4)
 
-    def _dkdv_multi_loop(self, cfg: KernelConfig, items, wsk, wsv):
-        """The dK/dV kernel with a loop per reader segment: any layout, windows, the atomic dQ."""
+    def _dkdv_rows(self, cfg: KernelConfig, table, wsk, wsv):
+        """The one-loop dK/dV over query rows (the packed layout on descriptors, no window)."""
+        q, k, v, _, _, dout, _, lse, meta = self.args
+        o, (T, H), Hkv = self.o, q.shape[:2], k.shape[1]
+        _ensure_allocator()
+        t4 = -(-T // 4) * 4  # LSE (log2 units) and delta on rows a 1-D descriptor can start at
+        lse2 = lse.new_zeros((H, t4))
+        lse2[:, :T] = lse * LOG2E
+        delta = lse.new_zeros((H, t4))
+        delta[:, :T] = self.delta
+        dkdv_rows_kernel[(table.shape[1] * Hkv,)](
+            q, k, v, dout, lse2, delta, self.dq_acc, self.dk, self.dv, wsk, wsv, table, meta.cu_seqlens,
+            table.shape[1], T, t4, Hkv, o.qk_scale, o.cap_log2, o.pre_cap, o.scale,
+            q.stride(0), k.stride(0), v.stride(0), dout.stride(0),
+            REP=o.rep, DIM=o.dim, HEAD_DIM=o.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            HAS_SOFTCAP=o.has_softcap, DOT_PREC=o.dot_prec, ATOMIC_DQ=self.atomic,
+            DQ_TMA=self.atomic and o.on_cuda,  # the interpreter has no TMA reduce-add
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+    def _dkdv_segments(self, cfg: KernelConfig, table, wsk, wsv):
+        """The dK/dV kernel with a loop per reader segment: any layout, windows, pointer loads."""
         q, k, v, kc, vc, dout, _, lse, meta = self.args
         o, T, Hkv = self.o, q.shape[0], k.shape[1]
-        n_items = items.table.shape[1]
+        n_items = table.shape[1]
         dq_tma = self.atomic and o.tma and o.on_cuda  # the interpreter has no TMA reduce-add
         dq_arg = o.tiles(cfg.block_m, self.dq_acc)[0] if dq_tma else self.dq_acc
         n_seg = meta.cu_seqlens.numel() - 1
         dkdv_kernel[(n_items * Hkv,)](
             *o.tiles(cfg.block_m, q), *o.tiles(cfg.block_n, k, v, kc, vc),
             *o.tiles(cfg.block_m, dout), lse, self.delta, dq_arg, self.dk, self.dv, self.dkc, self.dvc, wsk, wsv,
-            items.table, meta.cu_seqlens, meta.seg_ctx_len, meta.ctx_key_start, meta.ctx_key_len,
+            table, meta.cu_seqlens, meta.seg_ctx_len, meta.ctx_key_start, meta.ctx_key_len,
             n_items, n_seg, T, Hkv, o.qk_scale, o.cap_log2, o.pre_cap, o.scale, o.window,
             q.stride(0), q.stride(1), *_kv_strides(k, v, kc, vc), dout.stride(0), dout.stride(1),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ATOMIC_DQ=self.atomic, DQ_TMA=dq_tma,
