@@ -47,6 +47,11 @@ SMALL = KernelConfig(16, 32, 4, 1)  # block_m != block_n: tiles and key blocks d
 WIDE = KernelConfig(32, 16, 4, 1)
 
 
+def _first_candidate(kind, key, head_dim, elem, on_cuda, run=None, warp_specialize=False, smem_limit=None):
+    """``configs.choose`` as a GPU would answer it without tuning: the default config of each kernel."""
+    return launcher.configs.candidates(kind, head_dim, elem, warp_specialize)[0]
+
+
 def _inputs(prompts, responses, H, Hkv, d, dtype=torch.float32, seed=0):
     layout = PackedLayout.from_lengths(prompts, responses, device=DEVICE)
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -154,8 +159,7 @@ def test_warp_specialised_forward_is_chosen_where_it_applies(monkeypatch):
     DUALKV_TRITON_WS value is named."""
     from dualkv.core.backends.triton import configs
 
-    monkeypatch.setattr(configs, "choose", lambda kind, key, head_dim, elem, on_cuda, run=None, warp_specialize=False:
-                        configs.candidates(kind, head_dim, elem, warp_specialize)[0])
+    monkeypatch.setattr(configs, "choose", _first_candidate)
     specs = record_triton_launches(monkeypatch, launcher, ("fwd_kernel", "dq_kernel"))
 
     def ws_of(d=128, tma=None, separate=False):
@@ -357,6 +361,48 @@ def test_configs_pruning_and_tuner():
     assert configs.choose("fwd", (), 128, 2, on_cuda=False) == configs.INTERPRET_CONFIG
 
 
+def test_configs_fit_the_gpu_in_hand(monkeypatch):
+    """A GPU with less shared memory than a Hopper block prunes the big candidates; a config the GPU
+    still rejects for its resources gives way to the next listed one, which is remembered for the key;
+    other errors pass through; none fitting is an error naming the kernel and the limit."""
+    from dualkv.core.backends.triton import configs
+
+    class OutOfResources(Exception):
+        pass
+
+    monkeypatch.setattr(configs, "_FITTED", {})
+    hopper = configs.candidates("fwd", 128, 2)
+    ampere = configs.candidates("fwd", 128, 2, smem_limit=163 * 1024)
+    assert hopper[0] != ampere[0]
+    assert all(configs.smem_bytes("fwd", c, 128, 2) <= 163 * 1024 for c in ampere)
+
+    listed = configs._listed("dkdv_rows", 128, False)
+    fits = set(listed[2:])
+    ran = []
+
+    def run(cfg):
+        if cfg not in fits:
+            raise OutOfResources(f"out of resource: shared memory, Required: 240000, Hardware limit: 232448 ({cfg})")
+        ran.append(cfg)
+
+    assert configs.launch("dkdv_rows", ("k",), 128, 2, True, run) == listed[2]
+    assert ran == [listed[2]]
+    assert configs.launch("dkdv_rows", ("k",), 128, 2, True, run) == listed[2]  # remembered: no rejected try first
+    assert ran == [listed[2]] * 2
+    assert configs.launch("dkdv_rows", ("k",), 128, 2, True, run, config=listed[3]) == listed[3]  # given: run as is
+    assert configs.launch("dkdv_rows", ("k",), 128, 2, False, ran.append) == configs.INTERPRET_CONFIG  # interpreter
+    assert ran[-1] == configs.INTERPRET_CONFIG
+
+    def broken(cfg):
+        raise ValueError("not a resource problem")
+
+    with pytest.raises(ValueError, match="not a resource problem"):
+        configs.launch("dq", ("k",), 128, 2, True, broken)
+    fits.clear()
+    with pytest.raises(RuntimeError, match=r"no dq kernel config at head dim 64 fits this GPU \(99 KB"):
+        configs.launch("dq", ("k",), 64, 2, True, run, smem_limit=99 * 1024)
+
+
 def test_check_supported_errors(monkeypatch):
     q = torch.zeros(4, 2, 16)
     kv = torch.zeros(4, 1, 16)
@@ -404,8 +450,7 @@ def test_kernels_keep_one_compiled_variant_across_layouts(monkeypatch):
     more, mid-step, for the first micro-batch whose size happens to divide by 16."""
     from dualkv.core.backends.triton import configs
 
-    monkeypatch.setattr(configs, "choose", lambda kind, key, head_dim, elem, on_cuda, run=None, warp_specialize=False:
-                        configs.candidates(kind, head_dim, elem, warp_specialize)[0])
+    monkeypatch.setattr(configs, "choose", _first_candidate)
     names = ("fwd_kernel", "preprocess_kernel", "dkdv_rows_kernel", "reduce_kernel", "dq_kernel")
     specs = record_triton_launches(monkeypatch, launcher, names)
     g = torch.Generator().manual_seed(0)
@@ -429,8 +474,7 @@ def test_kernels_compile_for_hopper_with_gpu_configs(tmp_path, monkeypatch):
     interpreter run (window and softcap on), then compiled in a subprocess outside the interpreter."""
     from dualkv.core.backends.triton import configs
 
-    monkeypatch.setattr(configs, "choose", lambda kind, key, head_dim, elem, on_cuda, run=None, warp_specialize=False:
-                        configs.candidates(kind, head_dim, elem, warp_specialize)[0])
+    monkeypatch.setattr(configs, "choose", _first_candidate)
     specs = record_triton_launches(monkeypatch, launcher, ("fwd_kernel", "preprocess_kernel", "dkdv_kernel",
                                                            "dkdv_rows_kernel", "reduce_kernel", "dq_kernel",
                                                            "scale_cast_kernel"))

@@ -95,22 +95,35 @@ def acc_regs(kind: str, cfg: KernelConfig, head_dim: int) -> int:
     return tiles * rows * head_dim // (32 * warps)
 
 
-def keep(kind: str, cfg: KernelConfig, head_dim: int, elem: int) -> bool:
-    """Pruning filter: fits the shared memory of a Hopper block and keeps accumulators in registers;
-    a warp-specialised loop with at most 2 stages (3 gave NaN outputs with Triton 3.6 on an H200)."""
+def keep(kind: str, cfg: KernelConfig, head_dim: int, elem: int, smem_limit: int = SMEM_LIMIT) -> bool:
+    """Pruning filter: fits the shared memory of a block (a Hopper block's unless told) and keeps
+    accumulators in registers; a warp-specialised loop with at most 2 stages (3 gave NaN outputs
+    with Triton 3.6 on an H200)."""
     if cfg.warp_specialize and cfg.num_stages > 2:
         return False
-    return smem_bytes(kind, cfg, head_dim, elem) <= SMEM_LIMIT and acc_regs(kind, cfg, head_dim) <= MAX_ACC_REGS
+    return smem_bytes(kind, cfg, head_dim, elem) <= smem_limit and acc_regs(kind, cfg, head_dim) <= MAX_ACC_REGS
 
 
-def candidates(kind: str, head_dim: int, elem: int, warp_specialize: bool = False) -> list[KernelConfig]:
-    """Candidates for a kernel ("fwd", "dkdv", "dkdv_rows", "dkdv_rows_atomic", "dq") at a head dim, pruned; warp-specialised ones
-    only where the launch allows them."""
-    padded = padded_head_dim(head_dim)
-    cands = [KernelConfig(*c) for c in _CANDIDATES[kind][_bucket(padded)]]
-    cands = [c for c in cands if warp_specialize or not c.warp_specialize]
-    kept = [c for c in cands if keep(kind, c, padded, elem)]
+def candidates(kind: str, head_dim: int, elem: int, warp_specialize: bool = False,
+               smem_limit: int = SMEM_LIMIT) -> list[KernelConfig]:
+    """Candidates for a kernel ("fwd", "dkdv", "dkdv_rows", "dkdv_rows_atomic", "dq") at a head dim,
+    pruned; warp-specialised ones only where the launch allows them."""
+    cands = _listed(kind, head_dim, warp_specialize)
+    kept = [c for c in cands if keep(kind, c, padded_head_dim(head_dim), elem, smem_limit)]
     return kept or cands[-1:]
+
+
+def _listed(kind: str, head_dim: int, warp_specialize: bool) -> list[KernelConfig]:
+    cands = [KernelConfig(*c) for c in _CANDIDATES[kind][_bucket(padded_head_dim(head_dim))]]
+    return [c for c in cands if warp_specialize or not c.warp_specialize]
+
+
+def device_smem_limit(device) -> int:
+    """Shared memory a block may use on a CUDA ``device`` (its opt-in maximum: 227 KB on H100 / H200,
+    163 KB on A100, 99 KB on Ada), or the Hopper figure where torch does not say."""
+    import torch
+
+    return int(getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0) or SMEM_LIMIT)
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -146,20 +159,63 @@ def autotune_enabled() -> bool:
 
 
 _TUNED: dict[tuple, KernelConfig] = {}
+_FITTED: dict[tuple, KernelConfig] = {}  # the config that ran where the chosen one did not fit the GPU
 
 
 def choose(kind: str, key: tuple, head_dim: int, elem: int, on_cuda: bool,
-           run: Callable[[KernelConfig], None] | None = None, warp_specialize: bool = False) -> KernelConfig:
+           run: Callable[[KernelConfig], None] | None = None, warp_specialize: bool = False,
+           smem_limit: int = SMEM_LIMIT) -> KernelConfig:
     """The config for a launch: the interpreter's, a tuned one (once per key), or the default."""
     if not on_cuda:
         return INTERPRET_CONFIG
-    cands = candidates(kind, head_dim, elem, warp_specialize)
+    cands = candidates(kind, head_dim, elem, warp_specialize, smem_limit)
     if run is None or not autotune_enabled():
         return cands[0]
-    full_key = (kind, head_dim, elem, warp_specialize, *key)
+    full_key = (kind, head_dim, elem, warp_specialize, smem_limit, *key)
     if full_key not in _TUNED:
         _TUNED[full_key] = _tune(cands, run)
     return _TUNED[full_key]
+
+
+def launch(kind: str, key: tuple, head_dim: int, elem: int, on_cuda: bool, run: Callable[[KernelConfig], None],
+           warp_specialize: bool = False, smem_limit: int = SMEM_LIMIT, config: KernelConfig | None = None
+           ) -> KernelConfig:
+    """Run a kernel once with ``config``, or with the chosen config; where the GPU rejects that one
+    for its resources (the shared-memory estimate is an estimate, and GPUs other than Hopper have less),
+    with the next listed candidates in turn, remembering per key the one that ran. ``run`` must leave
+    nothing behind when its launch is rejected. Returns the config that ran."""
+    if config is not None:
+        run(config)
+        return config
+    full_key = (kind, head_dim, elem, warp_specialize, smem_limit, *key)
+    first = (_FITTED.get(full_key) if on_cuda else None) or choose(
+        kind, key, head_dim, elem, on_cuda, run, warp_specialize=warp_specialize, smem_limit=smem_limit)
+    if not on_cuda:  # the interpreter: no resource limits
+        run(first)
+        return first
+    # then the candidates estimated to fit, then the rest of the list
+    order = [first, *candidates(kind, head_dim, elem, warp_specialize, smem_limit),
+             *_listed(kind, head_dim, warp_specialize)]
+    tried, last = [], None
+    for cfg in dict.fromkeys(order):
+        tried.append(cfg)
+        try:
+            run(cfg)
+        except Exception as err:  # noqa: BLE001 - only a rejection for resources moves on to the next config
+            if not _out_of_resources(err):
+                raise
+            last = err
+            continue
+        if cfg != first:
+            _FITTED[full_key] = cfg
+        return cfg
+    raise RuntimeError(f"dualkv triton: no {kind} kernel config at head dim {head_dim} fits this GPU "
+                       f"({smem_limit // 1024} KB of shared memory per block); tried "
+                       f"{', '.join(map(str, tried))}") from last
+
+
+def _out_of_resources(err: BaseException) -> bool:
+    return "OutOfResources" in type(err).__name__ or "out of resource" in str(err)
 
 
 def _tune(cands: list[KernelConfig], run: Callable[[KernelConfig], None],
@@ -176,7 +232,7 @@ def _tune(cands: list[KernelConfig], run: Callable[[KernelConfig], None],
         try:
             ms = bench(lambda: run(cfg))
         except Exception as err:  # noqa: BLE001 - a config that does not fit the chip is skipped
-            if "OutOfResources" not in type(err).__name__ and "out of resource" not in str(err):
+            if not _out_of_resources(err):
                 raise
             continue
         if ms < best_ms:

@@ -82,6 +82,7 @@ class _Opts:
         self.pre_cap = self.scale / float(softcap) if softcap else 0.0
         self.dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
         self.on_cuda = q.is_cuda
+        self.smem_limit = configs.device_smem_limit(q.device) if q.is_cuda else configs.SMEM_LIMIT
 
     def constexprs(self) -> dict:
         return dict(REP=self.rep, DIM=self.dim, HEAD_DIM=self.head_dim, HAS_WINDOW=self.has_window,
@@ -135,8 +136,8 @@ def forward(q, k, v, k_ctx, v_ctx, meta, softmax_scale, window, softcap, config:
             num_stages=cfg.num_stages, **o.constexprs(),
         )
 
-    cfg = config or configs.choose("fwd", o.key(meta, T), o.dim, o.elem, o.on_cuda, run, warp_specialize=ws_ok)
-    run(cfg)
+    configs.launch("fwd", o.key(meta, T), o.dim, o.elem, o.on_cuda, run, warp_specialize=ws_ok,
+                   smem_limit=o.smem_limit, config=config)
     return out, lse
 
 
@@ -197,13 +198,19 @@ class Backward:
     def run(self, dkdv_config: KernelConfig | None = None, dq_config: KernelConfig | None = None):
         o, meta, T = self.o, self.args[8], self.args[0].shape[0]
         key = o.key(meta, T, (self.atomic, self.separate))
-        self.preprocess()
         kind = ("dkdv_rows_atomic" if self.atomic else "dkdv_rows") if self.rows_dkdv else "dkdv"
-        cfg = dkdv_config or configs.choose(kind, key, o.dim, o.elem, o.on_cuda, self.dkdv)
-        self.dkdv(cfg)
         if not self.atomic:
-            self.dq_kernel(dq_config or configs.choose("dq", key, o.dim, o.elem, o.on_cuda, self.dq_kernel,
-                                                       warp_specialize=self.ws_ok))
+            self.preprocess()
+
+        def dkdv(cfg: KernelConfig):
+            if self.atomic:  # every run (a tuning one, a retried one) adds into a freshly zeroed dQ accumulator
+                self.preprocess()
+            self.dkdv(cfg)
+
+        configs.launch(kind, key, o.dim, o.elem, o.on_cuda, dkdv, smem_limit=o.smem_limit, config=dkdv_config)
+        if not self.atomic:
+            configs.launch("dq", key, o.dim, o.elem, o.on_cuda, self.dq_kernel, warp_specialize=self.ws_ok,
+                           smem_limit=o.smem_limit, config=dq_config)
 
     def preprocess(self, block: int = 64):
         """delta = rowsum(dO * O) (and a zeroed dQ accumulator for the atomic path)."""
