@@ -119,6 +119,18 @@ def _dkdv_segment(
 
 
 @triton.jit
+def _item(ITEMS, n_items, item):
+    """A key item's key block, reader split, number of splits, context region and reader rows [r0, r1)."""
+    blk = tl.load(ITEMS + I_BLOCK * n_items + item)
+    z = tl.load(ITEMS + I_SPLIT * n_items + item)
+    nz = tl.load(ITEMS + I_NSPLIT * n_items + item)
+    region = tl.load(ITEMS + I_REGION * n_items + item)
+    r0 = tl.load(ITEMS + I_R0 * n_items + item)
+    r1 = tl.load(ITEMS + I_R1 * n_items + item)
+    return blk, z, nz, region, r0, r1
+
+
+@triton.jit
 def _key_unit(unit, n_seg, CU, CTX_LEN, CTX_KEY_START, CTX_KEY_LEN):
     """(first key row, key count, logical offset) of a unit: a segment's own keys or a context region."""
     if unit < n_seg:
@@ -163,12 +175,7 @@ def dkdv_kernel(
     unit = tl.load(ITEMS + item)
     if unit < 0:
         return
-    blk = tl.load(ITEMS + I_BLOCK * n_items + item)
-    z = tl.load(ITEMS + I_SPLIT * n_items + item)
-    nz = tl.load(ITEMS + I_NSPLIT * n_items + item)
-    region = tl.load(ITEMS + I_REGION * n_items + item)
-    r0 = tl.load(ITEMS + I_R0 * n_items + item)
-    r1 = tl.load(ITEMS + I_R1 * n_items + item)
+    blk, z, nz, region, r0, r1 = _item(ITEMS, n_items, item)
     seg0 = tl.load(ITEMS + I_SEG0 * n_items + item)
     row0, n_keys, koff = _key_unit(unit, n_seg, CU, CTX_LEN, CTX_KEY_START, CTX_KEY_LEN)
     own = unit < n_seg
@@ -267,12 +274,7 @@ def dkdv_rows_kernel(
     unit = tl.load(ITEMS + item)
     live = unit >= 0
     unit = tl.where(live, unit, 0)
-    blk = tl.load(ITEMS + I_BLOCK * n_items + item)
-    z = tl.load(ITEMS + I_SPLIT * n_items + item)
-    nz = tl.load(ITEMS + I_NSPLIT * n_items + item)
-    region = tl.load(ITEMS + I_REGION * n_items + item)
-    r0 = tl.load(ITEMS + I_R0 * n_items + item)
-    r1 = tl.load(ITEMS + I_R1 * n_items + item)
+    blk, z, nz, region, r0, r1 = _item(ITEMS, n_items, item)
     seg_start = tl.load(CU + unit)
     seg_end = tl.load(CU + unit + 1)
     krow = seg_start + blk * BLOCK_N
