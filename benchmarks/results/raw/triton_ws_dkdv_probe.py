@@ -19,7 +19,7 @@ import triton.language as tl
 from triton.testing import do_bench
 
 from dualkv.core.backends.triton import launcher, schedule
-from dualkv.core.backends.triton.bwd_kernel import I_BLOCK, I_R0, I_R1, I_REGION
+from dualkv.core.backends.triton.bwd_kernel import _item
 from benchmarks.tune_triton import make_case
 
 
@@ -40,10 +40,7 @@ def probe_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, ITEMS, CU, n_items, total_q, 
     unit = tl.load(ITEMS + item)
     live = unit >= 0
     unit = tl.where(live, unit, 0)
-    blk = tl.load(ITEMS + I_BLOCK * n_items + item)
-    region = tl.load(ITEMS + I_REGION * n_items + item)
-    r0 = tl.load(ITEMS + I_R0 * n_items + item)
-    r1 = tl.load(ITEMS + I_R1 * n_items + item)
+    blk, _, _, region, r0, r1 = _item(ITEMS, n_items, item)
     seg_start = tl.load(CU + unit)
     seg_end = tl.load(CU + unit + 1)
     krow = seg_start + blk * BLOCK_N
