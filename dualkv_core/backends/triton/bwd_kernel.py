@@ -255,11 +255,10 @@ def dkdv_rows_kernel(
 
     Blocks start on rows that are multiples of 4 so that LSE2 (log2 units) and DELTA, both
     (nheads, t4) with t4 a multiple of 4, are read through 1-D descriptors. Q, K, V, DO are pointers
-    wrapped in descriptors here; a padding entry of the item table runs as an empty program. With
-    ATOMIC_DQ each step also adds its unscaled dQ = dS^T K to DQ_ACC ((total_q, nheads, DIM) fp32;
-    through the copy engine's reduce-add with DQ_TMA). (Triton
-    3.6's warp-specialising pass miscompiles this loop: with two consumer warpgroups the second half
-    of each key block came out wrong on an H200, so the loop stays an ordinary pipelined one.)
+    wrapped in descriptors here. With ATOMIC_DQ each step also adds its unscaled dQ = dS^T K to DQ_ACC
+    ((total_q, nheads, DIM) fp32; through the copy engine's reduce-add with DQ_TMA). (Triton 3.6's
+    warp-specialising pass miscompiles this loop: with two consumer warpgroups the second half of
+    each key block came out wrong on an H200, so the loop stays an ordinary pipelined one.)
     """
     nheads = nheads_k * REP
     Q = tl.make_tensor_descriptor(Q, [total_q, nheads * DIM], [stride_qt, 1], [BLOCK_M, HEAD_DIM])
@@ -272,8 +271,8 @@ def dkdv_rows_kernel(
     item = pid // nheads_k
     hk = pid % nheads_k
     unit = tl.load(ITEMS + item)
-    live = unit >= 0
-    unit = tl.where(live, unit, 0)
+    if unit < 0:
+        return
     blk, z, nz, region, r0, r1 = _item(ITEMS, n_items, item)
     seg_start = tl.load(CU + unit)
     seg_end = tl.load(CU + unit + 1)
@@ -290,9 +289,9 @@ def dkdv_rows_kernel(
         if DQ_TMA:
             DQ_ACC = tl.make_tensor_descriptor(DQ_ACC, [total_q, nheads * DIM], [nheads * DIM, 1], [BLOCK_M, HEAD_DIM])
     own_lo = krow - krow % 4
-    n_own = tl.where(live & (z == 0), tl.cdiv(seg_end - own_lo, BLOCK_M), 0)
+    n_own = tl.where(z == 0, tl.cdiv(seg_end - own_lo, BLOCK_M), 0)
     read_lo = r0 - r0 % 4
-    n_read = tl.where(live & (region >= 0) & (r1 > r0), tl.cdiv(r1 - read_lo, BLOCK_M), 0)
+    n_read = tl.where((region >= 0) & (r1 > r0), tl.cdiv(r1 - read_lo, BLOCK_M), 0)
     n_blocks = n_own + n_read
 
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
@@ -322,9 +321,8 @@ def dkdv_rows_kernel(
     dk = dk * sm_scale
     # Rows past the segment (a ragged last block) are other tokens' keys: their sums are dropped. A
     # split item writes its fp32 partial, a whole one its dK/dV (one of the two masks is empty).
-    end = tl.where(live, seg_end, 0)
-    to_ws = key_rows < tl.where(nz > 1, end, 0)
-    to_out = key_rows < tl.where(nz > 1, 0, end)
+    to_ws = key_rows < tl.where(nz > 1, seg_end, 0)
+    to_out = key_rows < tl.where(nz > 1, 0, seg_end)
     row_stride = nheads_k * DIM
     tile = offs_n[:, None] * row_stride + hk * DIM + offs_d[None, :]
     ws_row = (tl.load(ITEMS + I_WS_BASE * n_items + item) + z * (seg_end - seg_start) + blk * BLOCK_N).to(tl.int64)

@@ -249,7 +249,7 @@ class Backward:
         _ensure_allocator()
         t4 = -(-T // 4) * 4  # LSE (log2 units) and delta on rows a 1-D descriptor can start at
         lse2 = lse.new_zeros((H, t4))
-        lse2[:, :T] = lse * LOG2E
+        torch.mul(lse, LOG2E, out=lse2[:, :T])
         delta = lse.new_zeros((H, t4))
         delta[:, :T] = self.delta
         dkdv_rows_kernel[(table.shape[1] * Hkv,)](
