@@ -46,7 +46,7 @@ AUTO_ORDER_CUDA = ("triton",)
 # 504.0 with the forward's and dK/dV kernel's too, attention_h200_s25_d512.md, against Triton's 495.4 /
 # 1043.9), and at d = 192, where it took 0.44 / 0.45x Triton's forward+backward time at P = 16K / 32K
 # (benchmarks/results/attention_h200_s26_d192.md). Other head dims are not measured: Triton. Re-measured at
-# d = 64 after Triton's one-loop dK/dV: the CUDA backend still took 0.81-0.84x Triton's forward+backward
+# d = 64 after Triton's one-loop dK/dV: the CUDA backend still took 0.80-0.84x Triton's forward+backward
 # time (benchmarks/results/attention_h200_s29_d64_auto_vs_triton.md).
 AUTO_WGMMA_CHOICE = {512: "cuda", 256: "cuda", 192: "cuda", 128: "cuda", 64: "cuda"}
 # Where "auto" pairs Triton's forward with the CUDA backward on an sm_90 GPU when the extension is
