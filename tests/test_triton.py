@@ -185,9 +185,6 @@ def test_warp_specialised_forward_is_chosen_where_it_applies(monkeypatch):
         ws_of()
 
 
-ROWS_CFG = KernelConfig(16, 32, 4, 1)
-
-
 @pytest.mark.parametrize("softcap, split_rows, atomic_dq", [(None, 4096, False), (None, 1, False), (20.0, 1, False),
                                                            (None, 4096, True), (20.0, 1, True)])
 def test_dkdv_row_loop_matches_reference(softcap, split_rows, atomic_dq):
@@ -196,14 +193,14 @@ def test_dkdv_row_loop_matches_reference(softcap, split_rows, atomic_dq):
     1-token segments, ragged key blocks whose tail rows are other segments' keys (zeroed for the
     atomic dQ, which this loop also computes), GQA 2:1."""
     layout, meta, q, k, v, do = _inputs([70, 1, 33], [[40, 9, 1], [5], [17, 64]], 4, 2, 32, seed=5)
-    _check_all(q, k, v, do, meta, softcap=softcap, tma=True, bwd_cfg=ROWS_CFG, split_rows=split_rows,
+    _check_all(q, k, v, do, meta, softcap=softcap, tma=True, split_rows=split_rows,
                atomic_dq=atomic_dq)
 
 
 def test_dkdv_row_loop_padded_head_dim_fp16():
     """Head dim 24 on descriptors: the padded columns of K / V (the next head's) are zeroed."""
     layout, meta, q, k, v, do = _inputs([45], [[30, 3]], 2, 1, 24, dtype=torch.float16, seed=2)
-    _check_all(q, k, v, do, meta, tma=True, bwd_cfg=ROWS_CFG, tol=3e-3)
+    _check_all(q, k, v, do, meta, tma=True, tol=3e-3)
 
 
 def test_dkdv_row_loop_is_chosen_where_it_applies(monkeypatch):
