@@ -494,3 +494,45 @@ def test_kernels_compile_for_hopper_with_gpu_configs(tmp_path, monkeypatch):
     # nothing else
     split = {name + ("-ws" if ce.get("WS") else ""): ws for name, ce, ws in compiled}
     assert split.pop("fwd_kernel-ws") and split.pop("dq_kernel-ws") and not any(split.values()), split
+
+
+def test_gluon_dkdv_compiles_for_hopper():
+    """The opt-in Gluon dK/dV lowers to sm_90 machine code with this Triton (it has no interpreter
+    path, so this is its CPU check; the GPU test compares it with the row kernel bit for bit). Run in
+    a subprocess without TRITON_INTERPRET."""
+    import os
+    import subprocess
+    import sys
+
+    from dualkv.core.backends.triton import gluon_dkdv
+
+    if not gluon_dkdv.AVAILABLE:
+        pytest.skip("this Triton has no Gluon Hopper API")
+    code = ("from dualkv.core.backends.triton import gluon_dkdv as G\n"
+            "for d, bn, w in ((128, 128, 8), (64, 64, 4)):\n"
+            "    k = G.compile_for_sm90(d, block_n=bn, num_warps=w)\n"
+            "    print(d, k.metadata.shared, len(k.asm['cubin']))\n")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    for line, d in zip(res.stdout.split("\n"), (128, 64)):
+        dim, smem, cubin = map(int, line.split())
+        assert dim == d and cubin > 0 and smem <= 227 * 1024
+
+
+def test_gluon_dkdv_switch(monkeypatch):
+    """DUALKV_TRITON_GLUON_DKDV takes 0 or 1 (named in the error otherwise); never taken off the GPU."""
+    from dualkv.core.backends.triton import configs, gluon_dkdv
+
+    monkeypatch.setenv("DUALKV_TRITON_GLUON_DKDV", "yes")
+    with pytest.raises(ValueError, match="DUALKV_TRITON_GLUON_DKDV"):
+        configs.gluon_dkdv_enabled()
+    monkeypatch.setenv("DUALKV_TRITON_GLUON_DKDV", "1")
+    assert configs.gluon_dkdv_enabled()
+    q = torch.zeros(8, 4, 128, dtype=torch.float16)
+    k = torch.zeros(8, 2, 128, dtype=torch.float16)
+    opts = launcher._Opts(q, k, 0.1, None, None, True)
+    assert not gluon_dkdv.supported(opts, False, q.device)
+    # and a CPU backward with the switch on still runs the row kernel, correctly
+    _, meta, q, k, v, do = _inputs([40], [[9, 5]], 4, 2, 32)
+    _check_all(q, k, v, do, meta, tma=True)

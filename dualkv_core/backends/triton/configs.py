@@ -154,6 +154,16 @@ def atomic_dq_default() -> bool:
     return os.environ.get("DUALKV_TRITON_ATOMIC_DQ", "0") == "1"
 
 
+def gluon_dkdv_enabled() -> bool:
+    """The Gluon dK/dV (``gluon_dkdv``, ``DUALKV_TRITON_GLUON_DKDV=1``) in place of the one-loop Triton
+    row kernel where it applies. Opt-in: the same gradients bit for bit and the same speed at d=128 on
+    an H200 (slower at d=64); it is the base for a dK/dV that also adds dQ asynchronously."""
+    value = os.environ.get("DUALKV_TRITON_GLUON_DKDV", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"DUALKV_TRITON_GLUON_DKDV: expected 0 or 1, got {value!r}")
+    return value == "1"
+
+
 def autotune_enabled() -> bool:
     return os.environ.get("DUALKV_TRITON_AUTOTUNE", "0") == "1" and os.environ.get("TRITON_INTERPRET", "0") != "1"
 

@@ -12,7 +12,7 @@ import os
 import torch
 import triton
 
-from . import configs, schedule
+from . import configs, gluon_dkdv, schedule
 from .bwd_kernel import dkdv_kernel, dkdv_rows_kernel, dq_kernel, preprocess_kernel, reduce_kernel, scale_cast_kernel
 from .common import LOG2E
 from .configs import KernelConfig
@@ -252,6 +252,10 @@ class Backward:
         torch.mul(lse, LOG2E, out=lse2[:, :T])
         delta = lse.new_zeros((H, t4))
         delta[:, :T] = self.delta
+        if configs.gluon_dkdv_enabled() and gluon_dkdv.supported(o, self.atomic, q.device):
+            gluon_dkdv.run(q, k, v, dout, lse2, delta, self.dk, self.dv, wsk, wsv, table, meta.cu_seqlens, Hkv, o.rep,
+                           o.qk_scale, o.scale, block_m=cfg.block_m, block_n=cfg.block_n, num_warps=cfg.num_warps)
+            return
         dkdv_rows_kernel[(table.shape[1] * Hkv,)](
             q, k, v, dout, lse2, delta, self.dq_acc, self.dk, self.dv, wsk, wsv, table, meta.cu_seqlens,
             table.shape[1], T, t4, Hkv, o.qk_scale, o.cap_log2, o.pre_cap, o.scale,

@@ -1,0 +1,245 @@
+"""dK/dV of the packed layout in Gluon (Triton's tile-level language) for Hopper: the one-loop row
+walk of ``bwd_kernel.dkdv_rows_kernel`` with its matrix products issued asynchronously.
+
+Why: ``tl.dot`` waits for every product before the next statement, so the row kernel's exponentials
+and dS run while the tensor cores idle. Here each step issues S^T = K Q^T and dP^T = V dO^T together,
+computes P^T while dP^T runs, issues dV += P^T dO, computes dS^T while dV runs, then issues
+dK += dS^T Q. Q / dO / LSE / delta of later steps arrive by TMA into a ring of ``STAGES`` buffers
+(one mbarrier each), so loads never stall a step.
+
+Scope (the launcher checks it): sm_90, fp16 / bf16, head dims 64 / 128 (a box of DIM elements, no
+padding), no softcap, no atomic dQ, the packed layout without a window: the same items, masks and
+outputs as ``dkdv_rows_kernel``. Needs ``triton.experimental.gluon`` as Triton 3.6 spells it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from . import schedule
+
+try:  # Gluon is experimental: its API moves between Triton releases
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    # Names that moved after Triton 3.6: the TMA load and the block-wide barrier
+    _tma_load = getattr(tma, "async_load", None) or getattr(tma, "async_copy_global_to_shared")
+    _block_barrier = getattr(gl, "thread_barrier", None) or getattr(gl, "barrier")
+    AVAILABLE = True
+except (ImportError, AttributeError):  # pragma: no cover - a Triton without Gluon, or another API
+    AVAILABLE = False
+
+if AVAILABLE:
+    I_BLOCK = gl.constexpr(schedule.BLOCK)
+    I_SPLIT = gl.constexpr(schedule.SPLIT)
+    I_NSPLIT = gl.constexpr(schedule.NSPLIT)
+    I_REGION = gl.constexpr(schedule.REGION)
+    I_R0 = gl.constexpr(schedule.R0)
+    I_R1 = gl.constexpr(schedule.R1)
+    I_WS_BASE = gl.constexpr(schedule.WS_BASE)
+
+    @gluon.jit
+    def _step(i, n_blocks, n_own, own_lo, read_lo, hk, REP: gl.constexpr, BLOCK_M: gl.constexpr):
+        """Step i of the walk: (first query row, query head, whether the rows are the key block's own)."""
+        r = i // n_blocks
+        b = i - r * n_blocks
+        in_own = b < n_own
+        row = gl.where(in_own, own_lo + b * BLOCK_M, read_lo + (b - n_own) * BLOCK_M)
+        return row, hk * REP + r, in_own
+
+    @gluon.jit
+    def _issue(j, n_blocks, n_own, own_lo, read_lo, hk, q_desc, do_desc, lse_desc, delta_desc,
+               bar, q_buf, do_buf, lse_buf, delta_buf, REP: gl.constexpr, DIM: gl.constexpr,
+               BLOCK_M: gl.constexpr):
+        """Start step j's Q, dO, LSE and delta loads into one ring slot; ``bar`` counts their bytes."""
+        row, hq, _ = _step(j, n_blocks, n_own, own_lo, read_lo, hk, REP, BLOCK_M)
+        nbytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                                + lse_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+        mbarrier.expect(bar, nbytes)
+        _tma_load(q_desc, [row, hq * DIM], bar, q_buf)
+        _tma_load(do_desc, [row, hq * DIM], bar, do_buf)
+        _tma_load(lse_desc, [hq, row], bar, lse_buf)
+        _tma_load(delta_desc, [hq, row], bar, delta_buf)
+
+    @gluon.jit
+    def dkdv_rows_gluon_kernel(
+        q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV, WSK, WSV, ITEMS, CU,
+        n_items, nheads_k, qk_scale, sm_scale,
+        REP: gl.constexpr, DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        """dK/dV of one (key item, kv head): ``dkdv_rows_kernel``'s walk and masks, products asynchronous.
+
+        q_desc / do_desc: (total_q, nheads * DIM) boxes (BLOCK_M, DIM); k_desc / v_desc: (total_q,
+        nheads_k * DIM) boxes (BLOCK_N, DIM); lse_desc / delta_desc: (nheads, t4) fp32 boxes (1, BLOCK_M),
+        LSE in log2 units. The key block's rows are split over the warpgroups (warps (num_warps, 1)).
+        """
+        dtype: gl.constexpr = q_desc.dtype
+        # Accumulator layouts: scores (keys, queries) and dK / dV (keys, DIM), rows over the warps.
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, BLOCK_M, 16])
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                             instr_shape=[16, DIM, 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+        pid = gl.program_id(0)
+        item = pid // nheads_k
+        hk = pid % nheads_k
+        unit = gl.load(ITEMS + item)
+        if unit >= 0:
+            blk = gl.load(ITEMS + I_BLOCK * n_items + item)
+            z = gl.load(ITEMS + I_SPLIT * n_items + item)
+            nz = gl.load(ITEMS + I_NSPLIT * n_items + item)
+            region = gl.load(ITEMS + I_REGION * n_items + item)
+            r0 = gl.load(ITEMS + I_R0 * n_items + item)
+            r1 = gl.load(ITEMS + I_R1 * n_items + item)
+            seg_start = gl.load(CU + unit)
+            seg_end = gl.load(CU + unit + 1)
+            krow = seg_start + blk * BLOCK_N
+            own_lo = krow - krow % 4
+            n_own = gl.where(z == 0, gl.cdiv(seg_end - own_lo, BLOCK_M), 0)
+            read_lo = r0 - r0 % 4
+            n_read = gl.where((region >= 0) & (r1 > r0), gl.cdiv(r1 - read_lo, BLOCK_M), 0)
+            n_blocks = n_own + n_read
+            total = REP * n_blocks
+
+            k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, DIM], k_desc.layout)
+            v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, DIM], v_desc.layout)
+            q_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, DIM], q_desc.layout)
+            do_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, DIM], do_desc.layout)
+            lse_ring = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], lse_desc.layout)
+            delta_ring = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], delta_desc.layout)
+            bars = gl.allocate_shared_memory(gl.int64, [STAGES + 1, 1], mbarrier.MBarrierLayout())
+            for s in gl.static_range(STAGES + 1):
+                mbarrier.init(bars.index(s), count=1)
+
+            kv_bar = bars.index(STAGES)
+            mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            _tma_load(k_desc, [krow, hk * DIM], kv_bar, k_smem)
+            _tma_load(v_desc, [krow, hk * DIM], kv_bar, v_smem)
+            for s in gl.static_range(STAGES - 1):
+                if s < total:
+                    _issue(s, n_blocks, n_own, own_lo, read_lo, hk, q_desc, do_desc, lse_desc, delta_desc,
+                           bars.index(s), q_ring.index(s), do_ring.index(s), lse_ring.index(s),
+                           delta_ring.index(s), REP, DIM, BLOCK_M)
+            mbarrier.wait(kv_bar, 0)
+
+            key_rows = krow + gl.arange(0, BLOCK_N, layout=row_layout)
+            offs_m = gl.arange(0, BLOCK_M, layout=col_layout)
+            s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+            dk = gl.zeros([BLOCK_N, DIM], gl.float32, acc_layout)
+            dv = gl.zeros([BLOCK_N, DIM], gl.float32, acc_layout)
+            for i in range(total):
+                # The slot step i - 1 used is free (its products were waited for): load step i + STAGES - 1.
+                j = i + STAGES - 1
+                if j < total:
+                    sj = j % STAGES
+                    _issue(j, n_blocks, n_own, own_lo, read_lo, hk, q_desc, do_desc, lse_desc, delta_desc,
+                           bars.index(sj), q_ring.index(sj), do_ring.index(sj), lse_ring.index(sj),
+                           delta_ring.index(sj), REP, DIM, BLOCK_M)
+                slot = i % STAGES
+                mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
+                q_s = q_ring.index(slot)
+                do_s = do_ring.index(slot)
+                st = warpgroup_mma(k_smem, q_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                dpt = warpgroup_mma(v_smem, do_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                lse2 = lse_ring.index(slot).load(s_layout)  # (1, BLOCK_M)
+                delta = delta_ring.index(slot).load(s_layout)
+                row, _, in_own = _step(i, n_blocks, n_own, own_lo, read_lo, hk, REP, BLOCK_M)
+                rows = gl.expand_dims(row + offs_m, 0)
+                lower = gl.expand_dims(gl.where(in_own, key_rows, r0), 1)
+                upper = gl.where(in_own, seg_end, r1)
+                st = warpgroup_mma_wait(num_outstanding=1, deps=[st])
+                # P^T while dP^T is on the tensor cores
+                p = gl.where((rows >= lower) & (rows < upper), gl.exp2(st * qk_scale - lse2), 0.0)
+                dv = warpgroup_mma(gl.convert_layout(p.to(dtype), a_layout), do_s, dv, is_async=True)
+                dpt = warpgroup_mma_wait(num_outstanding=1, deps=[dpt])
+                # dS^T while dV is on the tensor cores
+                ds = gl.convert_layout((p * (dpt - delta)).to(dtype), a_layout)
+                dk = warpgroup_mma(ds, q_s, dk, is_async=True)
+                dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=[dv, dk])
+                _block_barrier()  # every warpgroup is done with the slot before it is refilled
+
+            for s in gl.static_range(STAGES + 1):
+                mbarrier.invalidate(bars.index(s))
+
+            dk = dk * sm_scale
+            # As the row kernel: rows past the segment are dropped; a split item writes its fp32 partial.
+            o_rows: gl.constexpr = gl.SliceLayout(1, acc_layout)
+            o_cols: gl.constexpr = gl.SliceLayout(0, acc_layout)
+            offs_n = gl.arange(0, BLOCK_N, layout=o_rows)
+            offs_d = gl.arange(0, DIM, layout=o_cols)
+            krows = krow + offs_n
+            to_ws = gl.expand_dims(krows < gl.where(nz > 1, seg_end, 0), 1)
+            to_out = gl.expand_dims(krows < gl.where(nz > 1, 0, seg_end), 1)
+            row_stride = nheads_k * DIM
+            tile = gl.expand_dims(offs_n * row_stride, 1) + hk * DIM + gl.expand_dims(offs_d, 0)
+            ws_row = (gl.load(ITEMS + I_WS_BASE * n_items + item) + z * (seg_end - seg_start)
+                      + blk * BLOCK_N).to(gl.int64)
+            gl.store(WSK + ws_row * row_stride + tile, dk, mask=to_ws)
+            gl.store(WSV + ws_row * row_stride + tile, dv, mask=to_ws)
+            out = krow.to(gl.int64) * row_stride + tile
+            gl.store(DK + out, dk.to(dtype), mask=to_out)
+            gl.store(DV + out, dv.to(dtype), mask=to_out)
+
+
+def supported(o, atomic: bool, device) -> bool:
+    """Whether the Gluon dK/dV applies to a call (``o``: the launcher's options) on ``device``."""
+    return (AVAILABLE and o.on_cuda and o.tma and o.dim == o.head_dim and o.dim in (64, 128)
+            and not o.has_softcap and not atomic and o.elem == 2
+            and torch.cuda.get_device_capability(device)[0] == 9)  # wgmma: Hopper only
+
+
+def run(q, k, v, dout, lse2, delta, dk, dv, wsk, wsv, table, cu_seqlens, nheads_k, rep, qk_scale, sm_scale,
+        block_m: int = 64, block_n: int = 128, stages: int = 2, num_warps: int = 8):
+    """Launch the Gluon dK/dV. lse2 / delta: (nheads, t4) fp32, t4 a multiple of 4, LSE in log2 units."""
+    d = q.shape[2]
+    gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+
+    def desc(t, rows):  # (rows, heads, d) seen as (rows, heads * d), boxes of (rows, d)
+        layout = gl.NVMMASharedLayout.get_default_for([rows, d], gdt)
+        return TensorDescriptor(t, [t.shape[0], t.shape[1] * d], [t.stride(0), 1], [rows, d], layout)
+
+    stat_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+
+    def stat_desc(t):
+        return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], [1, block_m], stat_layout)
+
+    n_items = table.shape[1]
+    return dkdv_rows_gluon_kernel[(n_items * nheads_k,)](
+        desc(q, block_m), desc(k, block_n), desc(v, block_n), desc(dout, block_m), stat_desc(lse2),
+        stat_desc(delta), dk, dv, wsk, wsv, table, cu_seqlens, n_items, nheads_k, qk_scale, sm_scale,
+        REP=rep, DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, num_warps=num_warps,
+    )
+
+
+def compile_for_sm90(dim: int = 128, block_m: int = 64, block_n: int = 128, num_warps: int = 8, stages: int = 2,
+                     rep: int = 4, dtype: str = "bf16"):
+    """Compile the kernel for sm_90 without a GPU (the CPU tests' check that it lowers; ``.asm["cubin"]``)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    fn = dkdv_rows_gluon_kernel
+    gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
+    tile = {rows: gl.NVMMASharedLayout.get_default_for([rows, dim], gdt) for rows in (block_m, block_n)}
+    stat = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    sig = dict(q_desc=f"tensordesc<{dtype}[{block_m}, {dim}],{tile[block_m]!r}>",
+               do_desc=f"tensordesc<{dtype}[{block_m}, {dim}],{tile[block_m]!r}>",
+               k_desc=f"tensordesc<{dtype}[{block_n}, {dim}],{tile[block_n]!r}>",
+               v_desc=f"tensordesc<{dtype}[{block_n}, {dim}],{tile[block_n]!r}>",
+               lse_desc=f"tensordesc<fp32[1, {block_m}],{stat!r}>", delta_desc=f"tensordesc<fp32[1, {block_m}],{stat!r}>",
+               DK=f"*{dtype}", DV=f"*{dtype}", WSK="*fp32", WSV="*fp32", ITEMS="*i32", CU="*i32",
+               n_items="i32", nheads_k="i32", qk_scale="fp32", sm_scale="fp32")
+    const = dict(REP=rep, DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, num_warps=num_warps)
+    sig.update({name: "constexpr" for name in const})
+    sig = {name: sig[name] for name in fn.arg_names}
+    src = GluonASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(n),): v for n, v in const.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+
+
+__all__ = ["AVAILABLE", "compile_for_sm90", "run", "supported"]
