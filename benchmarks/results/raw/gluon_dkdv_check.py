@@ -1,5 +1,8 @@
 """Gluon dK/dV vs the row kernel: agreement and time (device script)."""
-import math, os, sys, traceback
+import math
+import os
+import traceback
+
 import torch
 from triton.testing import do_bench
 from dualkv.core.backends.triton import launcher, gluon_dkdv
