@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from . import schedule
+from .bwd_kernel import I_BLOCK, I_NSPLIT, I_R0, I_R1, I_REGION, I_SPLIT, I_WS_BASE
 
 try:  # Gluon is experimental: its API moves between Triton releases
     from triton.experimental import gluon
@@ -33,14 +33,6 @@ except (ImportError, AttributeError):  # pragma: no cover - a Triton without Glu
     AVAILABLE = False
 
 if AVAILABLE:
-    I_BLOCK = gl.constexpr(schedule.BLOCK)
-    I_SPLIT = gl.constexpr(schedule.SPLIT)
-    I_NSPLIT = gl.constexpr(schedule.NSPLIT)
-    I_REGION = gl.constexpr(schedule.REGION)
-    I_R0 = gl.constexpr(schedule.R0)
-    I_R1 = gl.constexpr(schedule.R1)
-    I_WS_BASE = gl.constexpr(schedule.WS_BASE)
-
     @gluon.jit
     def _step(i, n_blocks, n_own, own_lo, read_lo, hk, REP: gl.constexpr, BLOCK_M: gl.constexpr):
         """Step i of the walk: (first query row, query head, whether the rows are the key block's own)."""
