@@ -265,7 +265,8 @@ def get_provider(name: str) -> type[Provider]:
     return PROVIDERS[name]
 
 
-KERNEL_CHOICE_VARS = ("DUALKV_CUDA_WGMMA", "DUALKV_CUDA_WGMMA_BWD", "DUALKV_CUDA_BWD_TMA", "DUALKV_TRITON_WS")
+KERNEL_CHOICE_VARS = ("DUALKV_CUDA_WGMMA", "DUALKV_CUDA_WGMMA_BWD", "DUALKV_CUDA_BWD_TMA", "DUALKV_TRITON_WS",
+                      "DUALKV_TRITON_GLUON_FWD", "DUALKV_TRITON_GLUON_DKDV")
 
 
 class _DualKV(Provider):
@@ -323,6 +324,14 @@ class DualKVTritonNoWs(_DualKV):
 
     backend = "triton"
     env = {"DUALKV_TRITON_WS": "0"}
+
+
+@register("dualkv-triton-tl-fwd")
+class DualKVTritonTlFwd(_DualKV):
+    """Triton with the ``tl`` forward (``fwd_kernel``) in place of the Gluon one (DUALKV_TRITON_GLUON_FWD=0)."""
+
+    backend = "triton"
+    env = {"DUALKV_TRITON_GLUON_FWD": "0"}
 
 
 @register("dualkv-cuda")

@@ -496,43 +496,52 @@ def test_kernels_compile_for_hopper_with_gpu_configs(tmp_path, monkeypatch):
     assert split.pop("fwd_kernel-ws") and split.pop("dq_kernel-ws") and not any(split.values()), split
 
 
-def test_gluon_dkdv_compiles_for_hopper():
-    """The opt-in Gluon dK/dV lowers to sm_90 machine code with this Triton (it has no interpreter
-    path, so this is its CPU check; the GPU test compares it with the row kernel bit for bit). Run in
-    a subprocess without TRITON_INTERPRET."""
+def test_gluon_kernels_compile_for_hopper():
+    """The Gluon forward and dK/dV lower to sm_90 machine code with this Triton (they have no
+    interpreter path, so this is their CPU check; the GPU tests compare them with the ``tl`` kernels).
+    Run in a subprocess without TRITON_INTERPRET."""
     import os
     import subprocess
     import sys
 
-    from dualkv.core.backends.triton import gluon_dkdv
+    from dualkv.core.backends.triton import gluon_compat
 
-    if not gluon_dkdv.AVAILABLE:
+    if not gluon_compat.AVAILABLE:
         pytest.skip("this Triton has no Gluon Hopper API")
-    code = ("from dualkv.core.backends.triton import gluon_dkdv as G\n"
+    code = ("from dualkv.core.backends.triton import gluon_dkdv, gluon_fwd\n"
             "for d, bn, w in ((128, 128, 8), (64, 64, 4)):\n"
-            "    k = G.compile_for_sm90(d, block_n=bn, num_warps=w)\n"
-            "    print(d, k.metadata.shared, len(k.asm['cubin']))\n")
+            "    k = gluon_dkdv.compile_for_sm90(d, block_n=bn, num_warps=w)\n"
+            "    print('dkdv', d, k.metadata.shared, len(k.asm['cubin']))\n"
+            "    k = gluon_fwd.compile_for_sm90(d)\n"
+            "    print('fwd', d, k.metadata.shared, len(k.asm['cubin']))\n")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    for line, d in zip(res.stdout.split("\n"), (128, 64)):
-        dim, smem, cubin = map(int, line.split())
-        assert dim == d and cubin > 0 and smem <= 227 * 1024
+    lines = [line.split() for line in res.stdout.strip().split("\n")]
+    assert [(kind, int(d)) for kind, d, *_ in lines] == [("dkdv", 128), ("fwd", 128), ("dkdv", 64), ("fwd", 64)]
+    for _, _, smem, cubin in lines:
+        assert int(cubin) > 0 and int(smem) <= 227 * 1024
 
 
-def test_gluon_dkdv_switch(monkeypatch):
-    """DUALKV_TRITON_GLUON_DKDV takes 0 or 1 (named in the error otherwise); never taken off the GPU."""
-    from dualkv.core.backends.triton import configs, gluon_dkdv
+def test_gluon_switches(monkeypatch):
+    """DUALKV_TRITON_GLUON_FWD / _DKDV take 0 or 1 (named in the error otherwise); the Gluon kernels are
+    never taken off the GPU, so with both on a CPU call runs the ``tl`` kernels, correctly."""
+    from dualkv.core.backends.triton import configs, gluon_dkdv, gluon_fwd
 
-    monkeypatch.setenv("DUALKV_TRITON_GLUON_DKDV", "yes")
-    with pytest.raises(ValueError, match="DUALKV_TRITON_GLUON_DKDV"):
-        configs.gluon_dkdv_enabled()
-    monkeypatch.setenv("DUALKV_TRITON_GLUON_DKDV", "1")
-    assert configs.gluon_dkdv_enabled()
+    for name, enabled in (("DUALKV_TRITON_GLUON_DKDV", configs.gluon_dkdv_enabled),
+                          ("DUALKV_TRITON_GLUON_FWD", configs.gluon_fwd_enabled)):
+        monkeypatch.setenv(name, "yes")
+        with pytest.raises(ValueError, match=name):
+            enabled()
+        monkeypatch.setenv(name, "1")
+        assert enabled()
+    monkeypatch.delenv("DUALKV_TRITON_GLUON_FWD")
+    assert configs.gluon_fwd_enabled()  # on by default
     q = torch.zeros(8, 4, 128, dtype=torch.float16)
     k = torch.zeros(8, 2, 128, dtype=torch.float16)
     opts = launcher._Opts(q, k, 0.1, None, None, True)
-    assert not gluon_dkdv.supported(opts, False, q.device)
+    assert not gluon_dkdv.supported(opts, False, q)
+    assert not gluon_fwd.supported(opts, q, False)
     # and a CPU backward with the switch on still runs the row kernel, correctly
     _, meta, q, k, v, do = _inputs([40], [[9, 5]], 4, 2, 32)
     _check_all(q, k, v, do, meta, tma=True)

@@ -138,13 +138,17 @@ def regime(total_q: int, n_segments: int, n_regions: int) -> tuple[int, int]:
     return int(math.log2(per_seg)), int(math.log2(per_group))
 
 
+def _switch(name: str, default: str) -> bool:
+    value = os.environ.get(name, default)
+    if value not in ("0", "1"):
+        raise ValueError(f"{name}: expected 0 or 1, got {value!r}")
+    return value == "1"
+
+
 def warp_specialize_enabled() -> bool:
     """The forward's and dQ's warp-specialised loops where a launch allows them (``DUALKV_TRITON_WS``: 1 on,
     0 off)."""
-    value = os.environ.get("DUALKV_TRITON_WS", "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"DUALKV_TRITON_WS: expected 0 or 1, got {value!r}")
-    return value == "1"
+    return _switch("DUALKV_TRITON_WS", "1")
 
 
 def atomic_dq_default() -> bool:
@@ -154,14 +158,18 @@ def atomic_dq_default() -> bool:
     return os.environ.get("DUALKV_TRITON_ATOMIC_DQ", "0") == "1"
 
 
+def gluon_fwd_enabled() -> bool:
+    """The warp-specialised Gluon forward (``gluon_fwd``) where it applies: Hopper, fp16 / bf16, d = 64 /
+    128, no window or softcap, the packed layout. On by default (1.16-1.24x the ``tl`` forward's speed
+    on an H200); ``DUALKV_TRITON_GLUON_FWD=0`` runs ``fwd_kernel`` instead."""
+    return _switch("DUALKV_TRITON_GLUON_FWD", "1")
+
+
 def gluon_dkdv_enabled() -> bool:
     """The Gluon dK/dV (``gluon_dkdv``, ``DUALKV_TRITON_GLUON_DKDV=1``) in place of the one-loop Triton
     row kernel where it applies. Opt-in: the same gradients bit for bit and the same speed at d=128 on
     an H200 (slower at d=64); it is the base for a dK/dV that also adds dQ asynchronously."""
-    value = os.environ.get("DUALKV_TRITON_GLUON_DKDV", "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"DUALKV_TRITON_GLUON_DKDV: expected 0 or 1, got {value!r}")
-    return value == "1"
+    return _switch("DUALKV_TRITON_GLUON_DKDV", "0")
 
 
 def autotune_enabled() -> bool:

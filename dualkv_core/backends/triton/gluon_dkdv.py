@@ -14,23 +14,9 @@ outputs as ``dkdv_rows_kernel``. Needs ``triton.experimental.gluon`` as Triton 3
 
 from __future__ import annotations
 
-import torch
-import triton
-
 from .bwd_kernel import I_BLOCK, I_NSPLIT, I_R0, I_R1, I_REGION, I_SPLIT, I_WS_BASE
-
-try:  # Gluon is experimental: its API moves between Triton releases
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    # Names that moved after Triton 3.6: the TMA load and the block-wide barrier
-    _tma_load = getattr(tma, "async_load", None) or getattr(tma, "async_copy_global_to_shared")
-    _block_barrier = getattr(gl, "thread_barrier", None) or getattr(gl, "barrier")
-    AVAILABLE = True
-except (ImportError, AttributeError):  # pragma: no cover - a Triton without Gluon, or another API
-    AVAILABLE = False
+from .gluon_compat import (AVAILABLE, block_barrier, compile_for_sm90 as _compile, desc, gl, gluon, mbarrier,
+                           on_hopper, tile_sig, TensorDescriptor, tma_load, warpgroup_mma, warpgroup_mma_wait)
 
 if AVAILABLE:
     @gluon.jit
@@ -51,10 +37,10 @@ if AVAILABLE:
         nbytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes
                                 + lse_desc.block_type.nbytes + delta_desc.block_type.nbytes)
         mbarrier.expect(bar, nbytes)
-        _tma_load(q_desc, [row, hq * DIM], bar, q_buf)
-        _tma_load(do_desc, [row, hq * DIM], bar, do_buf)
-        _tma_load(lse_desc, [hq, row], bar, lse_buf)
-        _tma_load(delta_desc, [hq, row], bar, delta_buf)
+        tma_load(q_desc, [row, hq * DIM], bar, q_buf)
+        tma_load(do_desc, [row, hq * DIM], bar, do_buf)
+        tma_load(lse_desc, [hq, row], bar, lse_buf)
+        tma_load(delta_desc, [hq, row], bar, delta_buf)
 
     @gluon.jit
     def dkdv_rows_gluon_kernel(
@@ -112,8 +98,8 @@ if AVAILABLE:
 
             kv_bar = bars.index(STAGES)
             mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-            _tma_load(k_desc, [krow, hk * DIM], kv_bar, k_smem)
-            _tma_load(v_desc, [krow, hk * DIM], kv_bar, v_smem)
+            tma_load(k_desc, [krow, hk * DIM], kv_bar, k_smem)
+            tma_load(v_desc, [krow, hk * DIM], kv_bar, v_smem)
             for s in gl.static_range(STAGES - 1):
                 if s < total:
                     _issue(s, n_blocks, n_own, own_lo, read_lo, hk, q_desc, do_desc, lse_desc, delta_desc,
@@ -155,7 +141,7 @@ if AVAILABLE:
                 ds = gl.convert_layout((p * (dpt - delta)).to(dtype), a_layout)
                 dk = warpgroup_mma(ds, q_s, dk, is_async=True)
                 dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=[dv, dk])
-                _block_barrier()  # every warpgroup is done with the slot before it is refilled
+                block_barrier()  # every warpgroup is done with the slot before it is refilled
 
             for s in gl.static_range(STAGES + 1):
                 mbarrier.invalidate(bars.index(s))
@@ -180,23 +166,15 @@ if AVAILABLE:
             gl.store(DV + out, dv.to(dtype), mask=to_out)
 
 
-def supported(o, atomic: bool, device) -> bool:
-    """Whether the Gluon dK/dV applies to a call (``o``: the launcher's options) on ``device``."""
-    return (AVAILABLE and o.on_cuda and o.tma and o.dim == o.head_dim and o.dim in (64, 128)
-            and not o.has_softcap and not atomic and o.elem == 2
-            and torch.cuda.get_device_capability(device)[0] == 9)  # wgmma: Hopper only
+def supported(o, atomic: bool, q) -> bool:
+    """Whether the Gluon dK/dV applies to a call (``o``: the launcher's options)."""
+    return (on_hopper(q) and o.tma and o.dim == o.head_dim and o.dim in (64, 128) and not o.has_softcap
+            and not atomic and o.elem == 2)
 
 
 def run(q, k, v, dout, lse2, delta, dk, dv, wsk, wsv, table, cu_seqlens, nheads_k, rep, qk_scale, sm_scale,
         block_m: int = 64, block_n: int = 128, stages: int = 2, num_warps: int = 8):
     """Launch the Gluon dK/dV. lse2 / delta: (nheads, t4) fp32, t4 a multiple of 4, LSE in log2 units."""
-    d = q.shape[2]
-    gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-
-    def desc(t, rows):  # (rows, heads, d) seen as (rows, heads * d), boxes of (rows, d)
-        layout = gl.NVMMASharedLayout.get_default_for([rows, d], gdt)
-        return TensorDescriptor(t, [t.shape[0], t.shape[1] * d], [t.stride(0), 1], [rows, d], layout)
-
     stat_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 
     def stat_desc(t):
@@ -206,32 +184,22 @@ def run(q, k, v, dout, lse2, delta, dk, dv, wsk, wsv, table, cu_seqlens, nheads_
     return dkdv_rows_gluon_kernel[(n_items * nheads_k,)](
         desc(q, block_m), desc(k, block_n), desc(v, block_n), desc(dout, block_m), stat_desc(lse2),
         stat_desc(delta), dk, dv, wsk, wsv, table, cu_seqlens, n_items, nheads_k, qk_scale, sm_scale,
-        REP=rep, DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, num_warps=num_warps,
+        REP=rep, DIM=q.shape[2], BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, num_warps=num_warps,
     )
 
 
 def compile_for_sm90(dim: int = 128, block_m: int = 64, block_n: int = 128, num_warps: int = 8, stages: int = 2,
                      rep: int = 4, dtype: str = "bf16"):
-    """Compile the kernel for sm_90 without a GPU (the CPU tests' check that it lowers; ``.asm["cubin"]``)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    fn = dkdv_rows_gluon_kernel
-    gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
-    tile = {rows: gl.NVMMASharedLayout.get_default_for([rows, dim], gdt) for rows in (block_m, block_n)}
+    """Compile the kernel for sm_90 without a GPU (the CPU tests' check that it lowers)."""
     stat = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    sig = dict(q_desc=f"tensordesc<{dtype}[{block_m}, {dim}],{tile[block_m]!r}>",
-               do_desc=f"tensordesc<{dtype}[{block_m}, {dim}],{tile[block_m]!r}>",
-               k_desc=f"tensordesc<{dtype}[{block_n}, {dim}],{tile[block_n]!r}>",
-               v_desc=f"tensordesc<{dtype}[{block_n}, {dim}],{tile[block_n]!r}>",
-               lse_desc=f"tensordesc<fp32[1, {block_m}],{stat!r}>", delta_desc=f"tensordesc<fp32[1, {block_m}],{stat!r}>",
+    sig = dict(q_desc=tile_sig(dtype, block_m, dim), do_desc=tile_sig(dtype, block_m, dim),
+               k_desc=tile_sig(dtype, block_n, dim), v_desc=tile_sig(dtype, block_n, dim),
+               lse_desc=f"tensordesc<fp32[1, {block_m}],{stat!r}>",
+               delta_desc=f"tensordesc<fp32[1, {block_m}],{stat!r}>",
                DK=f"*{dtype}", DV=f"*{dtype}", WSK="*fp32", WSV="*fp32", ITEMS="*i32", CU="*i32",
                n_items="i32", nheads_k="i32", qk_scale="fp32", sm_scale="fp32")
     const = dict(REP=rep, DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, num_warps=num_warps)
-    sig.update({name: "constexpr" for name in const})
-    sig = {name: sig[name] for name in fn.arg_names}
-    src = GluonASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(n),): v for n, v in const.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    return _compile(dkdv_rows_gluon_kernel, sig, const, num_warps)
 
 
 __all__ = ["AVAILABLE", "compile_for_sm90", "run", "supported"]

@@ -12,7 +12,7 @@ import os
 import torch
 import triton
 
-from . import configs, gluon_dkdv, schedule
+from . import configs, gluon_dkdv, gluon_fwd, schedule
 from .bwd_kernel import dkdv_kernel, dkdv_rows_kernel, dq_kernel, preprocess_kernel, reduce_kernel, scale_cast_kernel
 from .common import LOG2E
 from .configs import KernelConfig
@@ -118,6 +118,10 @@ def forward(q, k, v, k_ctx, v_ctx, meta, softmax_scale, window, softcap, config:
     kc = k if k_ctx is None else k_ctx
     vc = v if v_ctx is None else v_ctx
     o = _Opts(q, k, softmax_scale, window, softcap, tma_supported(q, k, v, kc, vc) if tma is None else tma)
+    if (config is None and configs.gluon_fwd_enabled() and out.is_contiguous()
+            and gluon_fwd.supported(o, q, k_ctx is not None)):
+        gluon_fwd.run(q, k, v, out, lse, meta, o.qk_scale)  # Hopper, d = 64 / 128, no window or softcap
+        return out, lse
     ws_ok = _warp_specialise(o, k_ctx)
 
     def run(cfg: KernelConfig):
@@ -252,7 +256,7 @@ class Backward:
         torch.mul(lse, LOG2E, out=lse2[:, :T])
         delta = lse.new_zeros((H, t4))
         delta[:, :T] = self.delta
-        if configs.gluon_dkdv_enabled() and gluon_dkdv.supported(o, self.atomic, q.device):
+        if configs.gluon_dkdv_enabled() and gluon_dkdv.supported(o, self.atomic, q):
             gluon_dkdv.run(q, k, v, dout, lse2, delta, self.dk, self.dv, wsk, wsv, table, meta.cu_seqlens, Hkv, o.rep,
                            o.qk_scale, o.scale, block_m=cfg.block_m, block_n=cfg.block_n, num_warps=cfg.num_warps)
             return

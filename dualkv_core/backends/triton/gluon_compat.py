@@ -1,0 +1,61 @@
+"""What the Gluon kernels (``gluon_fwd``, ``gluon_dkdv``) take from Triton's tile-level language,
+with the names that moved between Triton releases (3.6 on the GPU machine, 3.9 in CI), and a
+GPU-free sm_90 compile for the CPU tests.
+
+Gluon is experimental: where its Hopper API is missing, ``AVAILABLE`` is False and the Triton
+backend runs its ``tl`` kernels instead."""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    tma_load = getattr(tma, "async_load", None) or getattr(tma, "async_copy_global_to_shared")
+    block_barrier = getattr(gl, "thread_barrier", None) or getattr(gl, "barrier")
+    AVAILABLE = hasattr(gl, "warp_specialize")
+except (ImportError, AttributeError):  # pragma: no cover - a Triton without Gluon, or another API
+    gluon = gl = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = TensorDescriptor = None
+    tma_load = block_barrier = None
+    AVAILABLE = False
+
+
+def on_hopper(t: torch.Tensor) -> bool:
+    """The Gluon kernels issue wgmma: sm_90 only."""
+    return AVAILABLE and t.is_cuda and torch.cuda.get_device_capability(t.device)[0] == 9
+
+
+def gl_dtype(dtype: torch.dtype):
+    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
+
+
+def desc(t: torch.Tensor, rows: int):
+    """A descriptor over (rows, heads, d) seen as (rows, heads * d), with boxes of (rows, d)."""
+    d = t.shape[2]
+    layout = gl.NVMMASharedLayout.get_default_for([rows, d], gl_dtype(t.dtype))
+    return TensorDescriptor(t, [t.shape[0], t.shape[1] * d], [t.stride(0), 1], [rows, d], layout)
+
+
+def tile_sig(dtype: str, rows: int, dim: int) -> str:
+    """The signature string of a ``desc(t, rows)`` argument, for ``compile_for_sm90``."""
+    layout = gl.NVMMASharedLayout.get_default_for([rows, dim], {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype])
+    return f"tensordesc<{dtype}[{rows}, {dim}],{layout!r}>"
+
+
+def compile_for_sm90(fn, sig: dict, const: dict, num_warps: int, maxnreg: int | None = None):
+    """Compile a Gluon kernel for sm_90 without a GPU. sig: argument -> type string; const: constexprs."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    sig = {**sig, **{name: "constexpr" for name in const}}
+    sig = {name: sig[name] for name in fn.arg_names}
+    src = GluonASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(n),): v for n, v in const.items()})
+    options = {"num_warps": num_warps}
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
