@@ -36,16 +36,21 @@ if AVAILABLE:
         return gl.where(b < n_c, ctx_start + b * BLOCK_N, seg_start + (b - n_c) * BLOCK_N)
 
     @gluon.jit
-    def _loader(descs, bufs, bars, geo, outs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DIM: gl.constexpr,
-                STAGES: gl.constexpr):
-        """The loader warp: both Q halves, then K and V of every key block into their rings."""
-        q_desc, k_desc, v_desc = descs
-        q_bufs, k_ring, v_ring = bufs
+    def _load_rows(descs, bufs, bars, geo, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DIM: gl.constexpr,
+                   STAGES: gl.constexpr, HAS_DO: gl.constexpr):
+        """The loader warp: both halves of the tile's Q (and dO, for the dQ kernel), then K and V of every
+        key block into their rings. descs: (Q, K, V, dO); bufs: (Q halves, K ring, V ring, dO halves)."""
+        q_desc, k_desc, v_desc, do_desc = descs
+        q_bufs, k_ring, v_ring, do_bufs = bufs
         q_bars, k_ready, k_empty, v_ready, v_empty = bars
         seg_start, seg_len, ctx_start, ctx_len, mb, h, hk, n_c, n = geo
         for c in gl.static_range(2):
-            mbarrier.expect(q_bars.index(c), q_desc.block_type.nbytes)
             row = seg_start + mb * (2 * BLOCK_M) + c * BLOCK_M
+            if HAS_DO:
+                mbarrier.expect(q_bars.index(c), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+                tma_load(do_desc, [row, h * DIM], q_bars.index(c), do_bufs.index(c))
+            else:
+                mbarrier.expect(q_bars.index(c), q_desc.block_type.nbytes)
             tma_load(q_desc, [row, h * DIM], q_bars.index(c), q_bufs.index(c))
         for j in range(n):
             slot = j % STAGES
@@ -57,6 +62,27 @@ if AVAILABLE:
             mbarrier.wait(v_empty.index(slot), phase ^ 1)
             mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
             tma_load(v_desc, [row, hk * DIM], v_ready.index(slot), v_ring.index(slot))
+
+    @gluon.jit
+    def _loader(descs, bufs, bars, geo, outs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DIM: gl.constexpr,
+                STAGES: gl.constexpr):
+        q_desc, k_desc, v_desc = descs
+        q_bufs, k_ring, v_ring = bufs
+        _load_rows((q_desc, k_desc, v_desc, q_desc), (q_bufs, k_ring, v_ring, q_bufs), bars, geo, BLOCK_M, BLOCK_N,
+                   DIM, STAGES, False)
+
+    @gluon.jit
+    def edge_mask(s, j, n_c, ctx_len, seg_len, m0, offs_n, qpos, fill, BLOCK_N: gl.constexpr):
+        """Scores of key block j with invisible keys set to ``fill``, masked only where the block crosses
+        the context's end, the causal edge (rows from m0) or the segment's end."""
+        in_c = j < n_c
+        b0 = gl.where(in_c, j, j - n_c) * BLOCK_N
+        edge = gl.where(in_c, b0 + BLOCK_N > ctx_len, (b0 + BLOCK_N > m0 + 1) | (b0 + BLOCK_N > seg_len))
+        if edge:
+            kidx = b0 + offs_n
+            vis = (kidx < gl.where(in_c, ctx_len, seg_len)) & (gl.where(in_c, 0, ctx_len) + kidx <= qpos)
+            s = gl.where(vis, s, fill)
+        return s
 
     @gluon.jit
     def _consume(descs, bufs, bars, geo, outs, C: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -101,14 +127,7 @@ if AVAILABLE:
             acc = warpgroup_mma(p_op, v_ring.index(vs), acc, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=1, deps=[s])  # S done; P V still running
             mbarrier.arrive(k_empty.index(ks), count=1)
-            in_c = j < n_c
-            b0 = gl.where(in_c, j, j - n_c) * BLOCK_N
-            # a mask only where the block crosses the context's end, the causal edge or the segment's end
-            edge = gl.where(in_c, b0 + BLOCK_N > ctx_len, (b0 + BLOCK_N > m0 + 1) | (b0 + BLOCK_N > seg_len))
-            if edge:
-                kidx = b0 + offs_n
-                vis = (kidx < gl.where(in_c, ctx_len, seg_len)) & (gl.where(in_c, 0, ctx_len) + kidx <= qpos)
-                s = gl.where(vis, s, float("-inf"))
+            s = edge_mask(s, j, n_c, ctx_len, seg_len, m0, offs_n, qpos, float("-inf"), BLOCK_N)
             m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
             alpha = gl.exp2(m_i - m_new)
             p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
