@@ -13,15 +13,14 @@ import triton
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma, warpgroup_mma_init,
-                                                              warpgroup_mma_wait)
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     tma_load = getattr(tma, "async_load", None) or getattr(tma, "async_copy_global_to_shared")
     block_barrier = getattr(gl, "thread_barrier", None) or getattr(gl, "barrier")
     AVAILABLE = hasattr(gl, "warp_specialize")
 except (ImportError, AttributeError):  # pragma: no cover - a Triton without Gluon, or another API
-    gluon = gl = mbarrier = tma = warpgroup_mma = warpgroup_mma_init = warpgroup_mma_wait = TensorDescriptor = None
+    gluon = gl = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = TensorDescriptor = None
     tma_load = block_barrier = None
     AVAILABLE = False
 

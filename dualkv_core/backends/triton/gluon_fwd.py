@@ -36,21 +36,16 @@ if AVAILABLE:
         return gl.where(b < n_c, ctx_start + b * BLOCK_N, seg_start + (b - n_c) * BLOCK_N)
 
     @gluon.jit
-    def _load_rows(descs, bufs, bars, geo, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DIM: gl.constexpr,
-                   STAGES: gl.constexpr, HAS_DO: gl.constexpr):
-        """The loader warp: both halves of the tile's Q (and dO, for the dQ kernel), then K and V of every
-        key block into their rings. descs: (Q, K, V, dO); bufs: (Q halves, K ring, V ring, dO halves)."""
-        q_desc, k_desc, v_desc, do_desc = descs
-        q_bufs, k_ring, v_ring, do_bufs = bufs
+    def _loader(descs, bufs, bars, geo, outs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DIM: gl.constexpr,
+                STAGES: gl.constexpr):
+        """The loader warp: both Q halves, then K and V of every key block into their rings."""
+        q_desc, k_desc, v_desc = descs
+        q_bufs, k_ring, v_ring = bufs
         q_bars, k_ready, k_empty, v_ready, v_empty = bars
         seg_start, seg_len, ctx_start, ctx_len, mb, h, hk, n_c, n = geo
         for c in gl.static_range(2):
             row = seg_start + mb * (2 * BLOCK_M) + c * BLOCK_M
-            if HAS_DO:
-                mbarrier.expect(q_bars.index(c), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-                tma_load(do_desc, [row, h * DIM], q_bars.index(c), do_bufs.index(c))
-            else:
-                mbarrier.expect(q_bars.index(c), q_desc.block_type.nbytes)
+            mbarrier.expect(q_bars.index(c), q_desc.block_type.nbytes)
             tma_load(q_desc, [row, h * DIM], q_bars.index(c), q_bufs.index(c))
         for j in range(n):
             slot = j % STAGES
@@ -64,15 +59,7 @@ if AVAILABLE:
             tma_load(v_desc, [row, hk * DIM], v_ready.index(slot), v_ring.index(slot))
 
     @gluon.jit
-    def _loader(descs, bufs, bars, geo, outs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DIM: gl.constexpr,
-                STAGES: gl.constexpr):
-        q_desc, k_desc, v_desc = descs
-        q_bufs, k_ring, v_ring = bufs
-        _load_rows((q_desc, k_desc, v_desc, q_desc), (q_bufs, k_ring, v_ring, q_bufs), bars, geo, BLOCK_M, BLOCK_N,
-                   DIM, STAGES, False)
-
-    @gluon.jit
-    def edge_mask(s, j, n_c, ctx_len, seg_len, m0, offs_n, qpos, fill, BLOCK_N: gl.constexpr):
+    def _edge_mask(s, j, n_c, ctx_len, seg_len, m0, offs_n, qpos, fill, BLOCK_N: gl.constexpr):
         """Scores of key block j with invisible keys set to ``fill``, masked only where the block crosses
         the context's end, the causal edge (rows from m0) or the segment's end."""
         in_c = j < n_c
@@ -127,7 +114,7 @@ if AVAILABLE:
             acc = warpgroup_mma(p_op, v_ring.index(vs), acc, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=1, deps=[s])  # S done; P V still running
             mbarrier.arrive(k_empty.index(ks), count=1)
-            s = edge_mask(s, j, n_c, ctx_len, seg_len, m0, offs_n, qpos, float("-inf"), BLOCK_N)
+            s = _edge_mask(s, j, n_c, ctx_len, seg_len, m0, offs_n, qpos, float("-inf"), BLOCK_N)
             m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
             alpha = gl.exp2(m_i - m_new)
             p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
