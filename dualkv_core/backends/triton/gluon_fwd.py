@@ -27,7 +27,6 @@ from . import schedule
 from .gluon_compat import (AVAILABLE, compile_for_sm90 as _compile, desc, gl, gluon, mbarrier, on_hopper, tile_sig,
                            tma_load, warpgroup_mma, warpgroup_mma_wait)
 
-LOG2E = 1.4426950408889634
 
 if AVAILABLE:
     @gluon.jit
@@ -205,7 +204,9 @@ def supported(o, q, separate_context: bool) -> bool:
 def run(q, k, v, out, lse, meta, qk_scale: float, block_m: int = 64, block_n: int = 128, stages: int = 2,
         consumer_regs: int = 240, maxnreg: int = 168):
     """Launch: ``out`` (T, H, d) and ``lse`` (H, T) fp32 are written. qk_scale = softmax scale * log2(e).
-    block_m: rows per consumer (a program takes 2 * block_m)."""
+    block_m: rows per consumer (a program takes 2 * block_m). Registers: the program's three warpgroups
+    (consumer 0, consumer 1, the loader's) start at ``maxnreg`` a thread (3 x 128 x 168 fills the 64K
+    register file); the loader drops to 24, consumer 1 takes ``consumer_regs`` and consumer 0 the rest."""
     T, H, d = q.shape
     tiles = schedule.query_tiles(meta, T, 2 * block_m, None)
     n_tiles = tiles.shape[1]
