@@ -1,15 +1,18 @@
 """dK/dV of the packed layout in Gluon (Triton's tile-level language) for Hopper: the one-loop row
 walk of ``bwd_kernel.dkdv_rows_kernel`` with its matrix products issued asynchronously.
 
-Why: ``tl.dot`` waits for every product before the next statement, so the row kernel's exponentials
-and dS run while the tensor cores idle. Here each step issues S^T = K Q^T and dP^T = V dO^T together,
-computes P^T while dP^T runs, issues dV += P^T dO, computes dS^T while dV runs, then issues
-dK += dS^T Q. Q / dO / LSE / delta of later steps arrive by TMA into a ring of ``STAGES`` buffers
-(one mbarrier each), so loads never stall a step.
+The idea: ``tl.dot`` waits for every product before the next statement. Here each step issues
+S^T = K Q^T and dP^T = V dO^T together, computes P^T while dP^T runs, issues dV += P^T dO, computes
+dS^T while dV runs, then issues dK += dS^T Q. Q / dO / LSE / delta of later steps arrive by TMA into
+a ring of ``STAGES`` buffers (one mbarrier each). Measured on an H200 it gives the row kernel's
+gradients bit for bit at the same speed (d = 128; slower at d = 64:
+``benchmarks/results/raw/gluon_dkdv_h200_s30.log``), so waiting is not what holds the row kernel
+back (by estimate, not profiled: shared-memory operand traffic and registers are). So it is opt-in (``DUALKV_TRITON_GLUON_DKDV=1``), kept
+as the base for a dK/dV that also adds dQ asynchronously.
 
 Scope (the launcher checks it): sm_90, fp16 / bf16, head dims 64 / 128 (a box of DIM elements, no
 padding), no softcap, no atomic dQ, the packed layout without a window: the same items, masks and
-outputs as ``dkdv_rows_kernel``. Needs ``triton.experimental.gluon`` as Triton 3.6 spells it.
+outputs as ``dkdv_rows_kernel``. Gluon names as ``gluon_compat`` gives them (Triton 3.6 and 3.9).
 """
 
 from __future__ import annotations
