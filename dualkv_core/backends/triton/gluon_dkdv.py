@@ -7,8 +7,8 @@ dS^T while dV runs, then issues dK += dS^T Q. Q / dO / LSE / delta of later step
 a ring of ``STAGES`` buffers (one mbarrier each). Measured on an H200 it gives the row kernel's
 gradients bit for bit at the same speed (d = 128; slower at d = 64:
 ``benchmarks/results/raw/gluon_dkdv_h200_s30.log``), so waiting is not what holds the row kernel
-back (by estimate, not profiled: shared-memory operand traffic and registers are). So it is opt-in (``DUALKV_TRITON_GLUON_DKDV=1``), kept
-as the base for a dK/dV that also adds dQ asynchronously.
+back (by estimate, not profiled: shared-memory operand traffic and registers are). So it is opt-in
+(``DUALKV_TRITON_GLUON_DKDV=1``), kept as the base for a dK/dV that also adds dQ asynchronously.
 
 Scope (the launcher checks it): sm_90, fp16 / bf16, head dims 64 / 128 (a box of DIM elements, no
 padding), no softcap, no atomic dQ, the packed layout without a window: the same items, masks and
