@@ -155,6 +155,24 @@ def _store_block(DK, DV, DKC, DVC, own, off, dk, dv, kok, offs_d, DIM: tl.conste
         store_rows(DVC + off, dv.to(DVC.dtype.element_ty), kok, offs_d, DIM, HEAD_DIM)
 
 
+@triton.jit
+def _store_item(DK, DV, DKC, DVC, WSK, WSV, ITEMS, n_items, item, own, krow, n_keys, blk, z, nz, hk, nheads_k,
+                dk, dv, kok, sm_scale, offs_n, offs_d, DIM: tl.constexpr, HEAD_DIM: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """A key item's dK (scaled) / dV: an fp32 partial per reader split (``reduce_kernel`` sums them in
+    split order), or cast once into the outputs. Rows where ``kok`` is false (past the unit's keys) are
+    dropped."""
+    dk = dk * sm_scale
+    row_stride = nheads_k * DIM
+    tile = offs_n[:, None] * row_stride + hk * DIM + offs_d[None, :]
+    if nz > 1:
+        ws_row = (tl.load(ITEMS + I_WS_BASE * n_items + item) + z * n_keys + blk * BLOCK_N).to(tl.int64)
+        store_rows(WSK + ws_row * row_stride + tile, dk, kok, offs_d, DIM, HEAD_DIM)
+        store_rows(WSV + ws_row * row_stride + tile, dv, kok, offs_d, DIM, HEAD_DIM)
+    else:
+        _store_block(DK, DV, DKC, DVC, own, krow.to(tl.int64) * row_stride + tile, dk, dv, kok, offs_d, DIM, HEAD_DIM)
+
+
 @triton.jit(do_not_specialize=["n_items", "n_seg", "total_q", "window"])
 def dkdv_kernel(
     Q, K, V, KC, VC, DO, LSE, DELTA, DQ_ACC, DK, DV, DKC, DVC, WSK, WSV,
@@ -225,15 +243,8 @@ def dkdv_kernel(
                 s += 1
                 seg_a = seg_b
 
-    dk = dk * sm_scale
-    row_stride = nheads_k * DIM
-    tile = offs_n[:, None] * row_stride + hk * DIM + offs_d[None, :]
-    if nz > 1:  # one fp32 partial per split; ``reduce_kernel`` sums them in split order
-        ws_row = (tl.load(ITEMS + I_WS_BASE * n_items + item) + z * n_keys + blk * BLOCK_N).to(tl.int64)
-        store_rows(WSK + ws_row * row_stride + tile, dk, kok, offs_d, DIM, HEAD_DIM)
-        store_rows(WSV + ws_row * row_stride + tile, dv, kok, offs_d, DIM, HEAD_DIM)
-    else:
-        _store_block(DK, DV, DKC, DVC, own, krow.to(tl.int64) * row_stride + tile, dk, dv, kok, offs_d, DIM, HEAD_DIM)
+    _store_item(DK, DV, DKC, DVC, WSK, WSV, ITEMS, n_items, item, own, krow, n_keys, blk, z, nz, hk, nheads_k,
+                dk, dv, kok, sm_scale, offs_n, offs_d, DIM, HEAD_DIM, BLOCK_N)
 
 
 @triton.jit(do_not_specialize=["n_items", "total_q", "t4"])
@@ -318,19 +329,9 @@ def dkdv_rows_kernel(
             _add_dq(DQ_ACC, dq, row, hq, nheads * DIM, (row + offs_m) < total_q, offs_m, offs_d, DIM, HEAD_DIM,
                     DQ_TMA)
 
-    dk = dk * sm_scale
-    # Rows past the segment (a ragged last block) are other tokens' keys: their sums are dropped. A
-    # split item writes its fp32 partial, a whole one its dK/dV (one of the two masks is empty).
-    to_ws = key_rows < tl.where(nz > 1, seg_end, 0)
-    to_out = key_rows < tl.where(nz > 1, 0, seg_end)
-    row_stride = nheads_k * DIM
-    tile = offs_n[:, None] * row_stride + hk * DIM + offs_d[None, :]
-    ws_row = (tl.load(ITEMS + I_WS_BASE * n_items + item) + z * (seg_end - seg_start) + blk * BLOCK_N).to(tl.int64)
-    store_rows(WSK + ws_row * row_stride + tile, dk, to_ws, offs_d, DIM, HEAD_DIM)
-    store_rows(WSV + ws_row * row_stride + tile, dv, to_ws, offs_d, DIM, HEAD_DIM)
-    out = krow.to(tl.int64) * row_stride + tile
-    store_rows(DK + out, dk.to(DK.dtype.element_ty), to_out, offs_d, DIM, HEAD_DIM)
-    store_rows(DV + out, dv.to(DV.dtype.element_ty), to_out, offs_d, DIM, HEAD_DIM)
+    # rows past the segment (a ragged last block) are other tokens' keys: their sums are dropped
+    _store_item(DK, DV, DK, DV, WSK, WSV, ITEMS, n_items, item, True, krow, seg_end - seg_start, blk, z, nz, hk,
+                nheads_k, dk, dv, key_rows < seg_end, sm_scale, offs_n, offs_d, DIM, HEAD_DIM, BLOCK_N)
 
 
 @triton.jit(do_not_specialize=["n_items", "n_seg"])
