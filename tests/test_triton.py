@@ -512,13 +512,17 @@ def test_gluon_kernels_compile_for_hopper():
             "for d, bn, w in ((128, 128, 8), (64, 64, 4)):\n"
             "    k = gluon_dkdv.compile_for_sm90(d, block_n=bn, num_warps=w)\n"
             "    print('dkdv', d, k.metadata.shared, len(k.asm['cubin']))\n"
+            "    k = gluon_dkdv.compile_for_sm90(d, block_n=bn, num_warps=w, fuse_dq=True)\n"
+            "    assert 'cp.reduce.async.bulk.tensor' in k.asm['ptx']\n"
+            "    print('dkdv_dq', d, k.metadata.shared, len(k.asm['cubin']))\n"
             "    k = gluon_fwd.compile_for_sm90(d)\n"
             "    print('fwd', d, k.metadata.shared, len(k.asm['cubin']))\n")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     lines = [line.split() for line in res.stdout.strip().split("\n")]
-    assert [(kind, int(d)) for kind, d, *_ in lines] == [("dkdv", 128), ("fwd", 128), ("dkdv", 64), ("fwd", 64)]
+    assert [(kind, int(d)) for kind, d, *_ in lines] == [("dkdv", 128), ("dkdv_dq", 128), ("fwd", 128),
+                                                         ("dkdv", 64), ("dkdv_dq", 64), ("fwd", 64)]
     for _, _, smem, cubin in lines:
         assert int(cubin) > 0 and int(smem) <= 227 * 1024
 
@@ -540,7 +544,7 @@ def test_gluon_switches(monkeypatch):
     q = torch.zeros(8, 4, 128, dtype=torch.float16)
     k = torch.zeros(8, 2, 128, dtype=torch.float16)
     opts = launcher._Opts(q, k, 0.1, None, None, True)
-    assert not gluon_dkdv.supported(opts, False, q)
+    assert not gluon_dkdv.supported(opts, q)
     assert not gluon_fwd.supported(opts, q, False)
     # and a CPU backward with the switch on still runs the row kernel, correctly
     _, meta, q, k, v, do = _inputs([40], [[9, 5]], 4, 2, 32)

@@ -165,6 +165,30 @@ def test_gluon_dkdv_matches_row_kernel(d, dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("d, dtype", [(128, torch.bfloat16), (64, torch.float16)])
+def test_gluon_fused_dq(d, dtype, monkeypatch):
+    """DUALKV_TRITON_GLUON_DKDV=1 with DUALKV_TRITON_ATOMIC_DQ=1: the Gluon dK/dV also adds dQ by TMA
+    reduce-add. dK and dV are the row kernel's bit for bit; every gradient passes the reference check
+    (``_check``), prompts split over several reader programs, GQA 4:1, ragged blocks."""
+    from dualkv.core.backends.triton import gluon_dkdv
+
+    if torch.cuda.get_device_capability()[0] != 9 or not gluon_dkdv.AVAILABLE:
+        pytest.skip("the Gluon dK/dV runs on Hopper (sm_90) with Triton's Gluon")
+    layout = _layout([4096, 129], [16, 2], [2048, 63])
+    g_rows = _check(layout, 8, 2, d, dtype, seed=6)
+    calls = []
+    real_run = gluon_dkdv.run
+    monkeypatch.setattr(gluon_dkdv, "run", lambda *a, **kw: calls.append(kw["dq_acc"] is not None)
+                        or real_run(*a, **kw))
+    monkeypatch.setenv("DUALKV_TRITON_GLUON_DKDV", "1")
+    monkeypatch.setenv("DUALKV_TRITON_ATOMIC_DQ", "1")
+    g_fused = _check(layout, 8, 2, d, dtype, seed=6)
+    assert calls and all(calls), "the Gluon dK/dV with dQ did not run"
+    for a, b in zip(g_rows[1:], g_fused[1:]):
+        assert torch.equal(a, b)
+    assert _err(g_fused[0], g_rows[0]) <= 2e-2 * max(g_rows[0].float().abs().max().item(), 1.0)
+
+
+@pytest.mark.parametrize("d, dtype", [(128, torch.bfloat16), (64, torch.float16)])
 def test_gluon_forward_matches_tl_forward(d, dtype, monkeypatch):
     """The Gluon forward (the default on Hopper at d = 64 / 128) against the ``tl`` forward: the same
     out and LSE up to rounding, on several groups, odd lengths, a 1-token response and GQA 4:1; and it

@@ -13,16 +13,31 @@ import triton
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language._core import builtin
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton._C.libtriton import ir
 
     tma_load = getattr(tma, "async_load", None) or getattr(tma, "async_copy_global_to_shared")
     block_barrier = getattr(gl, "thread_barrier", None) or getattr(gl, "barrier")
     AVAILABLE = hasattr(gl, "warp_specialize")
 except (ImportError, AttributeError):  # pragma: no cover - a Triton without Gluon, or another API
     gluon = gl = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = TensorDescriptor = None
-    tma_load = block_barrier = None
+    tma_load = block_barrier = fence_async_shared = builtin = ir = None
     AVAILABLE = False
+
+
+if AVAILABLE:
+    @builtin
+    def tma_add(tensor_desc, coord, src, _semantic=None):
+        """global[box at coord] += src (a shared-memory tile) by TMA reduce-add, asynchronously: the
+        tile may be overwritten after ``tma.store_wait`` (Gluon's ``async_atomic_add`` in later
+        releases; this builder call is the same in 3.6 and 3.9)."""
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+else:  # pragma: no cover
+    tma_add = None
 
 
 def on_hopper(t: torch.Tensor) -> bool:
@@ -31,7 +46,7 @@ def on_hopper(t: torch.Tensor) -> bool:
 
 
 def gl_dtype(dtype: torch.dtype):
-    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
+    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
 
 
 def desc(t: torch.Tensor, rows: int):
@@ -43,7 +58,8 @@ def desc(t: torch.Tensor, rows: int):
 
 def tile_sig(dtype: str, rows: int, dim: int) -> str:
     """The signature string of a ``desc(t, rows)`` argument, for ``compile_for_sm90``."""
-    layout = gl.NVMMASharedLayout.get_default_for([rows, dim], {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype])
+    layout = gl.NVMMASharedLayout.get_default_for([rows, dim], {"bf16": gl.bfloat16, "fp16": gl.float16,
+                                                                "fp32": gl.float32}[dtype])
     return f"tensordesc<{dtype}[{rows}, {dim}],{layout!r}>"
 
 

@@ -18,8 +18,9 @@ outputs as ``dkdv_rows_kernel``. Gluon names as ``gluon_compat`` gives them (Tri
 from __future__ import annotations
 
 from .bwd_kernel import I_BLOCK, I_NSPLIT, I_R0, I_R1, I_REGION, I_SPLIT, I_WS_BASE
-from .gluon_compat import (AVAILABLE, block_barrier, compile_for_sm90 as _compile, desc, gl, gluon, mbarrier,
-                           on_hopper, tile_sig, TensorDescriptor, tma_load, warpgroup_mma, warpgroup_mma_wait)
+from .gluon_compat import (AVAILABLE, block_barrier, compile_for_sm90 as _compile, desc, fence_async_shared, gl,
+                           gluon, mbarrier, on_hopper, tile_sig, tma, TensorDescriptor, tma_add, tma_load, warpgroup_mma,
+                           warpgroup_mma_wait)
 
 if AVAILABLE:
     @gluon.jit
@@ -47,16 +48,19 @@ if AVAILABLE:
 
     @gluon.jit
     def dkdv_rows_gluon_kernel(
-        q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV, WSK, WSV, ITEMS, CU,
+        q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, DK, DV, WSK, WSV, ITEMS, CU,
         n_items, nheads_k, qk_scale, sm_scale,
         REP: gl.constexpr, DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        STAGES: gl.constexpr, num_warps: gl.constexpr,
+        STAGES: gl.constexpr, FUSE_DQ: gl.constexpr, num_warps: gl.constexpr,
     ):
         """dK/dV of one (key item, kv head): ``dkdv_rows_kernel``'s walk and masks, products asynchronous.
 
         q_desc / do_desc: (total_q, nheads * DIM) boxes (BLOCK_M, DIM); k_desc / v_desc: (total_q,
         nheads_k * DIM) boxes (BLOCK_N, DIM); lse_desc / delta_desc: (nheads, t4) fp32 boxes (1, BLOCK_M),
         LSE in log2 units. The key block's rows are split over the warpgroups (warps (num_warps, 1)).
+        FUSE_DQ: each step also adds its unscaled dQ = dS K to the fp32 (total_q, nheads * DIM) behind
+        dq_desc (boxes (BLOCK_M, DIM)) by TMA reduce-add; dS goes through shared memory, and the
+        warpgroups split dQ's columns.
         """
         dtype: gl.constexpr = q_desc.dtype
         # Accumulator layouts: scores (keys, queries) and dK / dV (keys, DIM), rows over the warps.
@@ -67,6 +71,8 @@ if AVAILABLE:
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
         col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
+                                                            instr_shape=[16, DIM // (num_warps // 4), 16])
 
         pid = gl.program_id(0)
         item = pid // nheads_k
@@ -95,6 +101,10 @@ if AVAILABLE:
             do_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, DIM], do_desc.layout)
             lse_ring = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], lse_desc.layout)
             delta_ring = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], delta_desc.layout)
+            if FUSE_DQ:
+                ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+                ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_layout)
+                dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, DIM], dq_desc.layout)
             bars = gl.allocate_shared_memory(gl.int64, [STAGES + 1, 1], mbarrier.MBarrierLayout())
             for s in gl.static_range(STAGES + 1):
                 mbarrier.init(bars.index(s), count=1)
@@ -115,6 +125,7 @@ if AVAILABLE:
             s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
             dk = gl.zeros([BLOCK_N, DIM], gl.float32, acc_layout)
             dv = gl.zeros([BLOCK_N, DIM], gl.float32, acc_layout)
+            dq_zero = gl.zeros([BLOCK_M, DIM], gl.float32, dq_layout)
             for i in range(total):
                 # The slot step i - 1 used is free (its products were waited for): load step i + STAGES - 1.
                 j = i + STAGES - 1
@@ -130,10 +141,12 @@ if AVAILABLE:
                 st = warpgroup_mma(k_smem, q_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 dpt = warpgroup_mma(v_smem, do_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 lse2 = lse_ring.index(slot).load(s_layout)  # (1, BLOCK_M)
-                delta = delta_ring.index(slot).load(s_layout)
-                row, _, in_own = _step(i, n_blocks, n_own, own_lo, read_lo, hk, REP, BLOCK_M)
+                row, hq, in_own = _step(i, n_blocks, n_own, own_lo, read_lo, hk, REP, BLOCK_M)
                 rows = gl.expand_dims(row + offs_m, 0)
-                lower = gl.expand_dims(gl.where(in_own, key_rows, r0), 1)
+                lower = gl.where(in_own, key_rows, r0)
+                if FUSE_DQ:  # keys past the segment are other tokens' (a prompt block's readers would see them)
+                    lower = gl.where(key_rows < seg_end, lower, 2147483647)
+                lower = gl.expand_dims(lower, 1)
                 upper = gl.where(in_own, seg_end, r1)
                 st = warpgroup_mma_wait(num_outstanding=1, deps=[st])
                 # P^T while dP^T is on the tensor cores
@@ -141,13 +154,29 @@ if AVAILABLE:
                 dv = warpgroup_mma(gl.convert_layout(p.to(dtype), a_layout), do_s, dv, is_async=True)
                 dpt = warpgroup_mma_wait(num_outstanding=1, deps=[dpt])
                 # dS^T while dV is on the tensor cores
-                ds = gl.convert_layout((p * (dpt - delta)).to(dtype), a_layout)
-                dk = warpgroup_mma(ds, q_s, dk, is_async=True)
-                dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=[dv, dk])
+                delta = delta_ring.index(slot).load(s_layout)
+                ds = (p * (dpt - delta)).to(dtype)
+                dk = warpgroup_mma(gl.convert_layout(ds, a_layout), q_s, dk, is_async=True)
+                if FUSE_DQ:
+                    ds_smem.store(ds)
+                    fence_async_shared()
+                    tma.store_wait(0)  # the previous step's dQ tile has been read from dq_smem
+                    block_barrier()  # both warpgroups' key rows of dS^T are in place
+                    dv = warpgroup_mma_wait(num_outstanding=1, deps=[dv])  # P^T's registers free before dQ's
+                    dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, dq_zero, use_acc=False, is_async=True)
+                    dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=[dk, dq])
+                    dq_smem.store(dq)
+                    fence_async_shared()
+                else:
+                    dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=[dv, dk])
                 block_barrier()  # every warpgroup is done with the slot before it is refilled
+                if FUSE_DQ:  # and dq_smem is whole: add it to dQ while the next step runs
+                    tma_add(dq_desc, [row, hq * DIM], dq_smem)
 
             for s in gl.static_range(STAGES + 1):
                 mbarrier.invalidate(bars.index(s))
+            if FUSE_DQ:
+                tma.store_wait(0)
 
             dk = dk * sm_scale
             # As the row kernel: rows past the segment are dropped; a split item writes its fp32 partial.
@@ -169,39 +198,43 @@ if AVAILABLE:
             gl.store(DV + out, dv.to(dtype), mask=to_out)
 
 
-def supported(o, atomic: bool, q) -> bool:
+def supported(o, q) -> bool:
     """Whether the Gluon dK/dV applies to a call (``o``: the launcher's options)."""
-    return (on_hopper(q) and o.tma and o.dim == o.head_dim and o.dim in (64, 128) and not o.has_softcap
-            and not atomic and o.elem == 2)
+    return on_hopper(q) and o.tma and o.dim == o.head_dim and o.dim in (64, 128) and not o.has_softcap and o.elem == 2
 
 
 def run(q, k, v, dout, lse2, delta, dk, dv, wsk, wsv, table, cu_seqlens, nheads_k, rep, qk_scale, sm_scale,
-        block_m: int = 64, block_n: int = 128, stages: int = 2, num_warps: int = 8):
-    """Launch the Gluon dK/dV. lse2 / delta: (nheads, t4) fp32, t4 a multiple of 4, LSE in log2 units."""
+        dq_acc=None, block_m: int = 64, block_n: int = 128, stages: int = 2, num_warps: int = 8):
+    """Launch the Gluon dK/dV. lse2 / delta: (nheads, t4) fp32, t4 a multiple of 4, LSE in log2 units.
+    dq_acc: an fp32 tensor like q to add the unscaled dQ into (zeroed by the caller), or None."""
     stat_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 
     def stat_desc(t):
         return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], [1, block_m], stat_layout)
 
     n_items = table.shape[1]
+    q_desc = desc(q, block_m)
     return dkdv_rows_gluon_kernel[(n_items * nheads_k,)](
-        desc(q, block_m), desc(k, block_n), desc(v, block_n), desc(dout, block_m), stat_desc(lse2),
-        stat_desc(delta), dk, dv, wsk, wsv, table, cu_seqlens, n_items, nheads_k, qk_scale, sm_scale,
-        REP=rep, DIM=q.shape[2], BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, num_warps=num_warps,
+        q_desc, desc(k, block_n), desc(v, block_n), desc(dout, block_m), stat_desc(lse2),
+        stat_desc(delta), q_desc if dq_acc is None else desc(dq_acc, block_m), dk, dv, wsk, wsv, table, cu_seqlens,
+        n_items, nheads_k, qk_scale, sm_scale, REP=rep, DIM=q.shape[2], BLOCK_M=block_m, BLOCK_N=block_n,
+        STAGES=stages, FUSE_DQ=dq_acc is not None, num_warps=num_warps,
     )
 
 
 def compile_for_sm90(dim: int = 128, block_m: int = 64, block_n: int = 128, num_warps: int = 8, stages: int = 2,
-                     rep: int = 4, dtype: str = "bf16"):
+                     rep: int = 4, dtype: str = "bf16", fuse_dq: bool = False):
     """Compile the kernel for sm_90 without a GPU (the CPU tests' check that it lowers)."""
     stat = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
     sig = dict(q_desc=tile_sig(dtype, block_m, dim), do_desc=tile_sig(dtype, block_m, dim),
                k_desc=tile_sig(dtype, block_n, dim), v_desc=tile_sig(dtype, block_n, dim),
+               dq_desc=tile_sig("fp32" if fuse_dq else dtype, block_m, dim),
                lse_desc=f"tensordesc<fp32[1, {block_m}],{stat!r}>",
                delta_desc=f"tensordesc<fp32[1, {block_m}],{stat!r}>",
                DK=f"*{dtype}", DV=f"*{dtype}", WSK="*fp32", WSV="*fp32", ITEMS="*i32", CU="*i32",
                n_items="i32", nheads_k="i32", qk_scale="fp32", sm_scale="fp32")
-    const = dict(REP=rep, DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, num_warps=num_warps)
+    const = dict(REP=rep, DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, FUSE_DQ=fuse_dq,
+                 num_warps=num_warps)
     return _compile(dkdv_rows_gluon_kernel, sig, const, num_warps)
 
 

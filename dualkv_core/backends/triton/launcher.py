@@ -256,9 +256,10 @@ class Backward:
         torch.mul(lse, LOG2E, out=lse2[:, :T])
         delta = lse.new_zeros((H, t4))
         delta[:, :T] = self.delta
-        if configs.gluon_dkdv_enabled() and gluon_dkdv.supported(o, self.atomic, q):
+        if configs.gluon_dkdv_enabled() and gluon_dkdv.supported(o, q):
             gluon_dkdv.run(q, k, v, dout, lse2, delta, self.dk, self.dv, wsk, wsv, table, meta.cu_seqlens, Hkv, o.rep,
-                           o.qk_scale, o.scale, block_m=cfg.block_m, block_n=cfg.block_n, num_warps=cfg.num_warps)
+                           o.qk_scale, o.scale, dq_acc=self.dq_acc if self.atomic else None, block_m=cfg.block_m,
+                           block_n=cfg.block_n, num_warps=cfg.num_warps)
             return
         dkdv_rows_kernel[(table.shape[1] * Hkv,)](
             q, k, v, dout, lse2, delta, self.dq_acc, self.dk, self.dv, wsk, wsv, table, meta.cu_seqlens,
