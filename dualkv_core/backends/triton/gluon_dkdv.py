@@ -51,7 +51,7 @@ if AVAILABLE:
         q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, DK, DV, WSK, WSV, ITEMS, CU,
         n_items, nheads_k, qk_scale, sm_scale,
         REP: gl.constexpr, DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        STAGES: gl.constexpr, FUSE_DQ: gl.constexpr, num_warps: gl.constexpr,
+        STAGES: gl.constexpr, FUSE_DQ: gl.constexpr, DQ_PARTS: gl.constexpr, num_warps: gl.constexpr,
     ):
         """dK/dV of one (key item, kv head): ``dkdv_rows_kernel``'s walk and masks, products asynchronous.
 
@@ -72,7 +72,7 @@ if AVAILABLE:
         col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
-                                                            instr_shape=[16, DIM // (num_warps // 4), 16])
+                                                            instr_shape=[16, DIM // DQ_PARTS // (num_warps // 4), 16])
 
         pid = gl.program_id(0)
         item = pid // nheads_k
@@ -125,7 +125,8 @@ if AVAILABLE:
             s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
             dk = gl.zeros([BLOCK_N, DIM], gl.float32, acc_layout)
             dv = gl.zeros([BLOCK_N, DIM], gl.float32, acc_layout)
-            dq_zero = gl.zeros([BLOCK_M, DIM], gl.float32, dq_layout)
+            cols: gl.constexpr = DIM // DQ_PARTS
+            dq_zero = gl.zeros([BLOCK_M, cols], gl.float32, dq_layout)
             for i in range(total):
                 # The slot step i - 1 used is free (its products were waited for): load step i + STAGES - 1.
                 j = i + STAGES - 1
@@ -163,9 +164,11 @@ if AVAILABLE:
                     tma.store_wait(0)  # the previous step's dQ tile has been read from dq_smem
                     block_barrier()  # both warpgroups' key rows of dS^T are in place
                     dv = warpgroup_mma_wait(num_outstanding=1, deps=[dv])  # P^T's registers free before dQ's
-                    dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, dq_zero, use_acc=False, is_async=True)
-                    dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=[dk, dq])
-                    dq_smem.store(dq)
+                    for h in gl.static_range(DQ_PARTS):  # a column slice at a time: fewer live registers
+                        dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem.slice(h * cols, cols, dim=1), dq_zero,
+                                           use_acc=False, is_async=True)
+                        dq, dk = warpgroup_mma_wait(num_outstanding=0, deps=[dq, dk])
+                        dq_smem.slice(h * cols, cols, dim=1).store(dq)
                     fence_async_shared()
                 else:
                     dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=[dv, dk])
@@ -198,13 +201,18 @@ if AVAILABLE:
             gl.store(DV + out, dv.to(dtype), mask=to_out)
 
 
+# dQ's product in column slices, per head dim: at d = 128 a whole 64 x 128 tile spills registers
+DQ_PARTS = {64: 1, 128: 2}
+
+
 def supported(o, q) -> bool:
     """Whether the Gluon dK/dV applies to a call (``o``: the launcher's options)."""
     return on_hopper(q) and o.tma and o.dim == o.head_dim and o.dim in (64, 128) and not o.has_softcap and o.elem == 2
 
 
 def run(q, k, v, dout, lse2, delta, dk, dv, wsk, wsv, table, cu_seqlens, nheads_k, rep, qk_scale, sm_scale,
-        dq_acc=None, block_m: int = 64, block_n: int = 128, stages: int = 2, num_warps: int = 8):
+        dq_acc=None, block_m: int = 64, block_n: int = 128, stages: int = 2, num_warps: int = 8,
+        dq_parts: int | None = None):
     """Launch the Gluon dK/dV. lse2 / delta: (nheads, t4) fp32, t4 a multiple of 4, LSE in log2 units.
     dq_acc: an fp32 tensor like q to add the unscaled dQ into (zeroed by the caller), or None."""
     stat_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
@@ -218,12 +226,13 @@ def run(q, k, v, dout, lse2, delta, dk, dv, wsk, wsv, table, cu_seqlens, nheads_
         q_desc, desc(k, block_n), desc(v, block_n), desc(dout, block_m), stat_desc(lse2),
         stat_desc(delta), q_desc if dq_acc is None else desc(dq_acc, block_m), dk, dv, wsk, wsv, table, cu_seqlens,
         n_items, nheads_k, qk_scale, sm_scale, REP=rep, DIM=q.shape[2], BLOCK_M=block_m, BLOCK_N=block_n,
-        STAGES=stages, FUSE_DQ=dq_acc is not None, num_warps=num_warps,
+        STAGES=stages, FUSE_DQ=dq_acc is not None, DQ_PARTS=dq_parts or DQ_PARTS.get(q.shape[2], 1),
+        num_warps=num_warps,
     )
 
 
 def compile_for_sm90(dim: int = 128, block_m: int = 64, block_n: int = 128, num_warps: int = 8, stages: int = 2,
-                     rep: int = 4, dtype: str = "bf16", fuse_dq: bool = False):
+                     rep: int = 4, dtype: str = "bf16", fuse_dq: bool = False, dq_parts: int = 2):
     """Compile the kernel for sm_90 without a GPU (the CPU tests' check that it lowers)."""
     stat = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
     sig = dict(q_desc=tile_sig(dtype, block_m, dim), do_desc=tile_sig(dtype, block_m, dim),
@@ -233,7 +242,7 @@ def compile_for_sm90(dim: int = 128, block_m: int = 64, block_n: int = 128, num_
                delta_desc=f"tensordesc<fp32[1, {block_m}],{stat!r}>",
                DK=f"*{dtype}", DV=f"*{dtype}", WSK="*fp32", WSV="*fp32", ITEMS="*i32", CU="*i32",
                n_items="i32", nheads_k="i32", qk_scale="fp32", sm_scale="fp32")
-    const = dict(REP=rep, DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, FUSE_DQ=fuse_dq,
+    const = dict(REP=rep, DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, FUSE_DQ=fuse_dq, DQ_PARTS=dq_parts,
                  num_warps=num_warps)
     return _compile(dkdv_rows_gluon_kernel, sig, const, num_warps)
 
