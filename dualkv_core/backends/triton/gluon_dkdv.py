@@ -51,7 +51,8 @@ if AVAILABLE:
         q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, DK, DV, WSK, WSV, ITEMS, CU,
         n_items, nheads_k, qk_scale, sm_scale,
         REP: gl.constexpr, DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        STAGES: gl.constexpr, FUSE_DQ: gl.constexpr, DQ_PARTS: gl.constexpr, num_warps: gl.constexpr,
+        STAGES: gl.constexpr, FUSE_DQ: gl.constexpr, DQ_PARTS: gl.constexpr, EDGE_MASK: gl.constexpr,
+        num_warps: gl.constexpr,
     ):
         """dK/dV of one (key item, kv head): ``dkdv_rows_kernel``'s walk and masks, products asynchronous.
 
@@ -143,15 +144,20 @@ if AVAILABLE:
                 dpt = warpgroup_mma(v_smem, do_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 lse2 = lse_ring.index(slot).load(s_layout)  # (1, BLOCK_M)
                 row, hq, in_own = _step(i, n_blocks, n_own, own_lo, read_lo, hk, REP, BLOCK_M)
-                rows = gl.expand_dims(row + offs_m, 0)
-                lower = gl.where(in_own, key_rows, r0)
-                if FUSE_DQ:  # keys past the segment are other tokens' (a prompt block's readers would see them)
-                    lower = gl.where(key_rows < seg_end, lower, 2147483647)
-                lower = gl.expand_dims(lower, 1)
                 upper = gl.where(in_own, seg_end, r1)
+                # Masks only where the step's rows cross the causal edge, the rows' or the keys' end.
+                edge = ((row < gl.where(in_own, krow + BLOCK_N, r0)) | (row + BLOCK_M > upper)
+                        | (FUSE_DQ & (krow + BLOCK_N > seg_end)) | (not EDGE_MASK))
                 st = warpgroup_mma_wait(num_outstanding=1, deps=[st])
                 # P^T while dP^T is on the tensor cores
-                p = gl.where((rows >= lower) & (rows < upper), gl.exp2(st * qk_scale - lse2), 0.0)
+                p = gl.exp2(st * qk_scale - lse2)
+                if edge:
+                    rows = gl.expand_dims(row + offs_m, 0)
+                    lower = gl.where(in_own, key_rows, r0)
+                    if FUSE_DQ:  # keys past the segment are other tokens' (a prompt block's readers see them)
+                        lower = gl.where(key_rows < seg_end, lower, 2147483647)
+                    lower = gl.expand_dims(lower, 1)
+                    p = gl.where((rows >= lower) & (rows < upper), p, 0.0)
                 dv = warpgroup_mma(gl.convert_layout(p.to(dtype), a_layout), do_s, dv, is_async=True)
                 dpt = warpgroup_mma_wait(num_outstanding=1, deps=[dpt])
                 # dS^T while dV is on the tensor cores
@@ -164,11 +170,17 @@ if AVAILABLE:
                     tma.store_wait(0)  # the previous step's dQ tile has been read from dq_smem
                     block_barrier()  # both warpgroups' key rows of dS^T are in place
                     dv = warpgroup_mma_wait(num_outstanding=1, deps=[dv])  # P^T's registers free before dQ's
-                    for h in gl.static_range(DQ_PARTS):  # a column slice at a time: fewer live registers
-                        dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem.slice(h * cols, cols, dim=1), dq_zero,
-                                           use_acc=False, is_async=True)
+                    # a column slice at a time (fewer live registers), each stored while the next runs
+                    dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem.slice(0, cols, dim=1), dq_zero,
+                                       use_acc=False, is_async=True)
+                    for h in gl.static_range(1, DQ_PARTS + 1):
                         dq, dk = warpgroup_mma_wait(num_outstanding=0, deps=[dq, dk])
-                        dq_smem.slice(h * cols, cols, dim=1).store(dq)
+                        if h < DQ_PARTS:
+                            dq_next = warpgroup_mma(ds_smem.permute((1, 0)), k_smem.slice(h * cols, cols, dim=1),
+                                                    dq_zero, use_acc=False, is_async=True)
+                        dq_smem.slice((h - 1) * cols, cols, dim=1).store(dq)
+                        if h < DQ_PARTS:
+                            dq = dq_next
                     fence_async_shared()
                 else:
                     dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=[dv, dk])
@@ -212,7 +224,7 @@ def supported(o, q) -> bool:
 
 def run(q, k, v, dout, lse2, delta, dk, dv, wsk, wsv, table, cu_seqlens, nheads_k, rep, qk_scale, sm_scale,
         dq_acc=None, block_m: int = 64, block_n: int = 128, stages: int = 2, num_warps: int = 8,
-        dq_parts: int | None = None):
+        dq_parts: int | None = None, edge_mask: bool = False):
     """Launch the Gluon dK/dV. lse2 / delta: (nheads, t4) fp32, t4 a multiple of 4, LSE in log2 units.
     dq_acc: an fp32 tensor like q to add the unscaled dQ into (zeroed by the caller), or None."""
     stat_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
@@ -227,12 +239,14 @@ def run(q, k, v, dout, lse2, delta, dk, dv, wsk, wsv, table, cu_seqlens, nheads_
         stat_desc(delta), q_desc if dq_acc is None else desc(dq_acc, block_m), dk, dv, wsk, wsv, table, cu_seqlens,
         n_items, nheads_k, qk_scale, sm_scale, REP=rep, DIM=q.shape[2], BLOCK_M=block_m, BLOCK_N=block_n,
         STAGES=stages, FUSE_DQ=dq_acc is not None, DQ_PARTS=dq_parts or DQ_PARTS.get(q.shape[2], 1),
+        EDGE_MASK=edge_mask,
         num_warps=num_warps,
     )
 
 
 def compile_for_sm90(dim: int = 128, block_m: int = 64, block_n: int = 128, num_warps: int = 8, stages: int = 2,
-                     rep: int = 4, dtype: str = "bf16", fuse_dq: bool = False, dq_parts: int = 2):
+                     rep: int = 4, dtype: str = "bf16", fuse_dq: bool = False, dq_parts: int = 2,
+                     edge_mask: bool = False):
     """Compile the kernel for sm_90 without a GPU (the CPU tests' check that it lowers)."""
     stat = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
     sig = dict(q_desc=tile_sig(dtype, block_m, dim), do_desc=tile_sig(dtype, block_m, dim),
@@ -242,7 +256,7 @@ def compile_for_sm90(dim: int = 128, block_m: int = 64, block_n: int = 128, num_
                delta_desc=f"tensordesc<fp32[1, {block_m}],{stat!r}>",
                DK=f"*{dtype}", DV=f"*{dtype}", WSK="*fp32", WSV="*fp32", ITEMS="*i32", CU="*i32",
                n_items="i32", nheads_k="i32", qk_scale="fp32", sm_scale="fp32")
-    const = dict(REP=rep, DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, FUSE_DQ=fuse_dq, DQ_PARTS=dq_parts,
+    const = dict(REP=rep, DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, FUSE_DQ=fuse_dq, DQ_PARTS=dq_parts, EDGE_MASK=edge_mask,
                  num_warps=num_warps)
     return _compile(dkdv_rows_gluon_kernel, sig, const, num_warps)
 
