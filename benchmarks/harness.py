@@ -266,7 +266,7 @@ def get_provider(name: str) -> type[Provider]:
 
 
 KERNEL_CHOICE_VARS = ("DUALKV_CUDA_WGMMA", "DUALKV_CUDA_WGMMA_BWD", "DUALKV_CUDA_BWD_TMA", "DUALKV_TRITON_WS",
-                      "DUALKV_TRITON_GLUON_FWD", "DUALKV_TRITON_GLUON_DKDV")
+                      "DUALKV_TRITON_GLUON_FWD", "DUALKV_TRITON_GLUON_DKDV", "DUALKV_TRITON_ATOMIC_DQ")
 
 
 class _DualKV(Provider):
@@ -332,6 +332,15 @@ class DualKVTritonTlFwd(_DualKV):
 
     backend = "triton"
     env = {"DUALKV_TRITON_GLUON_FWD": "0"}
+
+
+@register("dualkv-triton-fused-dq")
+class DualKVTritonFusedDq(_DualKV):
+    """Triton with dQ added inside the Gluon dK/dV by TMA reduce-add (DUALKV_TRITON_GLUON_DKDV=1 and
+    DUALKV_TRITON_ATOMIC_DQ=1): five matrix products per backward step instead of seven."""
+
+    backend = "triton"
+    env = {"DUALKV_TRITON_GLUON_DKDV": "1", "DUALKV_TRITON_ATOMIC_DQ": "1"}
 
 
 @register("dualkv-cuda")

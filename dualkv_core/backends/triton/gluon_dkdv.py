@@ -51,8 +51,7 @@ if AVAILABLE:
         q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, DK, DV, WSK, WSV, ITEMS, CU,
         n_items, nheads_k, qk_scale, sm_scale,
         REP: gl.constexpr, DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        STAGES: gl.constexpr, FUSE_DQ: gl.constexpr, DQ_PARTS: gl.constexpr, EDGE_MASK: gl.constexpr,
-        num_warps: gl.constexpr,
+        STAGES: gl.constexpr, FUSE_DQ: gl.constexpr, DQ_PARTS: gl.constexpr, num_warps: gl.constexpr,
     ):
         """dK/dV of one (key item, kv head): ``dkdv_rows_kernel``'s walk and masks, products asynchronous.
 
@@ -144,20 +143,15 @@ if AVAILABLE:
                 dpt = warpgroup_mma(v_smem, do_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 lse2 = lse_ring.index(slot).load(s_layout)  # (1, BLOCK_M)
                 row, hq, in_own = _step(i, n_blocks, n_own, own_lo, read_lo, hk, REP, BLOCK_M)
+                rows = gl.expand_dims(row + offs_m, 0)
+                lower = gl.where(in_own, key_rows, r0)
+                if FUSE_DQ:  # keys past the segment are other tokens' (a prompt block's readers would see them)
+                    lower = gl.where(key_rows < seg_end, lower, 2147483647)
+                lower = gl.expand_dims(lower, 1)
                 upper = gl.where(in_own, seg_end, r1)
-                # Masks only where the step's rows cross the causal edge, the rows' or the keys' end.
-                edge = ((row < gl.where(in_own, krow + BLOCK_N, r0)) | (row + BLOCK_M > upper)
-                        | (FUSE_DQ & (krow + BLOCK_N > seg_end)) | (not EDGE_MASK))
                 st = warpgroup_mma_wait(num_outstanding=1, deps=[st])
                 # P^T while dP^T is on the tensor cores
-                p = gl.exp2(st * qk_scale - lse2)
-                if edge:
-                    rows = gl.expand_dims(row + offs_m, 0)
-                    lower = gl.where(in_own, key_rows, r0)
-                    if FUSE_DQ:  # keys past the segment are other tokens' (a prompt block's readers see them)
-                        lower = gl.where(key_rows < seg_end, lower, 2147483647)
-                    lower = gl.expand_dims(lower, 1)
-                    p = gl.where((rows >= lower) & (rows < upper), p, 0.0)
+                p = gl.where((rows >= lower) & (rows < upper), gl.exp2(st * qk_scale - lse2), 0.0)
                 dv = warpgroup_mma(gl.convert_layout(p.to(dtype), a_layout), do_s, dv, is_async=True)
                 dpt = warpgroup_mma_wait(num_outstanding=1, deps=[dpt])
                 # dS^T while dV is on the tensor cores
@@ -224,7 +218,7 @@ def supported(o, q) -> bool:
 
 def run(q, k, v, dout, lse2, delta, dk, dv, wsk, wsv, table, cu_seqlens, nheads_k, rep, qk_scale, sm_scale,
         dq_acc=None, block_m: int = 64, block_n: int = 128, stages: int = 2, num_warps: int = 8,
-        dq_parts: int | None = None, edge_mask: bool = False):
+        dq_parts: int | None = None):
     """Launch the Gluon dK/dV. lse2 / delta: (nheads, t4) fp32, t4 a multiple of 4, LSE in log2 units.
     dq_acc: an fp32 tensor like q to add the unscaled dQ into (zeroed by the caller), or None."""
     stat_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
@@ -239,14 +233,12 @@ def run(q, k, v, dout, lse2, delta, dk, dv, wsk, wsv, table, cu_seqlens, nheads_
         stat_desc(delta), q_desc if dq_acc is None else desc(dq_acc, block_m), dk, dv, wsk, wsv, table, cu_seqlens,
         n_items, nheads_k, qk_scale, sm_scale, REP=rep, DIM=q.shape[2], BLOCK_M=block_m, BLOCK_N=block_n,
         STAGES=stages, FUSE_DQ=dq_acc is not None, DQ_PARTS=dq_parts or DQ_PARTS.get(q.shape[2], 1),
-        EDGE_MASK=edge_mask,
         num_warps=num_warps,
     )
 
 
 def compile_for_sm90(dim: int = 128, block_m: int = 64, block_n: int = 128, num_warps: int = 8, stages: int = 2,
-                     rep: int = 4, dtype: str = "bf16", fuse_dq: bool = False, dq_parts: int = 2,
-                     edge_mask: bool = False):
+                     rep: int = 4, dtype: str = "bf16", fuse_dq: bool = False, dq_parts: int = 2):
     """Compile the kernel for sm_90 without a GPU (the CPU tests' check that it lowers)."""
     stat = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
     sig = dict(q_desc=tile_sig(dtype, block_m, dim), do_desc=tile_sig(dtype, block_m, dim),
@@ -256,7 +248,7 @@ def compile_for_sm90(dim: int = 128, block_m: int = 64, block_n: int = 128, num_
                delta_desc=f"tensordesc<fp32[1, {block_m}],{stat!r}>",
                DK=f"*{dtype}", DV=f"*{dtype}", WSK="*fp32", WSV="*fp32", ITEMS="*i32", CU="*i32",
                n_items="i32", nheads_k="i32", qk_scale="fp32", sm_scale="fp32")
-    const = dict(REP=rep, DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, FUSE_DQ=fuse_dq, DQ_PARTS=dq_parts, EDGE_MASK=edge_mask,
+    const = dict(REP=rep, DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, FUSE_DQ=fuse_dq, DQ_PARTS=dq_parts,
                  num_warps=num_warps)
     return _compile(dkdv_rows_gluon_kernel, sig, const, num_warps)
 
