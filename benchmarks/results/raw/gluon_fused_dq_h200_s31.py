@@ -30,7 +30,7 @@ for N, P, R, H, Hkv, d in SHAPES:
         gluon_dkdv.run = lambda *a, parts=parts, **kw: real_run(*a, **{**kw, "dq_parts": parts})
         g = run(True)
         torch.cuda.synchronize()
-        err = [(a.float() - b.float()).abs().max().item() for a, b in zip(g, ref)]
+        err = [(a.float() - b.float()).abs().max().item() for a, b in zip(g[:3], ref[:3])]
         t = do_bench(lambda: run(True), rep=300)
         print(f"{N},{P},{R} d={d} bwd fused parts={parts} {t:.2f} ms ({t0 / t:.3f}x) maxdiff dq/dk/dv "
               + " ".join(f"{e:.1e}" for e in err), flush=True)
