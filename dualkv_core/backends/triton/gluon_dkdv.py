@@ -1,5 +1,6 @@
 """dK/dV of the packed layout in Gluon (Triton's tile-level language) for Hopper: the one-loop row
-walk of ``bwd_kernel.dkdv_rows_kernel`` with its matrix products issued asynchronously.
+walk of ``bwd_kernel.dkdv_rows_kernel`` with its matrix products issued asynchronously, and
+optionally dQ added inside the same loop.
 
 The idea: ``tl.dot`` waits for every product before the next statement. Here each step issues
 S^T = K Q^T and dP^T = V dO^T together, computes P^T while dP^T runs, issues dV += P^T dO, computes
@@ -8,11 +9,19 @@ a ring of ``STAGES`` buffers (one mbarrier each). Measured on an H200 it gives t
 gradients bit for bit at the same speed (d = 128; slower at d = 64:
 ``benchmarks/results/raw/gluon_dkdv_h200_s30.log``), so waiting is not what holds the row kernel
 back (by estimate, not profiled: shared-memory operand traffic and registers are). So it is opt-in
-(``DUALKV_TRITON_GLUON_DKDV=1``), kept as the base for a dK/dV that also adds dQ asynchronously.
+(``DUALKV_TRITON_GLUON_DKDV=1``).
+
+FUSE_DQ (with ``DUALKV_TRITON_ATOMIC_DQ=1``): five products per step instead of the seven of the
+dK/dV + dQ kernel pair. dS^T goes to shared memory, dQ = dS K is computed in ``DQ_PARTS`` column
+slices (the warpgroups split each slice's columns; one 64 x 128 fp32 tile spills registers) into a
+shared fp32 tile, and the copy engine adds that tile to an fp32 accumulator while the next step runs.
+On an H200 the whole backward took 0.96-1.01x the default's time at d = 128
+(``benchmarks/results/raw/gluon_fused_dq_h200_s31.log``), so it stays opt-in; dQ is not bit-identical
+run to run (``deterministic=True`` never takes it).
 
 Scope (the launcher checks it): sm_90, fp16 / bf16, head dims 64 / 128 (a box of DIM elements, no
-padding), no softcap, no atomic dQ, the packed layout without a window: the same items, masks and
-outputs as ``dkdv_rows_kernel``. Gluon names as ``gluon_compat`` gives them (Triton 3.6 and 3.9).
+padding), no softcap, the packed layout without a window: the same items, masks and outputs as
+``dkdv_rows_kernel``. Gluon names as ``gluon_compat`` gives them (Triton 3.6 and 3.9).
 """
 
 from __future__ import annotations
