@@ -4,7 +4,8 @@ configurations in one call, on the issue's shapes; plus a compile report that ne
     # time every kernel candidate on one shape (forward, dK/dV, dQ apart), then a table of shapes
     # with the best configurations (shapes of another head dim use the library defaults)
     python benchmarks/tune_triton.py tune --shape n28-p4k-r2k --table n28-p4k-r2k,n8-p16k-r512 --precompile 8
-    # registers / shared memory / spills of every candidate, compiled for sm_90 on any machine
+    # registers / shared memory / spills of every candidate (and of the Gluon kernels at d = 64 / 128),
+    # compiled for sm_90 on any machine
     python benchmarks/tune_triton.py compile-report --head-dims 64,128
 
 Useful TFLOP/s follow DESIGN.md: forward 4*d*H*pairs, backward 2.5x that, forward+backward 3.5x,
@@ -222,15 +223,37 @@ def compile_report(head_dims: list[int], dtype: str = "bf16") -> None:
         for kind, fn in kernels.items():
             if kind == "dkdv_rows" and not tma:  # the one-loop dK/dV reads through descriptors only
                 continue
-            for cfg in configs.candidates(kind, d, 2):
+            for cfg in configs.candidates(kind, d, 2, warp_specialize=tma):
                 usage = _compile_sm90(fn, kind, d, hd, dtype, cfg, tma)
                 print(f"d={d:3d} {kind:4s} {cfg!s:16s} tma={tma!s:5s} {usage}", flush=True)
+        if d in (64, 128):
+            _gluon_report(d, dtype)
+
+
+def _gluon_report(d: int, dtype: str) -> None:
+    """The Gluon kernels at their launch settings: the forward, the dK/dV, and the dK/dV with dQ
+    fused in one or two column slices."""
+    from dualkv.core.backends.triton import gluon_compat, gluon_dkdv, gluon_fwd
+
+    if not gluon_compat.AVAILABLE:
+        print(f"d={d:3d} gluon: this Triton has no Gluon Hopper API", flush=True)
+        return
+    block_n, warps = (128, 8) if d == 128 else (64, 4)
+    builds = {"gluon fwd": lambda: gluon_fwd.compile_for_sm90(d, dtype=dtype),
+              "gluon dkdv": lambda: gluon_dkdv.compile_for_sm90(d, block_n=block_n, num_warps=warps, dtype=dtype)}
+    for parts in (1, 2):
+        builds[f"gluon dkdv+dq parts={parts}"] = (
+            lambda parts=parts: gluon_dkdv.compile_for_sm90(d, block_n=block_n, num_warps=warps, dtype=dtype,
+                                                            fuse_dq=True, dq_parts=parts))
+    for name, build in builds.items():
+        try:
+            usage = _usage(build())
+        except Exception as err:  # noqa: BLE001 - reported, not raised, as for the tl kernels
+            usage = f"FAILED {type(err).__name__}: {str(err).splitlines()[0][:200]}"
+        print(f"d={d:3d} {name:22s} {usage}", flush=True)
 
 
 def _compile_sm90(fn, kind, d, hd, dtype, cfg, tma, atomic_dq=False) -> str:
-    import subprocess
-    import tempfile
-
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -239,8 +262,10 @@ def _compile_sm90(fn, kind, d, hd, dtype, cfg, tma, atomic_dq=False) -> str:
                  HAS_SOFTCAP=False, DOT_PREC="tf32", TMA=tma)
     if kind.startswith("dkdv"):
         const.update(ATOMIC_DQ=atomic_dq, DQ_TMA=tma and atomic_dq)
+    else:
+        const.update(WS=cfg.warp_specialize)
     const = {name: value for name, value in const.items() if name in fn.arg_names}
-    in_kernel_desc = kind == "dkdv_rows"  # pointers the kernel wraps in descriptors itself
+    in_kernel_desc = kind == "dkdv_rows" or cfg.warp_specialize  # pointers the kernel wraps in descriptors
     sig, attrs = {}, {}
     for i, arg in enumerate(fn.arg_names):
         if arg in const:
@@ -252,7 +277,7 @@ def _compile_sm90(fn, kind, d, hd, dtype, cfg, tma, atomic_dq=False) -> str:
             sig[arg] = f"tensordesc<{ty}[{rows}, {hd}]>" if tma else f"*{ty}"
         elif arg.isupper():
             sig[arg] = "*i32" if arg in ("TILES", "ITEMS", "CU", "CTX_START", "CTX_LEN", "CTX_KEY_START",
-                                         "CTX_KEY_LEN") else ("*fp32" if arg in ("LSE", "LSE2", "DELTA", "WSK",
+                                         "CTX_KEY_LEN", "PAD_START") else ("*fp32" if arg in ("LSE", "LSE2", "DELTA", "WSK",
                                                                                "WSV", "DQ_ACC") else f"*{dtype}")
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif arg in ("qk_scale", "cap_log2", "pre_cap", "sm_scale"):
@@ -267,6 +292,16 @@ def _compile_sm90(fn, kind, d, hd, dtype, cfg, tma, atomic_dq=False) -> str:
                            options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
     except Exception as err:  # noqa: BLE001 - reported, not raised: the report covers every candidate
         return f"FAILED {type(err).__name__}: {str(err).splitlines()[0][:200]}"
+    return _usage(k)
+
+
+def _usage(k) -> str:
+    """Shared memory, registers, spilled bytes and wgmma count of a compiled sm_90 kernel."""
+    import subprocess
+    import tempfile
+
+    import triton
+
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])
         f.flush()

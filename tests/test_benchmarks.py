@@ -623,3 +623,24 @@ def test_timeline_host_syncs_names_the_calling_line(monkeypatch):
     assert "test_benchmarks.py" in lines[1] and "(step)" in lines[1] and lines[1].lstrip().startswith("2x")
     assert modes == ["warn", 0]
     assert timeline.host_syncs(lambda: None) == ["   host synchronisations: none"]
+
+
+def test_tune_triton_compile_report():
+    """``tune_triton.py compile-report`` compiles every d = 64 candidate of every Triton kernel (the
+    warp-specialised ones included) and the Gluon kernels for sm_90 without a GPU, and reports their
+    registers; no candidate may fail to compile. Run in a subprocess without TRITON_INTERPRET."""
+    import subprocess
+
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    res = subprocess.run([sys.executable, "benchmarks/tune_triton.py", "compile-report", "--head-dims", "64"],
+                         cwd=env["PYTHONPATH"], env=env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = res.stdout.strip().splitlines()
+    assert not [line for line in lines if "FAILED" in line], res.stdout
+    kinds = {re.match(r"d=\s*\d+ (\S+)", line).group(1) for line in lines}
+    assert {"fwd", "dkdv", "dkdv_rows", "dq"} <= kinds
+    assert any("-ws" in line for line in lines)  # the warp-specialised candidates
+    if "gluon:" not in res.stdout:  # a Triton with Gluon's Hopper API: its kernels too
+        assert sum(" gluon " in line for line in lines) == 4
+    assert all(re.search(r"regs=\d+ spill_bytes=\d+", line) for line in lines if "gluon:" not in line)
