@@ -233,12 +233,13 @@ def compile_report(head_dims: list[int], dtype: str = "bf16") -> None:
 def _gluon_report(d: int, dtype: str) -> None:
     """The Gluon kernels at their launch settings: the forward, the dK/dV, and the dK/dV with dQ
     fused in one or two column slices."""
-    from dualkv.core.backends.triton import gluon_compat, gluon_dkdv, gluon_fwd
+    from dualkv.core.backends.triton import configs, gluon_compat, gluon_dkdv, gluon_fwd
 
     if not gluon_compat.AVAILABLE:
         print(f"d={d:3d} gluon: this Triton has no Gluon Hopper API", flush=True)
         return
-    block_n, warps = (128, 8) if d == 128 else (64, 4)
+    cfg = configs.candidates("dkdv_rows", d, 2)[0]  # what the launcher hands the Gluon dK/dV
+    block_n, warps = cfg.block_n, cfg.num_warps
     builds = {"gluon fwd": lambda: gluon_fwd.compile_for_sm90(d, dtype=dtype),
               "gluon dkdv": lambda: gluon_dkdv.compile_for_sm90(d, block_n=block_n, num_warps=warps, dtype=dtype)}
     for parts in (1, 2):

@@ -168,7 +168,8 @@ def gluon_fwd_enabled() -> bool:
 def gluon_dkdv_enabled() -> bool:
     """The Gluon dK/dV (``gluon_dkdv``, ``DUALKV_TRITON_GLUON_DKDV=1``) in place of the one-loop Triton
     row kernel where it applies. Opt-in: the same gradients bit for bit and the same speed at d=128 on
-    an H200 (slower at d=64); it is the base for a dK/dV that also adds dQ asynchronously."""
+    an H200 (slower at d=64). With ``DUALKV_TRITON_ATOMIC_DQ=1`` it also adds dQ (0.96-1.01x the
+    default backward's speed at d=128)."""
     return _switch("DUALKV_TRITON_GLUON_DKDV", "0")
 
 
