@@ -508,23 +508,28 @@ def test_gluon_kernels_compile_for_hopper():
 
     if not gluon_compat.AVAILABLE:
         pytest.skip("this Triton has no Gluon Hopper API")
-    code = ("from dualkv.core.backends.triton import gluon_dkdv, gluon_fwd\n"
+    code = ("from benchmarks.tune_triton import _usage\n"
+            "from dualkv.core.backends.triton import gluon_dkdv, gluon_fwd\n"
             "for d, bn, w in ((128, 128, 8), (64, 64, 4)):\n"
             "    k = gluon_dkdv.compile_for_sm90(d, block_n=bn, num_warps=w)\n"
-            "    print('dkdv', d, k.metadata.shared, len(k.asm['cubin']))\n"
-            "    k = gluon_dkdv.compile_for_sm90(d, block_n=bn, num_warps=w, fuse_dq=True)\n"
-            "    assert 'cp.reduce.async.bulk.tensor' in k.asm['ptx']\n"
-            "    print('dkdv_dq', d, k.metadata.shared, len(k.asm['cubin']))\n"
+            "    print('dkdv', d, k.metadata.shared, len(k.asm['cubin']), _usage(k).split('spill_bytes=')[1].split()[0])\n"
+            "    for parts in (1, 2):\n"
+            "        k = gluon_dkdv.compile_for_sm90(d, block_n=bn, num_warps=w, fuse_dq=True, dq_parts=parts)\n"
+            "        assert 'cp.reduce.async.bulk.tensor' in k.asm['ptx']\n"
+            "        print('dkdv_dq', d, k.metadata.shared, len(k.asm['cubin']), _usage(k).split('spill_bytes=')[1].split()[0])\n"
             "    k = gluon_fwd.compile_for_sm90(d)\n"
-            "    print('fwd', d, k.metadata.shared, len(k.asm['cubin']))\n")
+            "    print('fwd', d, k.metadata.shared, len(k.asm['cubin']), _usage(k).split('spill_bytes=')[1].split()[0])\n")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     lines = [line.split() for line in res.stdout.strip().split("\n")]
-    assert [(kind, int(d)) for kind, d, *_ in lines] == [("dkdv", 128), ("dkdv_dq", 128), ("fwd", 128),
-                                                         ("dkdv", 64), ("dkdv_dq", 64), ("fwd", 64)]
-    for _, _, smem, cubin in lines:
+    assert [(kind, int(d)) for kind, d, *_ in lines] == [
+        ("dkdv", 128), ("dkdv_dq", 128), ("dkdv_dq", 128), ("fwd", 128),
+        ("dkdv", 64), ("dkdv_dq", 64), ("dkdv_dq", 64), ("fwd", 64)]
+    for _, _, smem, cubin, spill in lines:
         assert int(cubin) > 0 and int(smem) <= 227 * 1024
+        # no spills: without gluon_compat.hidden_zero the d = 128 dK/dV spilled 16-248 bytes
+        assert spill == "0", lines
 
 
 def test_gluon_switches(monkeypatch):

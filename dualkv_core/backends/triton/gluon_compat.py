@@ -36,8 +36,16 @@ if AVAILABLE:
         releases; this builder call is the same in 3.6 and 3.9)."""
         coord = _semantic._convert_to_ir_values(coord, require_i64=False)
         _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+    @gluon.jit
+    def hidden_zero(i):
+        """0, by an instruction the compiler cannot see through. ``buffers.index(hidden_zero(i))`` in a
+        loop over i makes the compiler rebuild that buffer's wgmma operand descriptors inside the loop:
+        left to itself it computes them once before the loop and holds them there, two registers each,
+        one per 16-wide step of a product (about 80 registers for the dK/dV kernel's K, V, dS and dQ
+        buffers, which then spilled)."""
+        return gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r,r", [i], dtype=gl.int32, is_pure=True, pack=1)
 else:  # pragma: no cover
-    tma_add = None
+    tma_add = hidden_zero = None
 
 
 def on_hopper(t: torch.Tensor) -> bool:

@@ -13,11 +13,17 @@ back (by estimate, not profiled: shared-memory operand traffic and registers are
 
 FUSE_DQ (with ``DUALKV_TRITON_ATOMIC_DQ=1``): five products per step instead of the seven of the
 dK/dV + dQ kernel pair. dS^T goes to shared memory, dQ = dS K is computed in ``DQ_PARTS`` column
-slices (the warpgroups split each slice's columns; one 64 x 128 fp32 tile spills registers) into a
-shared fp32 tile, and the copy engine adds that tile to an fp32 accumulator while the next step runs.
+slices (the warpgroups split each slice's columns) into a shared fp32 tile, and the copy engine adds
+that tile to an fp32 accumulator while the next step runs.
 On an H200 the whole backward took 0.96-1.01x the default's time at d = 128
 (``benchmarks/results/raw/gluon_fused_dq_h200_s31.log``), so it stays opt-in; dQ is not bit-identical
 run to run (``deterministic=True`` never takes it).
+
+Registers: K, V, dS^T and the dQ tile are read in every step from fixed shared-memory buffers, and
+left to itself the compiler builds their wgmma descriptors once before the loop and holds them
+(about 80 registers at d = 128: the kernel spilled 24-248 bytes). The loop indexes them through
+``gluon_compat.hidden_zero`` so the descriptors are rebuilt where they are used: no spills at d = 128
+in either dQ form (sm_90 compile, Triton 3.6 and 3.9). Those timings above predate it.
 
 Scope (the launcher checks it): sm_90, fp16 / bf16, head dims 64 / 128 (a box of DIM elements, no
 padding), no softcap, the packed layout without a window: the same items, masks and outputs as
@@ -28,7 +34,8 @@ from __future__ import annotations
 
 from .bwd_kernel import I_BLOCK, I_NSPLIT, I_R0, I_R1, I_REGION, I_SPLIT, I_WS_BASE
 from .gluon_compat import (AVAILABLE, block_barrier, compile_for_sm90 as _compile, desc, fence_async_shared, gl,
-                           gluon, mbarrier, on_hopper, tile_sig, tma, TensorDescriptor, tma_add, tma_load, warpgroup_mma,
+                           gluon, hidden_zero, mbarrier, on_hopper, tile_sig, tma, TensorDescriptor, tma_add, tma_load,
+                           warpgroup_mma,
                            warpgroup_mma_wait)
 
 if AVAILABLE:
@@ -104,24 +111,25 @@ if AVAILABLE:
             n_blocks = n_own + n_read
             total = REP * n_blocks
 
-            k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, DIM], k_desc.layout)
-            v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, DIM], v_desc.layout)
+            # buffers read in every step: one-deep rings, indexed in the loop by hidden_zero
+            k_buf = gl.allocate_shared_memory(dtype, [1, BLOCK_N, DIM], k_desc.layout)
+            v_buf = gl.allocate_shared_memory(dtype, [1, BLOCK_N, DIM], v_desc.layout)
             q_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, DIM], q_desc.layout)
             do_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, DIM], do_desc.layout)
             lse_ring = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], lse_desc.layout)
             delta_ring = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], delta_desc.layout)
             if FUSE_DQ:
                 ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
-                ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_layout)
-                dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, DIM], dq_desc.layout)
+                ds_buf = gl.allocate_shared_memory(dtype, [1, BLOCK_N, BLOCK_M], ds_layout)
+                dq_buf = gl.allocate_shared_memory(gl.float32, [1, BLOCK_M, DIM], dq_desc.layout)
             bars = gl.allocate_shared_memory(gl.int64, [STAGES + 1, 1], mbarrier.MBarrierLayout())
             for s in gl.static_range(STAGES + 1):
                 mbarrier.init(bars.index(s), count=1)
 
             kv_bar = bars.index(STAGES)
             mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-            tma_load(k_desc, [krow, hk * DIM], kv_bar, k_smem)
-            tma_load(v_desc, [krow, hk * DIM], kv_bar, v_smem)
+            tma_load(k_desc, [krow, hk * DIM], kv_bar, k_buf.index(0))
+            tma_load(v_desc, [krow, hk * DIM], kv_bar, v_buf.index(0))
             for s in gl.static_range(STAGES - 1):
                 if s < total:
                     _issue(s, n_blocks, n_own, own_lo, read_lo, hk, q_desc, do_desc, lse_desc, delta_desc,
@@ -148,6 +156,12 @@ if AVAILABLE:
                 mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
                 q_s = q_ring.index(slot)
                 do_s = do_ring.index(slot)
+                zero = hidden_zero(i)
+                k_smem = k_buf.index(zero)
+                v_smem = v_buf.index(zero)
+                if FUSE_DQ:
+                    ds_smem = ds_buf.index(zero)
+                    dq_smem = dq_buf.index(zero)
                 st = warpgroup_mma(k_smem, q_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 dpt = warpgroup_mma(v_smem, do_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 lse2 = lse_ring.index(slot).load(s_layout)  # (1, BLOCK_M)
@@ -216,7 +230,8 @@ if AVAILABLE:
             gl.store(DV + out, dv.to(dtype), mask=to_out)
 
 
-# dQ's product in column slices, per head dim: at d = 128 a whole 64 x 128 tile spills registers
+# dQ's product in column slices, per head dim. Two at d = 128 were measured best when a whole 64 x 128
+# tile spilled registers; with hidden_zero neither spills (one slice not timed yet).
 DQ_PARTS = {64: 1, 128: 2}
 
 
