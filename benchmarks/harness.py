@@ -334,6 +334,15 @@ class DualKVTritonTlFwd(_DualKV):
     env = {"DUALKV_TRITON_GLUON_FWD": "0"}
 
 
+@register("dualkv-triton-gluon-dkdv")
+class DualKVTritonGluonDkdv(_DualKV):
+    """Triton with the Gluon dK/dV in place of the ``tl`` row kernel, dQ still from the dQ kernel
+    (DUALKV_TRITON_GLUON_DKDV=1)."""
+
+    backend = "triton"
+    env = {"DUALKV_TRITON_GLUON_DKDV": "1"}
+
+
 @register("dualkv-triton-fused-dq")
 class DualKVTritonFusedDq(_DualKV):
     """Triton with dQ added inside the Gluon dK/dV by TMA reduce-add (DUALKV_TRITON_GLUON_DKDV=1 and

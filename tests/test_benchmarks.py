@@ -300,6 +300,27 @@ def test_cuda_kernel_variants_set_their_environment(monkeypatch):
         assert got == (fwd, bwd, tma), name
 
 
+def test_triton_kernel_variants_set_their_environment(monkeypatch):
+    """The Triton variants select their kernels through environment variables set before each
+    forward; a variable a provider does not name is unset, so none inherits the variant before it."""
+    from benchmarks import harness
+
+    cfg = bench_attention.AttnConfig.parse("N=2,P=40,R=9,H=4,H_kv=2,d=32,dtype=float32")
+    layout = cfg.layout(CPU)
+    names = ("DUALKV_TRITON_WS", "DUALKV_TRITON_GLUON_FWD", "DUALKV_TRITON_GLUON_DKDV", "DUALKV_TRITON_ATOMIC_DQ")
+    expect = {"dualkv-triton": (None, None, None, None), "dualkv-triton-no-ws": ("0", None, None, None),
+              "dualkv-triton-tl-fwd": (None, "0", None, None), "dualkv-triton-gluon-dkdv": (None, None, "1", None),
+              "dualkv-triton-fused-dq": (None, None, "1", "1")}
+    q, k, v = harness._random_qkv(cfg, CPU, 0)
+    for name, want in expect.items():
+        cls = harness.get_provider(name)
+        assert cls.backend == "triton" and name in report.PROVIDER_ORDER
+        for var in names:
+            monkeypatch.setenv(var, "stale")
+        type("Probe", (cls,), {"backend": "reference"})(cfg, layout, CPU).forward(q, k, v)
+        assert tuple(os.environ.get(var) for var in names) == want, name
+
+
 def test_reference_provider_end_to_end(tmp_path):
     """The reference and dualkv-auto (the reference on CPU tensors) run and validate; a CUDA-only peer
     is reported unsupported."""
