@@ -36,6 +36,7 @@ if AVAILABLE:
         releases; this builder call is the same in 3.6 and 3.9)."""
         coord = _semantic._convert_to_ir_values(coord, require_i64=False)
         _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
     @gluon.jit
     def hidden_zero(i):
         """0, by an instruction the compiler cannot see through. ``buffers.index(hidden_zero(i))`` in a

@@ -35,8 +35,7 @@ from __future__ import annotations
 from .bwd_kernel import I_BLOCK, I_NSPLIT, I_R0, I_R1, I_REGION, I_SPLIT, I_WS_BASE
 from .gluon_compat import (AVAILABLE, block_barrier, compile_for_sm90 as _compile, desc, fence_async_shared, gl,
                            gluon, hidden_zero, mbarrier, on_hopper, tile_sig, tma, TensorDescriptor, tma_add, tma_load,
-                           warpgroup_mma,
-                           warpgroup_mma_wait)
+                           warpgroup_mma, warpgroup_mma_wait)
 
 if AVAILABLE:
     @gluon.jit
