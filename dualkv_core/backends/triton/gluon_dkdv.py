@@ -62,11 +62,49 @@ if AVAILABLE:
         tma_load(delta_desc, [hq, row], bar, delta_buf)
 
     @gluon.jit
+    def _walk(ITEMS, CU, n_items, item, unit, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+        """Key item ``item`` (of segment ``unit``) and the query rows that read it, as
+        ``dkdv_rows_kernel`` walks them: (first key row, segment start and end, own rows from own_lo
+        (n_own blocks: the segment's queries, causally; split 0 only), reader rows from read_lo (the
+        split's range [r0, r1)), blocks in all, r0, r1, the workspace row of a split's partial, nz)."""
+        blk = gl.load(ITEMS + I_BLOCK * n_items + item)
+        z = gl.load(ITEMS + I_SPLIT * n_items + item)
+        nz = gl.load(ITEMS + I_NSPLIT * n_items + item)
+        region = gl.load(ITEMS + I_REGION * n_items + item)
+        r0 = gl.load(ITEMS + I_R0 * n_items + item)
+        r1 = gl.load(ITEMS + I_R1 * n_items + item)
+        seg_start = gl.load(CU + unit)
+        seg_end = gl.load(CU + unit + 1)
+        krow = seg_start + blk * BLOCK_N
+        own_lo = krow - krow % 4
+        n_own = gl.where(z == 0, gl.cdiv(seg_end - own_lo, BLOCK_M), 0)
+        read_lo = r0 - r0 % 4
+        n_read = gl.where((region >= 0) & (r1 > r0), gl.cdiv(r1 - read_lo, BLOCK_M), 0)
+        ws_row = gl.load(ITEMS + I_WS_BASE * n_items + item) + z * (seg_end - seg_start) + blk * BLOCK_N
+        return krow, seg_start, seg_end, own_lo, n_own, read_lo, n_own + n_read, r0, r1, ws_row, nz
+
+    @gluon.jit
+    def _store_keys(acc, key_lo, OUT, WS, ws_row, nz, seg_end, hk, nheads_k, DIM: gl.constexpr,
+                    ROWS: gl.constexpr, acc_layout: gl.constexpr):
+        """dK or dV of key rows key_lo .. key_lo + ROWS - 1, as the row kernel: rows past the segment
+        are dropped; a split item (nz > 1) writes its fp32 partial at workspace row ws_row."""
+        offs_n = gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
+        offs_d = gl.arange(0, DIM, layout=gl.SliceLayout(0, acc_layout))
+        krows = key_lo + offs_n
+        row_stride = nheads_k * DIM
+        tile = gl.expand_dims(offs_n * row_stride, 1) + hk * DIM + gl.expand_dims(offs_d, 0)
+        gl.store(WS + ws_row.to(gl.int64) * row_stride + tile, acc,
+                 mask=gl.expand_dims(krows < gl.where(nz > 1, seg_end, 0), 1))
+        gl.store(OUT + key_lo.to(gl.int64) * row_stride + tile, acc.to(OUT.dtype.element_ty),
+                 mask=gl.expand_dims(krows < gl.where(nz > 1, 0, seg_end), 1))
+
+    @gluon.jit
     def dkdv_rows_gluon_kernel(
         q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, DK, DV, WSK, WSV, ITEMS, CU,
         n_items, nheads_k, qk_scale, sm_scale,
         REP: gl.constexpr, DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         STAGES: gl.constexpr, FUSE_DQ: gl.constexpr, DQ_PARTS: gl.constexpr, num_warps: gl.constexpr,
+        HIDE_DESC: gl.constexpr = True,
     ):
         """dK/dV of one (key item, kv head): ``dkdv_rows_kernel``'s walk and masks, products asynchronous.
 
@@ -94,20 +132,8 @@ if AVAILABLE:
         hk = pid % nheads_k
         unit = gl.load(ITEMS + item)
         if unit >= 0:
-            blk = gl.load(ITEMS + I_BLOCK * n_items + item)
-            z = gl.load(ITEMS + I_SPLIT * n_items + item)
-            nz = gl.load(ITEMS + I_NSPLIT * n_items + item)
-            region = gl.load(ITEMS + I_REGION * n_items + item)
-            r0 = gl.load(ITEMS + I_R0 * n_items + item)
-            r1 = gl.load(ITEMS + I_R1 * n_items + item)
-            seg_start = gl.load(CU + unit)
-            seg_end = gl.load(CU + unit + 1)
-            krow = seg_start + blk * BLOCK_N
-            own_lo = krow - krow % 4
-            n_own = gl.where(z == 0, gl.cdiv(seg_end - own_lo, BLOCK_M), 0)
-            read_lo = r0 - r0 % 4
-            n_read = gl.where((region >= 0) & (r1 > r0), gl.cdiv(r1 - read_lo, BLOCK_M), 0)
-            n_blocks = n_own + n_read
+            krow, seg_start, seg_end, own_lo, n_own, read_lo, n_blocks, r0, r1, ws_row, nz = _walk(
+                ITEMS, CU, n_items, item, unit, BLOCK_M, BLOCK_N)
             total = REP * n_blocks
 
             # buffers read in every step: one-deep rings, indexed in the loop by hidden_zero
@@ -155,7 +181,7 @@ if AVAILABLE:
                 mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
                 q_s = q_ring.index(slot)
                 do_s = do_ring.index(slot)
-                zero = hidden_zero(i)
+                zero = hidden_zero(i) if HIDE_DESC else 0  # (False: the s31 form, for A/B timing)
                 k_smem = k_buf.index(zero)
                 v_smem = v_buf.index(zero)
                 if FUSE_DQ:
@@ -209,24 +235,8 @@ if AVAILABLE:
             if FUSE_DQ:
                 tma.store_wait(0)
 
-            dk = dk * sm_scale
-            # As the row kernel: rows past the segment are dropped; a split item writes its fp32 partial.
-            o_rows: gl.constexpr = gl.SliceLayout(1, acc_layout)
-            o_cols: gl.constexpr = gl.SliceLayout(0, acc_layout)
-            offs_n = gl.arange(0, BLOCK_N, layout=o_rows)
-            offs_d = gl.arange(0, DIM, layout=o_cols)
-            krows = krow + offs_n
-            to_ws = gl.expand_dims(krows < gl.where(nz > 1, seg_end, 0), 1)
-            to_out = gl.expand_dims(krows < gl.where(nz > 1, 0, seg_end), 1)
-            row_stride = nheads_k * DIM
-            tile = gl.expand_dims(offs_n * row_stride, 1) + hk * DIM + gl.expand_dims(offs_d, 0)
-            ws_row = (gl.load(ITEMS + I_WS_BASE * n_items + item) + z * (seg_end - seg_start)
-                      + blk * BLOCK_N).to(gl.int64)
-            gl.store(WSK + ws_row * row_stride + tile, dk, mask=to_ws)
-            gl.store(WSV + ws_row * row_stride + tile, dv, mask=to_ws)
-            out = krow.to(gl.int64) * row_stride + tile
-            gl.store(DK + out, dk.to(dtype), mask=to_out)
-            gl.store(DV + out, dv.to(dtype), mask=to_out)
+            _store_keys(dk * sm_scale, krow, DK, WSK, ws_row, nz, seg_end, hk, nheads_k, DIM, BLOCK_N, acc_layout)
+            _store_keys(dv, krow, DV, WSV, ws_row, nz, seg_end, hk, nheads_k, DIM, BLOCK_N, acc_layout)
 
 
 # dQ's product in column slices, per head dim. Two at d = 128 were measured best when a whole 64 x 128
@@ -241,9 +251,10 @@ def supported(o, q) -> bool:
 
 def run(q, k, v, dout, lse2, delta, dk, dv, wsk, wsv, table, cu_seqlens, nheads_k, rep, qk_scale, sm_scale,
         dq_acc=None, block_m: int = 64, block_n: int = 128, stages: int = 2, num_warps: int = 8,
-        dq_parts: int | None = None):
+        dq_parts: int | None = None, hide_descriptors: bool = True):
     """Launch the Gluon dK/dV. lse2 / delta: (nheads, t4) fp32, t4 a multiple of 4, LSE in log2 units.
-    dq_acc: an fp32 tensor like q to add the unscaled dQ into (zeroed by the caller), or None."""
+    dq_acc: an fp32 tensor like q to add the unscaled dQ into (zeroed by the caller), or None.
+    hide_descriptors=False builds the kernel without ``hidden_zero`` (to time the difference)."""
     stat_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 
     def stat_desc(t):
@@ -256,12 +267,13 @@ def run(q, k, v, dout, lse2, delta, dk, dv, wsk, wsv, table, cu_seqlens, nheads_
         stat_desc(delta), q_desc if dq_acc is None else desc(dq_acc, block_m), dk, dv, wsk, wsv, table, cu_seqlens,
         n_items, nheads_k, qk_scale, sm_scale, REP=rep, DIM=q.shape[2], BLOCK_M=block_m, BLOCK_N=block_n,
         STAGES=stages, FUSE_DQ=dq_acc is not None, DQ_PARTS=dq_parts or DQ_PARTS.get(q.shape[2], 1),
-        num_warps=num_warps,
+        num_warps=num_warps, HIDE_DESC=hide_descriptors,
     )
 
 
 def compile_for_sm90(dim: int = 128, block_m: int = 64, block_n: int = 128, num_warps: int = 8, stages: int = 2,
-                     rep: int = 4, dtype: str = "bf16", fuse_dq: bool = False, dq_parts: int = 2):
+                     rep: int = 4, dtype: str = "bf16", fuse_dq: bool = False, dq_parts: int = 2,
+                     hide_descriptors: bool = True):
     """Compile the kernel for sm_90 without a GPU (the CPU tests' check that it lowers)."""
     stat = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
     sig = dict(q_desc=tile_sig(dtype, block_m, dim), do_desc=tile_sig(dtype, block_m, dim),
@@ -272,7 +284,7 @@ def compile_for_sm90(dim: int = 128, block_m: int = 64, block_n: int = 128, num_
                DK=f"*{dtype}", DV=f"*{dtype}", WSK="*fp32", WSV="*fp32", ITEMS="*i32", CU="*i32",
                n_items="i32", nheads_k="i32", qk_scale="fp32", sm_scale="fp32")
     const = dict(REP=rep, DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, FUSE_DQ=fuse_dq, DQ_PARTS=dq_parts,
-                 num_warps=num_warps)
+                 num_warps=num_warps, HIDE_DESC=hide_descriptors)
     return _compile(dkdv_rows_gluon_kernel, sig, const, num_warps)
 
 
