@@ -297,7 +297,14 @@ def _compile_sm90(fn, kind, d, hd, dtype, cfg, tma, atomic_dq=False) -> str:
 
 
 def _usage(k) -> str:
-    """Shared memory, registers, spilled bytes and wgmma count of a compiled sm_90 kernel."""
+    """Shared memory, registers, spilled bytes and wgmma count of a compiled sm_90 kernel, as one line."""
+    r = resources(k)
+    return f"smem={r['smem']:6d} regs={r['regs']} spill_bytes={r['spill_bytes']} wgmma={r['wgmma']}"
+
+
+def resources(k) -> dict:
+    """A compiled sm_90 kernel's shared memory (bytes), registers and spilled bytes (ptxas's, read from
+    the cubin; None where the tool does not report them) and its wgmma count."""
     import subprocess
     import tempfile
 
@@ -310,8 +317,8 @@ def _usage(k) -> str:
         res = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
     usage = next((ln.strip() for ln in res.splitlines() if "REG:" in ln), res.strip())
     fields = dict(p.split(":") for p in usage.split() if ":" in p and p.split(":")[0] in ("REG", "STACK"))
-    wgmma = k.asm["ptx"].count("wgmma.mma_async")
-    return f"smem={k.metadata.shared:6d} regs={fields.get('REG')} spill_bytes={fields.get('STACK')} wgmma={wgmma}"
+    return dict(smem=k.metadata.shared, regs=fields.get("REG"), spill_bytes=fields.get("STACK"),
+                wgmma=k.asm["ptx"].count("wgmma.mma_async"))
 
 
 def main():

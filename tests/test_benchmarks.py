@@ -264,6 +264,15 @@ def test_merge_prefers_measured_rows(tmp_path):
 
 
 # ------------------------------------------------------------------------ end to end, reference
+def _provider_env(monkeypatch, cls, names, cfg, layout, qkv) -> tuple:
+    """The variables ``names`` after one forward of provider ``cls`` (on the reference, any device),
+    each set to a stale value first: what the provider leaves for its kernels to read."""
+    for var in names:
+        monkeypatch.setenv(var, "stale")
+    type("Probe", (cls,), {"backend": "reference"})(cfg, layout, CPU).forward(*qkv)
+    return tuple(os.environ.get(var) for var in names)
+
+
 def test_cuda_kernel_variants_set_their_environment(monkeypatch):
     """The CUDA variants select kernel paths through the binding's environment variables, set before
     each forward (a variable a provider does not set is unset, so none inherits the variant timed
@@ -291,13 +300,8 @@ def test_cuda_kernel_variants_set_their_environment(monkeypatch):
         assert cls.backend == backend and name in report.PROVIDER_ORDER
         if not torch.cuda.is_available() and "cuda" in backend:
             assert "CUDA device" in cls.unsupported(cfg, CPU)
-        monkeypatch.setenv("DUALKV_CUDA_WGMMA", "stale")
-        monkeypatch.setenv("DUALKV_CUDA_WGMMA_BWD", "stale")
-        monkeypatch.setenv("DUALKV_CUDA_BWD_TMA", "stale")
-        ref = type("Probe", (cls,), {"backend": "reference"})(cfg, layout, CPU)  # same env, any device
-        ref.forward(q, k, v)
-        got = tuple(os.environ.get(n) for n in ("DUALKV_CUDA_WGMMA", "DUALKV_CUDA_WGMMA_BWD", "DUALKV_CUDA_BWD_TMA"))
-        assert got == (fwd, bwd, tma), name
+        names = ("DUALKV_CUDA_WGMMA", "DUALKV_CUDA_WGMMA_BWD", "DUALKV_CUDA_BWD_TMA")
+        assert _provider_env(monkeypatch, cls, names, cfg, layout, (q, k, v)) == (fwd, bwd, tma), name
 
 
 def test_triton_kernel_variants_set_their_environment(monkeypatch):
@@ -315,10 +319,7 @@ def test_triton_kernel_variants_set_their_environment(monkeypatch):
     for name, want in expect.items():
         cls = harness.get_provider(name)
         assert cls.backend == "triton" and name in report.PROVIDER_ORDER
-        for var in names:
-            monkeypatch.setenv(var, "stale")
-        type("Probe", (cls,), {"backend": "reference"})(cfg, layout, CPU).forward(q, k, v)
-        assert tuple(os.environ.get(var) for var in names) == want, name
+        assert _provider_env(monkeypatch, cls, names, cfg, layout, (q, k, v)) == want, name
 
 
 def test_reference_provider_end_to_end(tmp_path):

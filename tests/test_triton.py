@@ -508,17 +508,17 @@ def test_gluon_kernels_compile_for_hopper():
 
     if not gluon_compat.AVAILABLE:
         pytest.skip("this Triton has no Gluon Hopper API")
-    code = ("from benchmarks.tune_triton import _usage\n"
+    code = ("from benchmarks.tune_triton import resources\n"
             "from dualkv.core.backends.triton import gluon_dkdv, gluon_fwd\n"
+            "def report(kind, d, k):\n"
+            "    print(kind, d, k.metadata.shared, len(k.asm['cubin']), resources(k)['spill_bytes'])\n"
             "for d, bn, w in ((128, 128, 8), (64, 64, 4)):\n"
-            "    k = gluon_dkdv.compile_for_sm90(d, block_n=bn, num_warps=w)\n"
-            "    print('dkdv', d, k.metadata.shared, len(k.asm['cubin']), _usage(k).split('spill_bytes=')[1].split()[0])\n"
+            "    report('dkdv', d, gluon_dkdv.compile_for_sm90(d, block_n=bn, num_warps=w))\n"
             "    for parts in (1, 2):\n"
             "        k = gluon_dkdv.compile_for_sm90(d, block_n=bn, num_warps=w, fuse_dq=True, dq_parts=parts)\n"
             "        assert 'cp.reduce.async.bulk.tensor' in k.asm['ptx']\n"
-            "        print('dkdv_dq', d, k.metadata.shared, len(k.asm['cubin']), _usage(k).split('spill_bytes=')[1].split()[0])\n"
-            "    k = gluon_fwd.compile_for_sm90(d)\n"
-            "    print('fwd', d, k.metadata.shared, len(k.asm['cubin']), _usage(k).split('spill_bytes=')[1].split()[0])\n")
+            "        report('dkdv_dq', d, k)\n"
+            "    report('fwd', d, gluon_fwd.compile_for_sm90(d))\n")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -64,7 +64,7 @@ if AVAILABLE:
     @gluon.jit
     def _walk(ITEMS, CU, n_items, item, unit, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
         """Key item ``item`` (of segment ``unit``) and the query rows that read it, as
-        ``dkdv_rows_kernel`` walks them: (first key row, segment start and end, own rows from own_lo
+        ``dkdv_rows_kernel`` walks them: (first key row, segment end, own rows from own_lo
         (n_own blocks: the segment's queries, causally; split 0 only), reader rows from read_lo (the
         split's range [r0, r1)), blocks in all, r0, r1, the workspace row of a split's partial, nz)."""
         blk = gl.load(ITEMS + I_BLOCK * n_items + item)
@@ -81,7 +81,7 @@ if AVAILABLE:
         read_lo = r0 - r0 % 4
         n_read = gl.where((region >= 0) & (r1 > r0), gl.cdiv(r1 - read_lo, BLOCK_M), 0)
         ws_row = gl.load(ITEMS + I_WS_BASE * n_items + item) + z * (seg_end - seg_start) + blk * BLOCK_N
-        return krow, seg_start, seg_end, own_lo, n_own, read_lo, n_own + n_read, r0, r1, ws_row, nz
+        return krow, seg_end, own_lo, n_own, read_lo, n_own + n_read, r0, r1, ws_row, nz
 
     @gluon.jit
     def _store_keys(acc, key_lo, OUT, WS, ws_row, nz, seg_end, hk, nheads_k, DIM: gl.constexpr,
@@ -132,7 +132,7 @@ if AVAILABLE:
         hk = pid % nheads_k
         unit = gl.load(ITEMS + item)
         if unit >= 0:
-            krow, seg_start, seg_end, own_lo, n_own, read_lo, n_blocks, r0, r1, ws_row, nz = _walk(
+            krow, seg_end, own_lo, n_own, read_lo, n_blocks, r0, r1, ws_row, nz = _walk(
                 ITEMS, CU, n_items, item, unit, BLOCK_M, BLOCK_N)
             total = REP * n_blocks
 
