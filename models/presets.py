@@ -69,6 +69,8 @@ PRESETS: dict[str, dict[str, Any]] = {
                          num_key_value_heads=8, tie_word_embeddings=True),
     "qwen3-1.7b": _qwen3(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
                          num_key_value_heads=8, tie_word_embeddings=True),
+    "qwen3-4b": _qwen3(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                       num_key_value_heads=8, tie_word_embeddings=True),
     "qwen3-8b": _qwen3(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                        num_key_value_heads=8, tie_word_embeddings=False),
     "qwen3-30b-a3b": _qwen3(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], hidden_size=2048,

@@ -46,6 +46,16 @@ def test_released_shapes():
     assert all(l.attention.softmax_scale == 1.0 and l.attention.v_norm for l in g31.layers)
 
 
+@pytest.mark.parametrize("preset, total, non_embedding", [
+    ("qwen3-1.7b", 1.72e9, 1.41e9), ("qwen3-4b", 4.02e9, 3.63e9), ("qwen3-8b", 8.19e9, 6.95e9)])
+def test_released_parameter_counts(preset, total, non_embedding):
+    """The model cards' sizes (1.7B / 4.0B / 8.2B; 1.4B / 3.6B / 6.95B without the embedding and head)."""
+    params = dict(M.build_model(preset, device="meta").named_parameters())  # a tied head is listed once
+    n = sum(p.numel() for p in params.values())
+    vocab = sum(p.numel() for name, p in params.items() if name in ("model.embed_tokens.weight", "lm_head.weight"))
+    assert n == pytest.approx(total, rel=0.005) and n - vocab == pytest.approx(non_embedding, rel=0.005)
+
+
 def test_legacy_qwen3_config_keys():
     hf = M.preset_hf_config("qwen3-0.6b")
     assert "rope_theta" in hf and "rope_parameters" not in hf
