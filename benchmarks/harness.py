@@ -305,223 +305,76 @@ class _DualKV(Provider):
         return dualkv_attention(q, k, v, self.layout, softmax_scale=self.scale, backend=self.backend)
 
 
-@register("dualkv-auto")
-class DualKVAuto(_DualKV):
-    """What ``backend="auto"`` takes for the config (per head dim and dtype: see dualkv.core.backends)."""
-
-    backend = "auto"
-
-
-@register("dualkv-triton")
-class DualKVTriton(_DualKV):
-    backend = "triton"
-
-
-@register("dualkv-triton-no-ws")
-class DualKVTritonNoWs(_DualKV):
-    """Triton's forward and dQ without the warp-specialised loop (DUALKV_TRITON_WS=0: the multi-loop
-    kernels, whose unmasked blocks skip the mask)."""
-
-    backend = "triton"
-    env = {"DUALKV_TRITON_WS": "0"}
-
-
-@register("dualkv-triton-tl-fwd")
-class DualKVTritonTlFwd(_DualKV):
-    """Triton with the ``tl`` forward (``fwd_kernel``) in place of the Gluon one (DUALKV_TRITON_GLUON_FWD=0)."""
-
-    backend = "triton"
-    env = {"DUALKV_TRITON_GLUON_FWD": "0"}
-
-
-@register("dualkv-triton-gluon-dkdv")
-class DualKVTritonGluonDkdv(_DualKV):
-    """Triton with the Gluon dK/dV in place of the ``tl`` row kernel, dQ still from the dQ kernel
-    (DUALKV_TRITON_GLUON_DKDV=1)."""
-
-    backend = "triton"
-    env = {"DUALKV_TRITON_GLUON_DKDV": "1"}
-
-
-@register("dualkv-triton-fused-dq")
-class DualKVTritonFusedDq(_DualKV):
-    """Triton with dQ added inside the Gluon dK/dV by TMA reduce-add (DUALKV_TRITON_GLUON_DKDV=1 and
-    DUALKV_TRITON_ATOMIC_DQ=1): five matrix products per backward step instead of seven."""
-
-    backend = "triton"
-    env = {"DUALKV_TRITON_GLUON_DKDV": "1", "DUALKV_TRITON_ATOMIC_DQ": "1"}
-
-
-@register("dualkv-cuda")
-class DualKVCuda(_DualKV):
-    """The CUDA backend's defaults: on sm_90 the wgmma forward and (d 64 - 256) the wgmma backward."""
-
-    backend = "cuda"
-
-
-@register("dualkv-cuda-mma")
-class DualKVCudaMma(DualKVCuda):
-    """mma.sync kernels only (the sm_80 path), on any card."""
-
-    env = {"DUALKV_CUDA_WGMMA": "0", "DUALKV_CUDA_WGMMA_BWD": "0"}
-
-
-@register("dualkv-cuda-mma-bwd")
-class DualKVCudaMmaBwd(DualKVCuda):
-    """The default forward with the mma.sync backward (the default before the wgmma backward)."""
-
-    env = {"DUALKV_CUDA_WGMMA_BWD": "0"}
-
-
-@register("dualkv-cuda-ws")
-class DualKVCudaWs(DualKVCuda):
-    """The warp-specialised wgmma forward with cp.async loads (a producer warpgroup, K and V rings with
-    mbarrier hand-over; opt-in, the default at d = 64 / 128 before the TMA form)."""
-
-    env = {"DUALKV_CUDA_WGMMA": "2"}
-
-
-@register("dualkv-cuda-tma-fwd")
-class DualKVCudaTmaFwd(DualKVCuda):
-    """The wgmma forward with one thread issuing bulk tensor copies (TMA; the default: the
-    warp-specialised form at d = 64 / 128, the in-turn form at 192 / 256 / 512)."""
-
-    env = {"DUALKV_CUDA_WGMMA": "3"}
-
-
-@register("dualkv-cuda-tma-bwd")
-class DualKVCudaTmaBwd(DualKVCuda):
-    """The default forward and backward schedule with the warp-specialised dK/dV kernel's loads as bulk
-    tensor copies from one producer thread (DUALKV_CUDA_BWD_TMA=1, the default; schedules 6 / 8, d = 64
-    / 128)."""
-
-    env = {"DUALKV_CUDA_BWD_TMA": "1"}
-
-
-@register("dualkv-cuda-cp-async-bwd")
-class DualKVCudaCpAsyncBwd(DualKVCuda):
-    """The default forward and backward schedule with the dK/dV kernel's producer warpgroup loading by
-    cp.async (DUALKV_CUDA_BWD_TMA=0; the default before the bulk tensor copies)."""
-
-    env = {"DUALKV_CUDA_BWD_TMA": "0"}
-
-
-@register("dualkv-cuda-in-turn-fwd")
-class DualKVCudaInTurnFwd(DualKVCuda):
-    """The in-turn wgmma forward with cp.async (every thread loads and computes; the default at d = 192
-    / 256 / 512 before its bulk tensor copies, opt-in at 64 / 128)."""
-
-    env = {"DUALKV_CUDA_WGMMA": "1"}
-
-
-@register("dualkv-cuda-wgmma-bwd")
-class DualKVCudaWgmmaBwd(DualKVCuda):
-    """The wgmma backward's in-turn schedule (d 64 / 128; the products of a tile in turn)."""
-
-    env = {"DUALKV_CUDA_WGMMA_BWD": "1"}
-
-
-@register("dualkv-cuda-wgmma-bwd-overlap")
-class DualKVCudaWgmmaBwdOverlap(DualKVCuda):
-    """The opt-in wgmma backward with the next tile's products overlapping (d 64 / 128)."""
-
-    env = {"DUALKV_CUDA_WGMMA_BWD": "2"}
-
-
-@register("dualkv-cuda-fused-dq")
-class DualKVCudaFusedDq(DualKVCuda):
-    """The opt-in wgmma dK/dV kernel that also accumulates dQ (fp32 atomics; no dQ kernel; d 64 / 128)."""
-
-    env = {"DUALKV_CUDA_WGMMA_BWD": "3"}
-
-
-@register("dualkv-cuda-ws-bwd")
-class DualKVCudaWsBwd(DualKVCuda):
-    """The warp-specialised wgmma dK/dV kernel with the in-turn dQ kernel (a producer warpgroup loads; d 64 / 128)."""
-
-    env = {"DUALKV_CUDA_WGMMA_BWD": "4"}
-
-
-@register("dualkv-cuda-ws-both-bwd")
-class DualKVCudaWsBothBwd(DualKVCuda):
-    """Both wgmma backward kernels warp-specialised (dQ and dK/dV; d 64 / 128)."""
-
-    env = {"DUALKV_CUDA_WGMMA_BWD": "5"}
-
-
-@register("dualkv-cuda-ws-fused-dq")
-class DualKVCudaWsFusedDq(DualKVCuda):
-    """The warp-specialised wgmma dK/dV kernel that also accumulates dQ (no dQ kernel; d 64 / 128; the
-    default at d = 128)."""
-
-    env = {"DUALKV_CUDA_WGMMA_BWD": "6"}
-
-
-@register("dualkv-cuda-ws-split-bwd")
-class DualKVCudaWsSplitBwd(DualKVCuda):
-    """Schedule 5 with S^T and dP^T waited for apart (P^T computed while dP^T runs; d 64 / 128; the
-    default at d = 64 until 2026-12-02)."""
-
-    env = {"DUALKV_CUDA_WGMMA_BWD": "8"}
-
-
-@register("dualkv-pair")
-class DualKVPair(_DualKV):
-    """Triton's forward (its warp-specialised loop where it applies) with the CUDA backend's default
-    backward."""
-
-    backend = "triton+cuda"
-
-
-# Triton's forward with one of the CUDA backward variants above (the pair "auto" takes at d = 64 / 128):
-# each inherits its variant's kernel-choice variables.
-@register("dualkv-pair-ws-bwd")
-class DualKVPairWsBwd(DualKVCudaWsBwd):
-    """Triton's forward with the warp-specialised dK/dV kernel and the in-turn dQ kernel (d 64 / 128)."""
-
-    backend = "triton+cuda"
-
-
-@register("dualkv-pair-ws-both-bwd")
-class DualKVPairWsBothBwd(DualKVCudaWsBothBwd):
-    """Triton's forward with both backward kernels warp-specialised (what ``auto`` ran at d = 64 before 8)."""
-
-    backend = "triton+cuda"
-
-
-@register("dualkv-pair-ws-fused-dq")
-class DualKVPairWsFusedDq(DualKVCudaWsFusedDq):
-    """Triton's forward with the warp-specialised fused-dQ CUDA backward (what ``auto`` runs at d = 128)."""
-
-    backend = "triton+cuda"
-
-
-@register("dualkv-pair-ws-split-bwd")
-class DualKVPairWsSplitBwd(DualKVCudaWsSplitBwd):
-    """Triton's forward with schedule 8 (5 with S^T and dP^T waited for apart; what ``auto`` ran at d = 64 until 2026-12-02)."""
-
-    backend = "triton+cuda"
-
-
-@register("dualkv-pair-in-turn-bwd")
-class DualKVPairInTurnBwd(DualKVCudaWgmmaBwd):
-    """Triton's forward with the in-turn wgmma backward."""
-
-    backend = "triton+cuda"
-
-
-@register("dualkv-pair-fused-dq")
-class DualKVPairFusedDq(DualKVCudaFusedDq):
-    """Triton's forward with the opt-in fused-dQ CUDA backward."""
-
-    backend = "triton+cuda"
-
-
-@register("reference")
-class DualKVReference(_DualKV):
-    """The pure-PyTorch oracle through the same op (correctness anchor, CPU tests; slow)."""
-
-    backend = "reference"
+# The DualKV providers: (name, backend, kernel-choice variables, what it runs). The variants time the
+# backends' kernel paths against each other in one run; "triton+cuda" is Triton's forward with the CUDA
+# backward named by the variables (``auto`` takes that pair at d = 512).
+_CUDA_BWD = "DUALKV_CUDA_WGMMA_BWD"
+DUALKV_VARIANTS: list[tuple[str, str, dict[str, str], str]] = [
+    ("dualkv-auto", "auto", {},
+     'What ``backend="auto"`` takes for the config (per head dim and dtype: see dualkv.core.backends).'),
+    ("dualkv-triton", "triton", {}, "The Triton backend's defaults."),
+    ("dualkv-triton-no-ws", "triton", {"DUALKV_TRITON_WS": "0"},
+     "Triton's forward and dQ without the warp-specialised loop (the multi-loop kernels, whose unmasked "
+     "blocks skip the mask)."),
+    ("dualkv-triton-tl-fwd", "triton", {"DUALKV_TRITON_GLUON_FWD": "0"},
+     "Triton with the ``tl`` forward (``fwd_kernel``) in place of the Gluon one."),
+    ("dualkv-triton-gluon-dkdv", "triton", {"DUALKV_TRITON_GLUON_DKDV": "1"},
+     "Triton with the Gluon dK/dV in place of the ``tl`` row kernel, dQ still from the dQ kernel."),
+    ("dualkv-triton-fused-dq", "triton", {"DUALKV_TRITON_GLUON_DKDV": "1", "DUALKV_TRITON_ATOMIC_DQ": "1"},
+     "Triton with dQ added inside the Gluon dK/dV by TMA reduce-add: five matrix products per backward "
+     "step instead of seven."),
+    ("dualkv-cuda", "cuda", {},
+     "The CUDA backend's defaults: on sm_90 the wgmma forward and (d 64 - 256) the wgmma backward."),
+    ("dualkv-cuda-mma", "cuda", {"DUALKV_CUDA_WGMMA": "0", _CUDA_BWD: "0"},
+     "mma.sync kernels only (the sm_80 path), on any card."),
+    ("dualkv-cuda-mma-bwd", "cuda", {_CUDA_BWD: "0"},
+     "The default forward with the mma.sync backward (the default before the wgmma backward)."),
+    ("dualkv-cuda-ws", "cuda", {"DUALKV_CUDA_WGMMA": "2"},
+     "The warp-specialised wgmma forward with cp.async loads (a producer warpgroup, K and V rings with "
+     "mbarrier hand-over; opt-in, the default at d = 64 / 128 before the TMA form)."),
+    ("dualkv-cuda-tma-fwd", "cuda", {"DUALKV_CUDA_WGMMA": "3"},
+     "The wgmma forward with one thread issuing bulk tensor copies (TMA; the default: the "
+     "warp-specialised form at d = 64 / 128, the in-turn form at 192 / 256 / 512)."),
+    ("dualkv-cuda-tma-bwd", "cuda", {"DUALKV_CUDA_BWD_TMA": "1"},
+     "The default schedules with the warp-specialised dK/dV kernel's loads as bulk tensor copies from "
+     "one producer thread (the default; schedules 6 / 8, d = 64 / 128)."),
+    ("dualkv-cuda-cp-async-bwd", "cuda", {"DUALKV_CUDA_BWD_TMA": "0"},
+     "The default schedules with the dK/dV kernel's producer warpgroup loading by cp.async (the default "
+     "before the bulk tensor copies)."),
+    ("dualkv-cuda-in-turn-fwd", "cuda", {"DUALKV_CUDA_WGMMA": "1"},
+     "The in-turn wgmma forward with cp.async (every thread loads and computes; the default at d = 192 / "
+     "256 / 512 before its bulk tensor copies, opt-in at 64 / 128)."),
+    ("dualkv-cuda-wgmma-bwd", "cuda", {_CUDA_BWD: "1"},
+     "The wgmma backward's in-turn schedule 1 (d 64 / 128; the products of a tile in turn)."),
+    ("dualkv-cuda-wgmma-bwd-overlap", "cuda", {_CUDA_BWD: "2"},
+     "Schedule 2: the next tile's products overlapping (d 64 / 128)."),
+    ("dualkv-cuda-fused-dq", "cuda", {_CUDA_BWD: "3"},
+     "Schedule 3: the wgmma dK/dV kernel also accumulates dQ (fp32 atomics; no dQ kernel; d 64 / 128)."),
+    ("dualkv-cuda-ws-bwd", "cuda", {_CUDA_BWD: "4"},
+     "Schedule 4: the warp-specialised wgmma dK/dV kernel with the in-turn dQ kernel (a producer "
+     "warpgroup loads; d 64 / 128)."),
+    ("dualkv-cuda-ws-both-bwd", "cuda", {_CUDA_BWD: "5"},
+     "Schedule 5: both wgmma backward kernels warp-specialised (dQ and dK/dV; d 64 / 128)."),
+    ("dualkv-cuda-ws-fused-dq", "cuda", {_CUDA_BWD: "6"},
+     "Schedule 6: the warp-specialised wgmma dK/dV kernel that also accumulates dQ (no dQ kernel; d 64 / "
+     "128; the default at d = 128)."),
+    ("dualkv-cuda-ws-split-bwd", "cuda", {_CUDA_BWD: "8"},
+     "Schedule 8: 5 with S^T and dP^T waited for apart (P^T computed while dP^T runs; d 64 / 128; the "
+     "default at d = 64 until 2026-12-02)."),
+    ("dualkv-pair", "triton+cuda", {}, "Triton's forward with the CUDA backend's default backward."),
+    ("dualkv-pair-in-turn-bwd", "triton+cuda", {_CUDA_BWD: "1"}, "Triton's forward with schedule 1."),
+    ("dualkv-pair-fused-dq", "triton+cuda", {_CUDA_BWD: "3"}, "Triton's forward with schedule 3."),
+    ("dualkv-pair-ws-bwd", "triton+cuda", {_CUDA_BWD: "4"}, "Triton's forward with schedule 4."),
+    ("dualkv-pair-ws-both-bwd", "triton+cuda", {_CUDA_BWD: "5"},
+     "Triton's forward with schedule 5 (what ``auto`` ran at d = 64 before 8)."),
+    ("dualkv-pair-ws-fused-dq", "triton+cuda", {_CUDA_BWD: "6"},
+     "Triton's forward with schedule 6, the CUDA backward's default at d = 128."),
+    ("dualkv-pair-ws-split-bwd", "triton+cuda", {_CUDA_BWD: "8"},
+     "Triton's forward with schedule 8 (what ``auto`` ran at d = 64 until 2026-12-02)."),
+    ("reference", "reference", {}, "The pure-PyTorch oracle through the same op (correctness anchor, CPU tests; slow)."),
+]
+for _name, _backend, _env, _doc in DUALKV_VARIANTS:
+    register(_name)(type(f"DualKV[{_name}]", (_DualKV,), {"backend": _backend, "env": _env, "__doc__": _doc}))
 
 
 # ------------------------------------------------------------------------------------------ timing
