@@ -550,29 +550,9 @@ def _check_model_case(ctx, case):
     bad.raise_if_any()
 
 
-@check
-def model_dense_matches_single_device(ctx):
-    return _check_model_case(ctx, "dense")
-
-
-@check
-def model_moe_matches_single_device(ctx):
-    return _check_model_case(ctx, "moe")
-
-
-@check
-def model_hybrid_matches_single_device(ctx):
-    return _check_model_case(ctx, "hybrid")
-
-
-@check
-def model_hybrid_kv_sharing_matches_single_device(ctx):
-    return _check_model_case(ctx, "hybrid_per_layer_input_kv_sharing")
-
-
-@check
-def model_hybrid_moe_matches_single_device(ctx):
-    return _check_model_case(ctx, "hybrid_moe")
+# One check per tiny model case: model_<case>_matches_single_device.
+for _case in ("dense", "moe", "hybrid", "hybrid_per_layer_input_kv_sharing", "hybrid_moe"):
+    CHECKS[f"model_{_case}_matches_single_device"] = functools.partial(_check_model_case, case=_case)
 
 
 @check
