@@ -91,7 +91,7 @@ def train_config(args, packing: str, mb: int):
         steps=args.warmup + args.steps, seed=args.seed, synthetic_prompt_len=(args.prompt, args.prompt),
         synthetic_response_len=tuple(args.response_range), peak_tflops=args.peak_tflops, progress=False,
         loss=LossConfig.grpo(kl_beta=args.kl_beta),
-        update=UpdateConfig(packing=packing, micro_batch_tokens=1,
+        update=UpdateConfig(packing=packing, micro_batch_tokens=1, logprob_micro_batch_tokens=args.logprob_micro_batch_tokens,
                             recompute_old_logprobs=args.old_logprobs == "recompute"),
         optim=OptimConfig(lr=1e-6, implementation=args.optimizer_impl),
         parallel=ParallelConfig(sp=args.sp, param_dtype="bf16" if cuda else "fp32",
@@ -376,6 +376,9 @@ def parse_args(argv=None):
     ap.add_argument("--old-logprobs", choices=("recompute", "from-update"), default="recompute",
                     help="recompute: the old_log_prob pass runs (the three phases); from-update: the trainer's default "
                          "for one optimizer step per batch, the update's own log-probs detached (no old_log_prob pass)")
+    ap.add_argument("--logprob-micro-batch-tokens", type=parse_size, default=None,
+                    help="token budget of the no-grad old / ref passes' micro-batches (e.g. 64K: every group of the "
+                         "step in one forward); default: one group per micro-batch, as the update")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps per configuration")
     ap.add_argument("--steps", type=int, default=3, help="measured steps per configuration")
     ap.add_argument("--peak-tflops", type=float, default=None, help="per-device peak for MFU (default: known GPUs)")
@@ -441,7 +444,8 @@ def _run(args, argv) -> Path:
                 keep_attention=args.keep_attention, warmup=args.warmup, steps=args.steps, seed=args.seed,
                 world_size=_world(), sp=args.sp, attention_backend=args.attention_backend,
                 logprobs_impl=_logprobs_impl_run(args, device),
-                old_logprobs=args.old_logprobs, reshard_after_forward=args.reshard_after_forward,
+                old_logprobs=args.old_logprobs, logprob_micro_batch_tokens=args.logprob_micro_batch_tokens,
+                reshard_after_forward=args.reshard_after_forward,
                 fused_ops=args.fused_ops, liger_ops=not args.compile and liger_runs_on(device),
                 optimizer_impl=_optimizer_impl_run(args, device))
     card = meta["card"]["name"].split()[-1].lower() if device.type == "cuda" else "cpu"
@@ -477,10 +481,12 @@ def _optimizer_impl_run(args, device) -> str:
 
 SETTINGS = ("preset", "P", "response_range", "responses_per_step", "algorithm", "kl_beta", "activation_checkpointing",
             "compile", "keep_attention", "warmup", "steps", "seed", "world_size", "sp", "attention_backend",
-            "logprobs_impl", "liger_ops", "optimizer_impl", "old_logprobs", "reshard_after_forward")
+            "logprobs_impl", "liger_ops", "optimizer_impl", "old_logprobs", "logprob_micro_batch_tokens",
+            "reshard_after_forward")
 # What files written before these settings existed ran (torch's default AdamW on CUDA: foreach).
 SETTING_DEFAULTS = {"world_size": 1, "sp": 1, "attention_backend": "auto", "logprobs_impl": "torch", "liger_ops": False,
-                    "optimizer_impl": "foreach", "old_logprobs": "recompute", "reshard_after_forward": True}
+                    "optimizer_impl": "foreach", "old_logprobs": "recompute", "logprob_micro_batch_tokens": None,
+                    "reshard_after_forward": True}
 
 
 def merge(paths: list[str], out: str, stem: str) -> Path:
@@ -494,6 +500,11 @@ def merge(paths: list[str], out: str, stem: str) -> Path:
     writer = ResultWriter(out, stem, meta, COLUMNS)
     writer.rows = sorted(rows, key=lambda r: (r["mb"], PACKINGS.index(r["packing"])))
     return write_report(writer)
+
+
+def _logprob_budget_text(meta: dict) -> str:
+    budget = meta.get("logprob_micro_batch_tokens")
+    return "" if budget is None else f", no-grad passes in micro-batches of up to {budget} tokens"
 
 
 def _reshard_text(meta: dict) -> str:
@@ -522,6 +533,7 @@ def write_report(writer) -> Path:
                   f"{', attention backend ' + meta['attention_backend'] if meta.get('attention_backend', 'auto') != 'auto' else ''}"
                   f"{', log-prob head ' + meta['logprobs_impl'] if meta.get('logprobs_impl', 'torch') != 'torch' else ''}"
                   f"{', old log-probs from the update (no old_log_prob pass)' if meta.get('old_logprobs') == 'from-update' else ''}"
+                  f"{_logprob_budget_text(meta)}"
                   f"{_reshard_text(meta)}"
                   f"{_ranks_text(meta)}\n\n"
                   + tables(rows, meta))

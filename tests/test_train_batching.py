@@ -82,6 +82,21 @@ def test_plan_invariants(shapes, budget, dp, packing):
     assert max(loads) - min(loads) <= max(costs)  # LPT bound
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    shapes=st.lists(st.tuples(st.integers(1, 40), st.lists(st.integers(1, 20), min_size=1, max_size=6)), min_size=1, max_size=10),
+    budgets=st.tuples(st.integers(1, 200), st.integers(1, 400)),
+    dp=st.integers(1, 4),
+)
+def test_every_budget_gives_a_rank_the_same_groups(shapes, budgets, dp):
+    """The no-grad passes may take another budget than the update: each rank's plan under either one
+    reads the same groups (padding micro-batches included), so the passes fill what the update reads."""
+    b = _batch(shapes)
+    one, other = (plan_micro_batches(b, "dualkv", budget, dp) for budget in budgets)
+    for p, q in zip(one, other):
+        assert {i for m in p for i in m.groups} == {i for m in q for i in m.groups}
+
+
 def test_padding_micro_batches_keep_ranks_in_step():
     # rank 0 gets the big group (2 micro-batches are impossible for one group) -> rank 1 splits or pads
     b = _batch([(50, [10] * 4), (5, [2]), (5, [2]), (5, [2])])

@@ -154,6 +154,38 @@ def test_old_logprob_phase_runs_only_when_needed():
         assert set(timer.reset()) == phases, update
 
 
+def test_logprob_passes_take_their_own_budget(monkeypatch):
+    """old / ref passes under logprob_micro_batch_tokens: one forward each instead of one per group,
+    and the same loss, KL, gradients and update as under the update's budget."""
+    import dualkv.train.update as upd
+
+    real, no_grad_rows = upd.policy_logprobs, []
+
+    def spy(model, layout, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            no_grad_rows.append(layout.num_rows)
+        return real(model, layout, *args, **kwargs)
+
+    monkeypatch.setattr(upd, "policy_logprobs", spy)
+    model = build_model("tiny-qwen3", seed=5)
+    batch = _rollouts(seed=6, groups=3, n=4)
+    runs = {}
+    for budget in (None, 10_000):
+        no_grad_rows.clear()
+        # SGD over two epochs, as _assert_same: the second one off-policy, so loss and KL are not 0
+        runs[budget] = _run(model, batch, LossConfig.grpo(), "dualkv", 1, optim="sgd", lr=0.5, epochs=2,
+                            logprob_micro_batch_tokens=budget)
+        runs[budget] += (list(no_grad_rows),)
+    (m1, g1, d1, rows1), (m2, g2, d2, rows2) = runs[None], runs[10_000]
+    assert rows1 == [4] * 6 and rows2 == [12, 12]  # old and ref: a forward per group, then one per pass
+    assert abs(m1["loss"]) > 1e-4 and abs(m1["kl"]) > 0
+    for key in ("loss", "kl"):
+        assert m2[key] == pytest.approx(m1[key], rel=RTOL), key
+    assert _rel(g1, g2) <= RTOL and _rel(d1, d2) <= RTOL
+    with pytest.raises(ValueError, match="logprob_micro_batch_tokens: expected >= 1 or None, got 0"):
+        UpdateConfig(logprob_micro_batch_tokens=0)
+
+
 def test_uniform_groups_are_dropped_or_skipped():
     model = build_model("tiny-qwen3", seed=9)
     g = _rollouts(seed=10, groups=2).groups

@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dualkv: each prompt once (P + N*R tokens); replicated: the N*(P+R) baseline")
     u.add_argument("--micro-batch-tokens", type=int, default=8192,
                    help="token budget of one micro-batch, on the length the packing runs (split over its SP group)")
+    u.add_argument("--logprob-micro-batch-tokens", type=int, default=None,
+                   help="the same budget for the no-grad old / ref log-prob passes (default: --micro-batch-tokens); "
+                        "they keep no activations, so a larger one usually fits")
     u.add_argument("--mini-batches", type=int, default=1, help="optimizer steps per rollout batch")
     u.add_argument("--epochs", type=int, default=1, help="passes over each rollout batch")
     u.add_argument("--steps", type=int, default=int(os.environ.get(STEPS_ENV, 120)))
@@ -157,6 +160,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         synthetic_prompt_len=args.synthetic_prompt_len, synthetic_response_len=args.synthetic_response_len,
         peak_tflops=args.peak_tflops, progress=not args.no_progress, loss=_loss_config(args),
         update=UpdateConfig(packing=args.packing, micro_batch_tokens=args.micro_batch_tokens,
+                            logprob_micro_batch_tokens=args.logprob_micro_batch_tokens,
                             mini_batches=args.mini_batches, epochs=args.epochs, max_grad_norm=args.max_grad_norm,
                             temperature=args.temperature, use_rollout_logprobs=args.use_rollout_logprobs,
                             recompute_old_logprobs=args.recompute_old_logprobs),

@@ -45,6 +45,9 @@ class UpdateConfig:
 
     packing: "dualkv" (prompt once per group) or "replicated" (prompt in every row: the baseline).
     micro_batch_tokens: token budget of one micro-batch (of the whole SP group, under ``packing``).
+    logprob_micro_batch_tokens: the same budget for the no-grad passes (old_log_prob, ref_log_prob);
+        None: ``micro_batch_tokens``. A no-grad forward keeps no activations for a backward, so it
+        usually fits a larger budget than the update: fewer, larger launches for the same log-probs.
     mini_batches: optimizer steps per rollout batch (its groups split into this many mini-batches).
     epochs: passes over the rollout batch.
     max_grad_norm: clip the global gradient norm to this (None = no clipping).
@@ -62,6 +65,7 @@ class UpdateConfig:
 
     packing: Packing = "dualkv"
     micro_batch_tokens: int = 8192
+    logprob_micro_batch_tokens: int | None = None
     mini_batches: int = 1
     epochs: int = 1
     max_grad_norm: float | None = 1.0
@@ -76,6 +80,8 @@ class UpdateConfig:
         for name in ("micro_batch_tokens", "mini_batches", "epochs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected >= 1, got {getattr(self, name)}")
+        if self.logprob_micro_batch_tokens is not None and self.logprob_micro_batch_tokens < 1:
+            raise ValueError(f"logprob_micro_batch_tokens: expected >= 1 or None, got {self.logprob_micro_batch_tokens}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(f"max_grad_norm: expected > 0 or None, got {self.max_grad_norm}")
         if not self.temperature > 0:
@@ -156,8 +162,12 @@ class PolicyUpdater:
         self.grad_scale = grad_scale
 
     # ------------------------------------------------------------------ passes
-    def _my_plan(self, groups: Sequence[RolloutGroup]) -> list[MicroBatch]:
-        return plan_micro_batches(groups, self.cfg.packing, self.cfg.micro_batch_tokens, self.dp_size)[self.dp_rank]
+    def _my_plan(self, groups: Sequence[RolloutGroup], budget: int | None = None) -> list[MicroBatch]:
+        """This rank's micro-batches. Any budget gives each rank the same groups (they are balanced over
+        the ranks before they are binned), so a pass under another budget fills every group the update
+        plan reads, its padding micro-batches' included."""
+        budget = self.cfg.micro_batch_tokens if budget is None else budget
+        return plan_micro_batches(groups, self.cfg.packing, budget, self.dp_size)[self.dp_rank]
 
     @torch.no_grad()
     def _logprob_pass(self, model, groups: list[RolloutGroup], field: str, counters: dict) -> list[RolloutGroup]:
@@ -168,7 +178,7 @@ class PolicyUpdater:
         launches the next one."""
         groups = list(groups)
         queued = []
-        for mb in self._my_plan(groups):
+        for mb in self._my_plan(groups, self.cfg.logprob_micro_batch_tokens):
             data = build_micro_batch(groups, mb, self.cfg.packing, self.device)
             queued.append((mb, policy_logprobs(model, data.layout, self.sp_group, self.cfg.temperature)))
             counters["forward_flops"] += forward_flops(model.config, data.layout)
