@@ -98,7 +98,8 @@ def train_config(args, packing: str, mb: int):
                                 activation_checkpointing=args.activation_checkpointing, compile=args.compile,
                                 checkpoint_keep_attention=args.keep_attention, attention_backend=args.attention_backend,
                                 logprobs_impl=args.logprobs_impl, fused_ops=args.fused_ops,
-                                reshard_after_forward=args.reshard_after_forward),
+                                reshard_after_forward=args.reshard_after_forward,
+                                reduce_grads_once=args.reduce_grads_once),
     )
 
 
@@ -371,6 +372,8 @@ def parse_args(argv=None):
                          "or PyTorch's ops (off), both packings")
     ap.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
                     help="FSDP keeps each layer's gathered parameters from forward to backward, both packings")
+    ap.add_argument("--reduce-grads-once", action="store_true",
+                    help="FSDP reduces each mini-batch's gradients once, after its last micro-batch, both packings")
     ap.add_argument("--optimizer-impl", choices=OPTIMIZER_IMPLS, default="auto",
                     help="AdamW implementation (auto: torch's fused kernel on CUDA), both packings")
     ap.add_argument("--old-logprobs", choices=("recompute", "from-update"), default="recompute",
@@ -445,7 +448,7 @@ def _run(args, argv) -> Path:
                 world_size=_world(), sp=args.sp, attention_backend=args.attention_backend,
                 logprobs_impl=_logprobs_impl_run(args, device),
                 old_logprobs=args.old_logprobs, logprob_micro_batch_tokens=args.logprob_micro_batch_tokens,
-                reshard_after_forward=args.reshard_after_forward,
+                reshard_after_forward=args.reshard_after_forward, reduce_grads_once=args.reduce_grads_once,
                 fused_ops=args.fused_ops, liger_ops=not args.compile and liger_runs_on(device),
                 optimizer_impl=_optimizer_impl_run(args, device))
     card = meta["card"]["name"].split()[-1].lower() if device.type == "cuda" else "cpu"
@@ -482,11 +485,11 @@ def _optimizer_impl_run(args, device) -> str:
 SETTINGS = ("preset", "P", "response_range", "responses_per_step", "algorithm", "kl_beta", "activation_checkpointing",
             "compile", "keep_attention", "warmup", "steps", "seed", "world_size", "sp", "attention_backend",
             "logprobs_impl", "liger_ops", "optimizer_impl", "old_logprobs", "logprob_micro_batch_tokens",
-            "reshard_after_forward")
+            "reshard_after_forward", "reduce_grads_once")
 # What files written before these settings existed ran (torch's default AdamW on CUDA: foreach).
 SETTING_DEFAULTS = {"world_size": 1, "sp": 1, "attention_backend": "auto", "logprobs_impl": "torch", "liger_ops": False,
                     "optimizer_impl": "foreach", "old_logprobs": "recompute", "logprob_micro_batch_tokens": None,
-                    "reshard_after_forward": True}
+                    "reshard_after_forward": True, "reduce_grads_once": False}
 
 
 def merge(paths: list[str], out: str, stem: str) -> Path:
@@ -508,7 +511,8 @@ def _logprob_budget_text(meta: dict) -> str:
 
 
 def _reshard_text(meta: dict) -> str:
-    return "" if meta.get("reshard_after_forward", True) else ", FSDP keeps the gathered parameters from forward to backward"
+    keep = "" if meta.get("reshard_after_forward", True) else ", FSDP keeps the gathered parameters from forward to backward"
+    return keep + (", gradients reduced once per mini-batch" if meta.get("reduce_grads_once") else "")
 
 
 def _ranks_text(meta: dict) -> str:

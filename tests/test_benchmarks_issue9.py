@@ -203,16 +203,20 @@ def test_policy_step_with_old_logprobs_from_the_update(tmp_path, one_thread):
     assert "old log-probs from the update (no old_log_prob pass)" in (tmp_path / "reuse.md").read_text()
 
 
-def test_policy_step_with_a_logprob_budget(tmp_path, one_thread):
-    """--logprob-micro-batch-tokens reaches the trainer (both groups in one no-grad forward) and the report."""
+def test_policy_step_with_a_logprob_budget_and_one_reduction(tmp_path, one_thread):
+    """--logprob-micro-batch-tokens (both groups in one no-grad forward) and --reduce-grads-once reach the
+    trainer and the report."""
+    flags = ["--logprob-micro-batch-tokens", "1K", "--reduce-grads-once"]
     out = ps.main(["--preset", "tiny-qwen3", "--prompt", "32", "--response-range", "4:8", "--mbs", "2",
                    "--responses-per-step", "4", "--packings", "dualkv", "--steps", "1", "--warmup", "0",
-                   "--peak-tflops", "1", "--device", "cpu", "--logprob-micro-batch-tokens", "1K", "--out", str(tmp_path),
-                   "--stem", "lp"])
+                   "--peak-tflops", "1", "--device", "cpu", *flags, "--out", str(tmp_path), "--stem", "lp"])
     data = json.loads(out.read_text())
-    assert data["rows"][0]["status"] == "ok" and data["meta"]["logprob_micro_batch_tokens"] == 1024
-    assert ps.train_config(ps.parse_args(["--logprob-micro-batch-tokens", "1K"]), "dualkv", 2).update.logprob_micro_batch_tokens == 1024
-    assert "no-grad passes in micro-batches of up to 1024 tokens" in (tmp_path / "lp.md").read_text()
+    assert data["rows"][0]["status"] == "ok"
+    assert data["meta"]["logprob_micro_batch_tokens"] == 1024 and data["meta"]["reduce_grads_once"] is True
+    cfg = ps.train_config(ps.parse_args(flags), "dualkv", 2)
+    assert cfg.update.logprob_micro_batch_tokens == 1024 and cfg.parallel.reduce_grads_once
+    text = (tmp_path / "lp.md").read_text()
+    assert "no-grad passes in micro-batches of up to 1024 tokens" in text and "gradients reduced once per mini-batch" in text
 
 
 def test_policy_step_rejects_an_unknown_old_logprobs_mode(capsys):

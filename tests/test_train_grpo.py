@@ -177,6 +177,43 @@ def test_no_reshard_after_forward_trains_the_same(tmp_path):
         ParallelConfig(reshard_after_forward="never")
 
 
+def test_reduce_grads_once_trains_the_same(tmp_path, monkeypatch):
+    """--reduce-grads-once: after each micro-batch but a mini-batch's last, the policy still holds its
+    gathered parameters with unsharded gradients (FSDP has not reduced them); after the last, sharded
+    parameters with reduced (sharded) gradients. The training is the same as reducing after every
+    micro-batch (a one-rank run)."""
+    from dualkv.train.update import PolicyUpdater
+
+    real, reduced = PolicyUpdater._micro_step, []
+
+    def watched(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
+        sharded = all(hasattr(g, "to_local") for g in grads) and len(grads) > 0
+        reduced.append(sharded and not _gathered(self.policy))
+
+    monkeypatch.setattr(PolicyUpdater, "_micro_step", watched)
+    args = ["--algorithm", "grpo", "--kl-beta", "0.04", "--mini-batches", "2", "--micro-batch-tokens", "1", "--groups", "6",
+            "--steps", "2"]
+    runs = {}
+    for once in (False, True):
+        reduced.clear()
+        cfg = _config(tmp_path / str(once), *args, *(["--reduce-grads-once"] if once else []))
+        assert cfg.parallel.reduce_grads_once is once
+        history, params, _ = _train(cfg)
+        runs[once] = (history, params, list(reduced))
+    (hist_once, params_once, reduced_once), (hist_each, params_each, reduced_each) = runs[True], runs[False]
+    assert reduced_each == [True] * 12  # 2 steps x 2 mini-batches x 3 micro-batches (one group each)
+    assert reduced_once == [False, False, True] * 4
+    for h_once, h_each in zip(hist_once, hist_each, strict=True):
+        assert h_once["skipped"] == 0
+        for key in ("loss", "kl", "grad_norm"):
+            assert h_once[key] == pytest.approx(h_each[key], rel=1e-6), key
+    assert max(float((params_once[k] - params_each[k]).abs().max()) for k in params_each) <= 1e-6
+    with pytest.raises(ValueError, match=r"reduce_grads_once: expected True or False, got 1"):
+        ParallelConfig(reduce_grads_once=1)
+
+
 def test_fused_ops_flag_sets_the_mode(tmp_path):
     """--fused-ops reaches dualkv.models.fused when the trainer builds its models (process-wide)."""
     from dualkv.models import fused
@@ -291,9 +328,10 @@ def test_torchrun_dp2_sp2_equals_single_process(tmp_path, model, budget):
         args.append("--recompute-old-logprobs")
     (m1,), w1 = _launch(tmp_path / "single", 1, *args)
     # the dense run also checkpoints its layers, keeping attention outputs; the MoE run keeps every layer's
-    # gathered parameters from forward to backward: the same update, SP included
+    # gathered parameters from forward to backward and reduces the gradients once per mini-batch (two
+    # micro-batches a rank): the same update, SP included
     options = (["--activation-checkpointing", "--checkpoint-keep-attention", "--logprob-micro-batch-tokens", "1000"]
-               if "moe" not in model else ["--no-reshard-after-forward"])
+               if "moe" not in model else ["--no-reshard-after-forward", "--reduce-grads-once"])
     (m4,), w4 = _launch(tmp_path / "dist", 4, "--sp", "2", *args, *options)
     assert m1["replicated_tokens"] == m4["replicated_tokens"] and m1["packed_tokens"] == m4["packed_tokens"]
     assert abs(m1["loss"]) > 1e-4

@@ -209,6 +209,8 @@ def test_bad_update_arguments():
     opt = torch.optim.AdamW(model.parameters())
     with pytest.raises(ValueError, match="reference: expected a reference model because kl_beta=0.04"):
         PolicyUpdater(model, opt, LossConfig.grpo(), UpdateConfig())
+    with pytest.raises(ValueError, match="reduce_grads_once: expected an FSDP2-wrapped policy .fully_shard., got a plain CausalLM"):
+        PolicyUpdater(model, opt, LossConfig.grpo(kl_beta=0.0), UpdateConfig(), reduce_grads_once=True)
 
 
 def test_logprob_pass_queues_every_micro_batch_before_copying_to_the_host(monkeypatch):

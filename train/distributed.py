@@ -10,7 +10,8 @@
   decoder layer and of the root with ``MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)``.
   ``ParallelConfig.reshard_after_forward=False`` keeps each layer's gathered parameters from forward
   to backward (no second gather, more memory); a backward frees them, so the next forward gathers
-  the optimizer's new values.
+  the optimizer's new values. ``ParallelConfig.reduce_grads_once`` reduces the gradients once per
+  mini-batch instead of once per micro-batch (FSDP2's gradient accumulation without communication).
   Parameters are sharded over all dp x sp ranks (the dp axis flattened with sp, since SP ranks hold
   the same parameters and their gradient shares add up). FSDP's reduction averages over those
   ``fsdp_size`` ranks, while every micro-batch loss is already normalised by the whole mini-batch
@@ -52,7 +53,11 @@ class ParallelConfig:
     parameters after its forward and gathers them again for the backward (True, FSDP's default: the
     least memory), or keeps them until the backward frees them (False: one gather a micro-batch fewer;
     after a no-grad pass they stay gathered until the next backward, so the policy's old_log_prob pass
-    hands them on to the update and the frozen reference keeps them for good)."""
+    hands them on to the update and the frozen reference keeps them for good); reduce_grads_once: FSDP
+    reduces a mini-batch's gradients once, after its last micro-batch, instead of after every one (the
+    micro-batches before it add to unsharded fp32 gradients and keep their parameters gathered for the
+    next forward: one reduce-scatter and one all-gather a layer fewer per micro-batch, for the memory of
+    the whole model's unsharded gradients until the last backward; see ``PolicyUpdater``)."""
 
     sp: int = 1
     param_dtype: str = "bf16"
@@ -64,6 +69,7 @@ class ParallelConfig:
     logprobs_impl: str | None = None
     fused_ops: str = "auto"
     reshard_after_forward: bool = True
+    reduce_grads_once: bool = False
 
     def __post_init__(self) -> None:
         from dualkv.core.backends import split_backend
@@ -85,8 +91,9 @@ class ParallelConfig:
         if self.checkpoint_keep_attention and not self.activation_checkpointing:
             raise ValueError("checkpoint_keep_attention: needs activation_checkpointing (it selects what a "
                              "checkpointed layer keeps)")
-        if not isinstance(self.reshard_after_forward, bool):
-            raise ValueError(f"reshard_after_forward: expected True or False, got {self.reshard_after_forward!r}")
+        for name in ("reshard_after_forward", "reduce_grads_once"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: expected True or False, got {getattr(self, name)!r}")
         if self.param_dtype not in _DTYPES:
             raise ValueError(f"param_dtype: expected one of {sorted(_DTYPES)}, got {self.param_dtype!r}")
 

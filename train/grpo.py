@@ -112,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
                    help="FSDP keeps each layer's gathered parameters from forward to backward (one all-gather a "
                         "micro-batch fewer, more memory) instead of gathering them again for the backward")
+    d.add_argument("--reduce-grads-once", action="store_true",
+                   help="FSDP reduces a mini-batch's gradients once, after its last micro-batch (earlier ones add "
+                        "up unsharded and keep their parameters gathered): less communication, the memory of the "
+                        "whole model's unsharded fp32 gradients")
     d.add_argument("--attention-backend", choices=BACKEND_CHOICES, default="auto",
                    help="dualkv_attention backend of every layer (auto: what measured fastest per head dim on CUDA "
                         "tensors; a+b: a's forward, b's backward)")
@@ -171,7 +175,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                                 attention_backend=args.attention_backend,
                                 deterministic_attention=args.deterministic_attention,
                                 logprobs_impl=args.logprobs_impl, fused_ops=args.fused_ops,
-                                reshard_after_forward=args.reshard_after_forward),
+                                reshard_after_forward=args.reshard_after_forward,
+                                reduce_grads_once=args.reduce_grads_once),
     )
 
 

@@ -174,7 +174,8 @@ class Trainer:
         self.updater = PolicyUpdater(self.policy, self.optimizer, cfg.loss, cfg.update, reference=reference,
                                      sp_group=self.ctx.sp_group, dp_rank=self.ctx.dp_rank, dp_size=self.ctx.dp_size,
                                      dp_group=self.ctx.dp_group, device=self.ctx.device, timer=self.timer,
-                                     grad_scale=float(self.ctx.fsdp_size))
+                                     grad_scale=float(self.ctx.fsdp_size),
+                                     reduce_grads_once=cfg.parallel.reduce_grads_once)
         self.source, self.sampler = self._source()
         self.logger = MetricsLogger(cfg.output_dir, enabled=self.ctx.is_main)
         self.start_step = 0

@@ -145,11 +145,17 @@ class PolicyUpdater:
         dp_rank / dp_size / dp_group: this rank's data-parallel replica and the dp process group.
         device: where micro-batches are built.
         grad_scale: multiplies the backward loss; the number of ranks FSDP averages gradients over.
+        reduce_grads_once: the policy is FSDP2-wrapped and reduces each mini-batch's gradients once,
+            after its last micro-batch: before it, FSDP neither reduce-scatters the gradients (they add
+            up unsharded, in fp32) nor frees the gathered parameters after a backward, so the next
+            forward gathers nothing. Every rank runs the same number of micro-batches, so all reduce
+            at the same one.
     """
 
     def __init__(self, policy, optimizer, loss_cfg: LossConfig, cfg: UpdateConfig, *, reference=None,
                  sp_group=None, dp_rank: int = 0, dp_size: int = 1, dp_group=None,
-                 device: torch.device | str = "cpu", timer: PhaseTimer | None = None, grad_scale: float = 1.0) -> None:
+                 device: torch.device | str = "cpu", timer: PhaseTimer | None = None, grad_scale: float = 1.0,
+                 reduce_grads_once: bool = False) -> None:
         if loss_cfg.needs_reference and reference is None:
             raise ValueError(f"reference: expected a reference model because kl_beta={loss_cfg.kl_beta} > 0, got None")
         if loss_cfg.entropy_coeff != 0 and not cfg.entropy:
@@ -160,6 +166,10 @@ class PolicyUpdater:
         self.device = torch.device(device)
         self.timer = timer or PhaseTimer()
         self.grad_scale = grad_scale
+        if reduce_grads_once and not hasattr(policy, "set_requires_gradient_sync"):
+            raise ValueError(f"reduce_grads_once: expected an FSDP2-wrapped policy (fully_shard), got a plain "
+                             f"{type(policy).__name__}")
+        self.reduce_grads_once = reduce_grads_once
 
     # ------------------------------------------------------------------ passes
     def _my_plan(self, groups: Sequence[RolloutGroup], budget: int | None = None) -> list[MicroBatch]:
@@ -215,7 +225,11 @@ class PolicyUpdater:
         aux_scale = 1.0 / (len(plan) * self.dp_size)
         sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=self.device))
         self.optimizer.zero_grad(set_to_none=True)
-        for mb in plan:
+        for i, mb in enumerate(plan):
+            if self.reduce_grads_once:  # reduce, and free the gathered parameters, after the last backward only
+                last = i == len(plan) - 1
+                self.policy.set_requires_gradient_sync(last)
+                self.policy.set_reshard_after_backward(last)
             data = build_micro_batch(groups, mb, self.cfg.packing, self.device)
             self._micro_step(data, norm, aux_scale, sums)
             counters["update_flops"] += 3 * forward_flops(self.policy.config, data.layout)
