@@ -266,7 +266,8 @@ def get_provider(name: str) -> type[Provider]:
 
 
 KERNEL_CHOICE_VARS = ("DUALKV_CUDA_WGMMA", "DUALKV_CUDA_WGMMA_BWD", "DUALKV_CUDA_BWD_TMA", "DUALKV_TRITON_WS",
-                      "DUALKV_TRITON_GLUON_FWD", "DUALKV_TRITON_GLUON_DKDV", "DUALKV_TRITON_ATOMIC_DQ")
+                      "DUALKV_TRITON_GLUON_FWD", "DUALKV_TRITON_GLUON_BWD", "DUALKV_TRITON_GLUON_DKDV",
+                      "DUALKV_TRITON_ATOMIC_DQ")
 
 
 class _DualKV(Provider):
@@ -318,11 +319,15 @@ DUALKV_VARIANTS: list[tuple[str, str, dict[str, str], str]] = [
      "blocks skip the mask)."),
     ("dualkv-triton-tl-fwd", "triton", {"DUALKV_TRITON_GLUON_FWD": "0"},
      "Triton with the ``tl`` forward (``fwd_kernel``) in place of the Gluon one."),
-    ("dualkv-triton-gluon-dkdv", "triton", {"DUALKV_TRITON_GLUON_DKDV": "1"},
-     "Triton with the Gluon dK/dV in place of the ``tl`` row kernel, dQ still from the dQ kernel."),
-    ("dualkv-triton-fused-dq", "triton", {"DUALKV_TRITON_GLUON_DKDV": "1", "DUALKV_TRITON_ATOMIC_DQ": "1"},
-     "Triton with dQ added inside the Gluon dK/dV by TMA reduce-add: five matrix products per backward "
-     "step instead of seven."),
+    ("dualkv-triton-tl-bwd", "triton", {"DUALKV_TRITON_GLUON_BWD": "0"},
+     "Triton with the ``tl`` backward kernels in place of the warp-specialised Gluon ones (the default "
+     "before 2026-12-05: a dK/dV kernel and a dQ kernel)."),
+    ("dualkv-triton-gluon-dkdv", "triton", {"DUALKV_TRITON_GLUON_BWD": "0", "DUALKV_TRITON_GLUON_DKDV": "1"},
+     "Triton with the one-warpgroup-pair Gluon dK/dV in place of the ``tl`` row kernel, dQ still from the "
+     "dQ kernel."),
+    ("dualkv-triton-fused-dq", "triton", {"DUALKV_TRITON_GLUON_BWD": "0", "DUALKV_TRITON_GLUON_DKDV": "1",
+                                          "DUALKV_TRITON_ATOMIC_DQ": "1"},
+     "Triton with dQ added inside that Gluon dK/dV by TMA reduce-add (not warp-specialised)."),
     ("dualkv-cuda", "cuda", {},
      "The CUDA backend's defaults: on sm_90 the wgmma forward and (d 64 - 256) the wgmma backward."),
     ("dualkv-cuda-mma", "cuda", {"DUALKV_CUDA_WGMMA": "0", _CUDA_BWD: "0"},

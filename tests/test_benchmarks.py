@@ -311,10 +311,12 @@ def test_triton_kernel_variants_set_their_environment(monkeypatch):
 
     cfg = bench_attention.AttnConfig.parse("N=2,P=40,R=9,H=4,H_kv=2,d=32,dtype=float32")
     layout = cfg.layout(CPU)
-    names = ("DUALKV_TRITON_WS", "DUALKV_TRITON_GLUON_FWD", "DUALKV_TRITON_GLUON_DKDV", "DUALKV_TRITON_ATOMIC_DQ")
-    expect = {"dualkv-triton": (None, None, None, None), "dualkv-triton-no-ws": ("0", None, None, None),
-              "dualkv-triton-tl-fwd": (None, "0", None, None), "dualkv-triton-gluon-dkdv": (None, None, "1", None),
-              "dualkv-triton-fused-dq": (None, None, "1", "1")}
+    names = ("DUALKV_TRITON_WS", "DUALKV_TRITON_GLUON_FWD", "DUALKV_TRITON_GLUON_BWD", "DUALKV_TRITON_GLUON_DKDV",
+             "DUALKV_TRITON_ATOMIC_DQ")
+    expect = {"dualkv-triton": (None,) * 5, "dualkv-triton-no-ws": ("0", None, None, None, None),
+              "dualkv-triton-tl-fwd": (None, "0", None, None, None), "dualkv-triton-tl-bwd": (None, None, "0", None, None),
+              "dualkv-triton-gluon-dkdv": (None, None, "0", "1", None),
+              "dualkv-triton-fused-dq": (None, None, "0", "1", "1")}
     q, k, v = harness._random_qkv(cfg, CPU, 0)
     for name, want in expect.items():
         cls = harness.get_provider(name)

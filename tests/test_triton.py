@@ -518,18 +518,62 @@ def test_gluon_kernels_compile_for_hopper():
             "        k = gluon_dkdv.compile_for_sm90(d, block_n=bn, num_warps=w, fuse_dq=True, dq_parts=parts)\n"
             "        assert 'cp.reduce.async.bulk.tensor' in k.asm['ptx']\n"
             "        report('dkdv_dq', d, k)\n"
-            "    report('fwd', d, gluon_fwd.compile_for_sm90(d))\n")
+            "    report('fwd', d, gluon_fwd.compile_for_sm90(d))\n"
+            "from dualkv.core.backends.triton import gluon_dkdv_ws, gluon_split256\n"
+            "k = gluon_dkdv_ws.compile_for_sm90()\n"
+            "assert 'cp.reduce.async.bulk.tensor' in k.asm['ptx']\n"
+            "report('ws_dkdv_dq', 128, k)\n"
+            "report('split_dkdv', 256, gluon_split256.compile_for_sm90('dkdv'))\n"
+            "report('split_dq', 256, gluon_split256.compile_for_sm90('dq'))\n")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     lines = [line.split() for line in res.stdout.strip().split("\n")]
     assert [(kind, int(d)) for kind, d, *_ in lines] == [
         ("dkdv", 128), ("dkdv_dq", 128), ("dkdv_dq", 128), ("fwd", 128),
-        ("dkdv", 64), ("dkdv_dq", 64), ("dkdv_dq", 64), ("fwd", 64)]
-    for _, _, smem, cubin, spill in lines:
+        ("dkdv", 64), ("dkdv_dq", 64), ("dkdv_dq", 64), ("fwd", 64),
+        ("ws_dkdv_dq", 128), ("split_dkdv", 256), ("split_dq", 256)]
+    for kind, _, smem, cubin, spill in lines:
         assert int(cubin) > 0 and int(smem) <= 227 * 1024
-        # no spills: without gluon_compat.hidden_zero the d = 128 dK/dV spilled 16-248 bytes
-        assert spill == "0", lines
+        # no spills: without gluon_compat.hidden_zero the d = 128 dK/dV spilled 16-248 bytes. The
+        # warp-specialised one has none under Triton 3.6 (the GPU machine's) and 32 bytes under 3.9.
+        assert int(spill) <= (32 if kind == "ws_dkdv_dq" else 0), lines
+
+
+@pytest.mark.parametrize("d, dtype, env, deterministic, softcap, expect", [
+    (128, torch.bfloat16, {}, False, None, ("ws", True)),
+    (128, torch.float16, {}, False, None, ("ws", True)),
+    (128, torch.bfloat16, {}, True, None, (None, False)),  # deterministic: the dQ kernel
+    (128, torch.bfloat16, {"DUALKV_TRITON_ATOMIC_DQ": "0"}, False, None, (None, False)),
+    (128, torch.bfloat16, {"DUALKV_TRITON_GLUON_BWD": "0"}, False, None, (None, False)),
+    (128, torch.bfloat16, {}, False, 30.0, (None, False)),
+    (128, torch.float32, {}, False, None, (None, False)),
+    (256, torch.bfloat16, {}, False, None, ("split", False)),
+    (256, torch.bfloat16, {"DUALKV_TRITON_GLUON_BWD": "0"}, False, None, (None, False)),
+    (64, torch.bfloat16, {}, False, None, (None, False)),
+])
+def test_backward_takes_the_warp_specialised_gluon_kernels_where_they_apply(monkeypatch, d, dtype, env, deterministic,
+                                                                            softcap, expect):
+    """Which backward kernels a call takes on sm_90 (the GPU made to look present): at d = 128 the
+    warp-specialised dK/dV with dQ fused (so dQ by reduce-adds), at d = 256 the split-role dK/dV and
+    dQ; never with deterministic=True at d = 128 (its dQ varies run to run), a softcap, fp32, or the
+    switches off. The GPU tests run the kernels themselves against the ``tl`` ones."""
+    from dualkv.core.backends.triton import gluon_compat
+
+    if not gluon_compat.AVAILABLE:
+        pytest.skip("this Triton has no Gluon Hopper API")
+    for mod in (launcher.gluon_dkdv_ws, launcher.gluon_split256):
+        monkeypatch.setattr(mod, "on_hopper", lambda t: True)
+    for name in ("DUALKV_TRITON_ATOMIC_DQ", "DUALKV_TRITON_GLUON_BWD"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    _, meta, q, k, v, do = _inputs([40], [[9, 5]], 4, 2, d, dtype=dtype)
+    bwd = launcher.Backward(do, q, k, v, None, None, q, None, meta, 0.1, None, softcap,
+                            False if deterministic else None, tma=True)
+    kernel = "ws" if bwd.gluon_ws else "split" if bwd.gluon_split else None
+    assert (kernel, bwd.atomic) == expect
+    assert not (bwd.gluon_ws and bwd.gluon_split)
 
 
 def test_gluon_switches(monkeypatch):

@@ -135,7 +135,9 @@ def test_deterministic_bitwise():
 
 
 def test_atomic_dq_path_matches(monkeypatch):
-    """DUALKV_TRITON_ATOMIC_DQ=1: dQ through TMA reduce-add inside the dK/dV kernel."""
+    """DUALKV_TRITON_ATOMIC_DQ=1: dQ through TMA reduce-add inside the ``tl`` dK/dV kernel."""
+    monkeypatch.setenv("DUALKV_TRITON_GLUON_BWD", "0")
+    monkeypatch.setenv("DUALKV_TRITON_ATOMIC_DQ", "0")
     layout = _layout([4096, 129], [16, 2], [2048, 63])
     g_kernel = _check(layout, 8, 2, 128, torch.bfloat16, seed=4)
     monkeypatch.setenv("DUALKV_TRITON_ATOMIC_DQ", "1")
@@ -152,6 +154,7 @@ def test_gluon_dkdv_matches_row_kernel(d, dtype, monkeypatch):
 
     if torch.cuda.get_device_capability()[0] != 9 or not gluon_dkdv.AVAILABLE:
         pytest.skip("the Gluon dK/dV runs on Hopper (sm_90) with Triton's Gluon")
+    monkeypatch.setenv("DUALKV_TRITON_GLUON_BWD", "0")  # the default kernels at d = 128 are gluon_dkdv_ws
     layout = _layout([4096, 129], [16, 2], [2048, 63])
     g_rows = _check(layout, 8, 2, d, dtype, seed=6)
     calls = []
@@ -173,6 +176,7 @@ def test_gluon_fused_dq(d, dtype, monkeypatch):
 
     if torch.cuda.get_device_capability()[0] != 9 or not gluon_dkdv.AVAILABLE:
         pytest.skip("the Gluon dK/dV runs on Hopper (sm_90) with Triton's Gluon")
+    monkeypatch.setenv("DUALKV_TRITON_GLUON_BWD", "0")  # the default kernels at d = 128 are gluon_dkdv_ws
     layout = _layout([4096, 129], [16, 2], [2048, 63])
     g_rows = _check(layout, 8, 2, d, dtype, seed=6)
     calls = []
@@ -186,6 +190,44 @@ def test_gluon_fused_dq(d, dtype, monkeypatch):
     for a, b in zip(g_rows[1:], g_fused[1:]):
         assert torch.equal(a, b)
     assert _err(g_fused[0], g_rows[0]) <= 2e-2 * max(g_rows[0].float().abs().max().item(), 1.0)
+
+
+@pytest.mark.parametrize("d, dtype, H, Hkv", [(128, torch.bfloat16, 8, 2), (128, torch.float16, 8, 1),
+                                              (256, torch.bfloat16, 4, 2), (256, torch.float16, 4, 4)])
+def test_warp_specialised_gluon_backward(d, dtype, H, Hkv, monkeypatch):
+    """The default backward on Hopper at d = 128 (``gluon_dkdv_ws``: dK/dV with dQ fused) and 256
+    (``gluon_split256``: dK/dV and dQ, warpgroups split by role): it is what ran, every gradient passes
+    the reference check, dK / dV are bit-identical run to run, and against the ``tl`` kernels
+    (``DUALKV_TRITON_GLUON_BWD=0``) the gradients it computes the same way are the same bit for bit (dK
+    and dV at 128, where only dQ's adds differ in order; dV and dQ at 256, where dK is formed from P
+    rounded to the input dtype). Several groups, odd lengths, a 1-token response, split prompt readers."""
+    from dualkv.core.backends.triton import gluon_dkdv_ws, gluon_split256
+
+    if torch.cuda.get_device_capability()[0] != 9 or not gluon_dkdv_ws.AVAILABLE:
+        pytest.skip("the Gluon backward runs on Hopper (sm_90) with Triton's Gluon")
+    if d == 128:
+        layout = _layout([4096, 129, 1], [16, 3, 2], [[2048] * 15 + [1], 63, 97])
+    else:
+        layout = _layout([2048, 129, 1], [8, 3, 2], [[1024] * 7 + [1], 63, 97])
+    calls = []
+    for mod, name in ((gluon_dkdv_ws, "run"), (gluon_split256, "run_dkdv"), (gluon_split256, "run_dq")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
+    monkeypatch.delenv("DUALKV_TRITON_ATOMIC_DQ", raising=False)
+    g_gluon = _check(layout, H, Hkv, d, dtype, seed=8)
+    assert sorted(set(calls)) == (["run"] if d == 128 else ["run_dkdv", "run_dq"]), calls
+    again = _check(layout, H, Hkv, d, dtype, seed=8)
+    assert torch.equal(g_gluon[1], again[1]) and torch.equal(g_gluon[2], again[2])
+    monkeypatch.setenv("DUALKV_TRITON_GLUON_BWD", "0")
+    calls.clear()
+    g_tl = _check(layout, H, Hkv, d, dtype, seed=8)
+    assert not calls
+    same = (1, 2) if d == 128 else (0, 2)
+    for i in range(3):
+        if i in same:
+            assert torch.equal(g_gluon[i], g_tl[i]), ("dq", "dk", "dv")[i]
+        else:
+            assert _err(g_gluon[i], g_tl[i]) <= 2e-2 * max(g_tl[i].float().abs().max().item(), 1.0)
 
 
 @pytest.mark.parametrize("d, dtype", [(128, torch.bfloat16), (64, torch.float16)])

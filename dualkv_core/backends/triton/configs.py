@@ -151,11 +151,21 @@ def warp_specialize_enabled() -> bool:
     return _switch("DUALKV_TRITON_WS", "1")
 
 
-def atomic_dq_default() -> bool:
-    """dQ through fp32 atomics inside the dK/dV kernel (``DUALKV_TRITON_ATOMIC_DQ=1``) instead of the
-    query-parallel dQ kernel. The kernel is the default: on the H200 it was faster at d=128, and it
-    makes every gradient bit-identical run to run."""
-    return os.environ.get("DUALKV_TRITON_ATOMIC_DQ", "0") == "1"
+def atomic_dq_default(fused_kernel: bool) -> bool:
+    """dQ added inside the dK/dV kernel (fp32 reduce-adds) instead of the query-parallel dQ kernel:
+    ``DUALKV_TRITON_ATOMIC_DQ=1`` / ``0`` where set, otherwise where the warp-specialised Gluon dK/dV
+    with its fused dQ runs (``fused_kernel``: sm_90, d = 128; 1.2-1.3x the backward's speed on an
+    H200). The dQ kernel makes dQ bit-identical run to run; ``deterministic=True`` always takes it."""
+    env = os.environ.get("DUALKV_TRITON_ATOMIC_DQ")
+    return fused_kernel if env is None else env == "1"
+
+
+def gluon_bwd_enabled() -> bool:
+    """The warp-specialised Gluon backward kernels where they apply (sm_90, fp16 / bf16, the packed
+    layout without a window or softcap): at d = 128 ``gluon_dkdv_ws`` (dK/dV with dQ fused), at d = 256
+    ``gluon_split256`` (dK/dV and dQ, warpgroups split by role). On by default;
+    ``DUALKV_TRITON_GLUON_BWD=0`` runs the ``tl`` kernels."""
+    return _switch("DUALKV_TRITON_GLUON_BWD", "1")
 
 
 def gluon_fwd_enabled() -> bool:

@@ -12,7 +12,7 @@ import os
 import torch
 import triton
 
-from . import configs, gluon_dkdv, gluon_fwd, schedule
+from . import configs, gluon_dkdv, gluon_dkdv_ws, gluon_fwd, gluon_split256, schedule
 from .bwd_kernel import dkdv_kernel, dkdv_rows_kernel, dq_kernel, preprocess_kernel, reduce_kernel, scale_cast_kernel
 from .common import LOG2E
 from .configs import KernelConfig
@@ -151,12 +151,13 @@ def backward(dout, q, k, v, k_ctx, v_ctx, out, lse, meta, softmax_scale, window,
     """dq (like q), dk, dv (like k, v), dk_ctx, dv_ctx (like k_ctx, v_ctx; None when k_ctx is None).
 
     Context gradients are summed over every reading query in fp32 and cast once. dQ comes from a
-    query-parallel kernel (bit-identical run to run); ``atomic_dq=True`` (never with
-    ``deterministic``) accumulates it with fp32 atomics inside the dK/dV kernel instead.
+    query-parallel kernel (bit-identical run to run) or, with ``atomic_dq=True`` (never with
+    ``deterministic``), is added in fp32 inside the dK/dV kernel; None: ``configs.atomic_dq_default``
+    (added inside where the warp-specialised Gluon dK/dV runs, sm_90 at d = 128).
     ``split_rows``: a context key block's readers are split over programs of about this many rows.
     """
-    if deterministic or atomic_dq is None:
-        atomic_dq = False if deterministic else configs.atomic_dq_default()
+    if deterministic:
+        atomic_dq = False
     bwd = Backward(dout, q, k, v, k_ctx, v_ctx, out, lse, meta, softmax_scale, window, softcap, atomic_dq, tma,
                    split_rows)
     if q.shape[0] > 0:
@@ -183,7 +184,12 @@ class Backward:
         # window, and (heads x rows) of LSE / delta indexable in 32 bits
         self.rows_dkdv = self.o.tma and not self.separate and not self.o.has_window and H * (T + 3) < 2**31
         self.split_rows = split_rows
-        self.atomic = atomic_dq
+        # The warp-specialised Gluon kernels (sm_90): d = 128 dK/dV with dQ fused, d = 256 split by role.
+        gluon = configs.gluon_bwd_enabled() and self.rows_dkdv
+        ws = gluon and gluon_dkdv_ws.supported(self.o, q)
+        self.atomic = configs.atomic_dq_default(ws) if atomic_dq is None else atomic_dq
+        self.gluon_ws = ws and self.atomic
+        self.gluon_split = gluon and gluon_split256.supported(self.o, q)
         dev = q.device
         self.dk = torch.empty((T, Hkv, d), dtype=k.dtype, device=dev)
         self.dv = torch.empty((T, Hkv, d), dtype=v.dtype, device=dev)
@@ -191,7 +197,7 @@ class Backward:
         self.dvc = torch.empty(vc.shape, dtype=vc.dtype, device=dev) if self.separate else self.dv
         self.dq = torch.empty((T, H, d), dtype=q.dtype, device=dev)
         self.delta = torch.empty((H, T), dtype=torch.float32, device=dev)
-        self.dq_acc = torch.empty((T, H, d), dtype=torch.float32, device=dev) if atomic_dq else self.delta
+        self.dq_acc = torch.empty((T, H, d), dtype=torch.float32, device=dev) if self.atomic else self.delta
         if T == 0 and self.separate:
             self.dkc.zero_(), self.dvc.zero_()
 
@@ -203,6 +209,9 @@ class Backward:
         o, meta, T = self.o, self.args[8], self.args[0].shape[0]
         key = o.key(meta, T, (self.atomic, self.separate))
         kind = ("dkdv_rows_atomic" if self.atomic else "dkdv_rows") if self.rows_dkdv else "dkdv"
+        if self.gluon_ws or self.gluon_split:  # the tiles their layouts are written for
+            mod = gluon_dkdv_ws if self.gluon_ws else gluon_split256
+            dkdv_config = KernelConfig(mod.BLOCK_M, mod.BLOCK_N, 4, 2)
         if not self.atomic:
             self.preprocess()
 
@@ -212,7 +221,10 @@ class Backward:
             self.dkdv(cfg)
 
         configs.launch(kind, key, o.dim, o.elem, o.on_cuda, dkdv, smem_limit=o.smem_limit, config=dkdv_config)
-        if not self.atomic:
+        if self.gluon_split:
+            q, k, v, _, _, dout, _, lse, meta = self.args
+            gluon_split256.run_dq(q, k, v, dout, self.dq, lse, self.delta, meta, o.qk_scale, o.scale)
+        elif not self.atomic:
             configs.launch("dq", key, o.dim, o.elem, o.on_cuda, self.dq_kernel, warp_specialize=self.ws_ok,
                            smem_limit=o.smem_limit, config=dq_config)
 
@@ -256,9 +268,16 @@ class Backward:
         torch.mul(lse, LOG2E, out=lse2[:, :T])
         delta = lse.new_zeros((H, t4))
         delta[:, :T] = self.delta
+        common = (q, k, v, dout, lse2, delta, self.dk, self.dv, wsk, wsv, table, meta.cu_seqlens, Hkv, o.rep,
+                  o.qk_scale, o.scale)
+        if self.gluon_ws:
+            gluon_dkdv_ws.run(*common, self.dq_acc, cfg.block_m, cfg.block_n)
+            return
+        if self.gluon_split:
+            gluon_split256.run_dkdv(*common, cfg.block_m, cfg.block_n)
+            return
         if configs.gluon_dkdv_enabled() and gluon_dkdv.supported(o, q):
-            gluon_dkdv.run(q, k, v, dout, lse2, delta, self.dk, self.dv, wsk, wsv, table, meta.cu_seqlens, Hkv, o.rep,
-                           o.qk_scale, o.scale, dq_acc=self.dq_acc if self.atomic else None, block_m=cfg.block_m,
+            gluon_dkdv.run(*common, dq_acc=self.dq_acc if self.atomic else None, block_m=cfg.block_m,
                            block_n=cfg.block_n, num_warps=cfg.num_warps)
             return
         dkdv_rows_kernel[(table.shape[1] * Hkv,)](
