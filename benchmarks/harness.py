@@ -367,6 +367,7 @@ DUALKV_VARIANTS: list[tuple[str, str, dict[str, str], str]] = [
      "Schedule 8: 5 with S^T and dP^T waited for apart (P^T computed while dP^T runs; d 64 / 128; the "
      "default at d = 64 until 2026-12-02)."),
     ("dualkv-pair", "triton+cuda", {}, "Triton's forward with the CUDA backend's default backward."),
+    ("dualkv-pair-cuda-triton", "cuda+triton", {}, "The CUDA backend's forward with Triton's default backward."),
     ("dualkv-pair-in-turn-bwd", "triton+cuda", {_CUDA_BWD: "1"}, "Triton's forward with schedule 1."),
     ("dualkv-pair-fused-dq", "triton+cuda", {_CUDA_BWD: "3"}, "Triton's forward with schedule 3."),
     ("dualkv-pair-ws-bwd", "triton+cuda", {_CUDA_BWD: "4"}, "Triton's forward with schedule 4."),

@@ -27,7 +27,7 @@ import torch
 __all__ = ["environment", "ResultWriter", "load_results", "markdown_table", "detail_table", "plot_results", "PROVIDER_ORDER"]
 
 PROVIDER_ORDER = [
-    "dualkv-auto", "dualkv-triton", "dualkv-triton-no-ws", "dualkv-triton-tl-fwd", "dualkv-triton-tl-bwd", "dualkv-triton-gluon-dkdv", "dualkv-triton-fused-dq", "dualkv-pair", "dualkv-cuda", "dualkv-cuda-mma", "dualkv-cuda-mma-bwd", "dualkv-cuda-ws", "dualkv-cuda-tma-fwd", "dualkv-cuda-tma-bwd", "dualkv-cuda-cp-async-bwd", "dualkv-cuda-in-turn-fwd",
+    "dualkv-auto", "dualkv-triton", "dualkv-triton-no-ws", "dualkv-triton-tl-fwd", "dualkv-triton-tl-bwd", "dualkv-triton-gluon-dkdv", "dualkv-triton-fused-dq", "dualkv-pair", "dualkv-pair-cuda-triton", "dualkv-cuda", "dualkv-cuda-mma", "dualkv-cuda-mma-bwd", "dualkv-cuda-ws", "dualkv-cuda-tma-fwd", "dualkv-cuda-tma-bwd", "dualkv-cuda-cp-async-bwd", "dualkv-cuda-in-turn-fwd",
     "dualkv-cuda-wgmma-bwd",
     "dualkv-cuda-wgmma-bwd-overlap", "dualkv-cuda-fused-dq", "dualkv-pair-fused-dq",
     "dualkv-cuda-ws-bwd", "dualkv-cuda-ws-both-bwd", "dualkv-pair-ws-bwd", "dualkv-pair-ws-both-bwd", "dualkv-pair-in-turn-bwd",

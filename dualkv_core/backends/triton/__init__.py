@@ -9,13 +9,18 @@ launch, so they read the same K/V through L2.
 Backward: ``delta = rowsum(dO * O)``; a key-parallel dK/dV kernel (a prompt key block takes its own
 prompt queries causally plus every reader query of its group, the long reader range split over
 several programs whose fp32 partials are summed in a fixed order and cast once); then dQ from a
-query-parallel kernel, written once.
+query-parallel kernel, written once. On Hopper (sm_90, fp16 / bf16, the packed layout without a
+window or softcap) warp-specialised Gluon kernels take over: at head dim 128 ``gluon_dkdv_ws``, a
+dK/dV kernel that also adds dQ into an fp32 accumulator by TMA reduce-adds (five matrix products a
+block pair instead of seven; 1.2-1.3x the ``tl`` backward's speed at P >= 16K on an H200), at 256
+``gluon_split256`` (dK/dV and dQ, each program's two warpgroups split by role; 1.6-1.7x).
+``DUALKV_TRITON_GLUON_BWD=0`` runs the ``tl`` kernels.
 
-Determinism: every gradient is bit-identical run to run by default (no atomics anywhere), so
-``deterministic`` costs nothing here. ``DUALKV_TRITON_ATOMIC_DQ=1`` switches dQ to fp32 atomics
-(TMA reduce-add) inside the dK/dV kernel, which saves the recomputation of the scores (5 instead of
-7 matmuls per block pair) but makes dQ's last bits vary between runs; it was slower on the H200 at
-d=128 (see benchmarks/results/triton_tuning.md), and ``deterministic=True`` always turns it off.
+Determinism: dK and dV are bit-identical run to run always (fixed-order sums, no atomics). dQ is too,
+except where it is added by reduce-adds: by default at head dim 128 on Hopper (the order of the adds
+varies, so its last bits do), or anywhere with ``DUALKV_TRITON_ATOMIC_DQ=1``. ``deterministic=True``
+always takes the dQ kernel instead, which costs the backward about 15-25% of its speed at head dim
+128 on Hopper (the ``tl`` kernels' time) and nothing elsewhere.
 
 Supported: fp16 and bf16 on CUDA (fp32 too, exact IEEE dots, slow); head dims 16..512 (96 and 192
 run padded to 128 and 256); any GQA ratio; sliding windows; tanh softcap. Without a GPU the
