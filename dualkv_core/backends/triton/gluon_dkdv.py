@@ -84,6 +84,20 @@ if AVAILABLE:
         return krow, seg_end, own_lo, n_own, read_lo, n_own + n_read, r0, r1, ws_row, nz
 
     @gluon.jit
+    def _key_and_step_buffers(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, STAGES: gl.constexpr,
+                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DIM: gl.constexpr):
+        """The key block's K and V (one-deep rings, for ``hidden_zero``) and the rings of STAGES steps'
+        Q, dO, LSE and delta: what every dK/dV kernel of the row walk holds."""
+        dtype: gl.constexpr = q_desc.dtype
+        k_buf = gl.allocate_shared_memory(dtype, [1, BLOCK_N, DIM], k_desc.layout)
+        v_buf = gl.allocate_shared_memory(dtype, [1, BLOCK_N, DIM], v_desc.layout)
+        q_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, DIM], q_desc.layout)
+        do_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, DIM], do_desc.layout)
+        lse_ring = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], lse_desc.layout)
+        delta_ring = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], delta_desc.layout)
+        return k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring
+
+    @gluon.jit
     def _store_keys(acc, key_lo, OUT, WS, ws_row, nz, seg_end, hk, nheads_k, DIM: gl.constexpr,
                     ROWS: gl.constexpr, acc_layout: gl.constexpr):
         """dK or dV of key rows key_lo .. key_lo + ROWS - 1, as the row kernel: rows past the segment
@@ -136,13 +150,9 @@ if AVAILABLE:
                 ITEMS, CU, n_items, item, unit, BLOCK_M, BLOCK_N)
             total = REP * n_blocks
 
-            # buffers read in every step: one-deep rings, indexed in the loop by hidden_zero
-            k_buf = gl.allocate_shared_memory(dtype, [1, BLOCK_N, DIM], k_desc.layout)
-            v_buf = gl.allocate_shared_memory(dtype, [1, BLOCK_N, DIM], v_desc.layout)
-            q_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, DIM], q_desc.layout)
-            do_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, DIM], do_desc.layout)
-            lse_ring = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], lse_desc.layout)
-            delta_ring = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], delta_desc.layout)
+            # K and V are read in every step: one-deep rings, indexed in the loop by hidden_zero
+            k_buf, v_buf, q_ring, do_ring, lse_ring, delta_ring = _key_and_step_buffers(
+                k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, STAGES, BLOCK_M, BLOCK_N, DIM)
             if FUSE_DQ:
                 ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
                 ds_buf = gl.allocate_shared_memory(dtype, [1, BLOCK_N, BLOCK_M], ds_layout)

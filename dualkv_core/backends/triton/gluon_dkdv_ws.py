@@ -22,7 +22,7 @@ from __future__ import annotations
 from .gluon_compat import (AVAILABLE, TensorDescriptor, block_barrier, compile_for_sm90 as _compile, desc,
                            fence_async_shared, gl, gluon, hidden_zero, mbarrier, on_hopper, tile_sig, tma, tma_add,
                            tma_load, warpgroup_mma, warpgroup_mma_wait)
-from .gluon_dkdv import _issue, _step, _store_keys, _walk
+from .gluon_dkdv import _issue, _key_and_step_buffers, _step, _store_keys, _walk
 
 
 def stat_desc(t, block_m: int):
@@ -80,7 +80,6 @@ if AVAILABLE:
             _issue(j, n_blocks, n_own, own_lo, read_lo, hk, q_desc, do_desc, lse_desc, delta_desc,
                    ready.index(slot), q_ring.index(slot), do_ring.index(slot), lse_ring.index(slot),
                    delta_ring.index(slot), REP, DIM, BLOCK_M)
-
 
     @gluon.jit
     def _consume(descs, bufs, bars, geo, outs, C: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -157,24 +156,20 @@ if AVAILABLE:
         _store_keys(dk * sm_scale, key_lo, DK, WSK, ws_row + C * HALF, nz, seg_end, hk, nheads_k, DIM, HALF, acc_layout)
         _store_keys(dv, key_lo, DV, WSV, ws_row + C * HALF, nz, seg_end, hk, nheads_k, DIM, HALF, acc_layout)
 
-
     @gluon.jit
     def _consumer0(descs, bufs, bars, geo, outs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DIM: gl.constexpr,
                    REP: gl.constexpr, STAGES: gl.constexpr):
         _consume(descs, bufs, bars, geo, outs, 0, BLOCK_M, BLOCK_N, DIM, REP, STAGES)
-
 
     @gluon.jit
     def _consumer1(descs, bufs, bars, geo, outs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DIM: gl.constexpr,
                    REP: gl.constexpr, STAGES: gl.constexpr):
         _consume(descs, bufs, bars, geo, outs, 1, BLOCK_M, BLOCK_N, DIM, REP, STAGES)
 
-
     @gluon.jit
     def _loader_part(descs, bufs, bars, geo, outs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DIM: gl.constexpr,
                      REP: gl.constexpr, STAGES: gl.constexpr):
         _loader(descs, bufs, bars, geo, BLOCK_M, BLOCK_N, DIM, REP, STAGES)
-
 
     @gluon.jit
     def dkdv_dq_ws_kernel(
@@ -194,12 +189,8 @@ if AVAILABLE:
                 ITEMS, CU, n_items, item, unit, BLOCK_M, BLOCK_N)
             total = REP * n_blocks
 
-            k_all = gl.allocate_shared_memory(dtype, [1, BLOCK_N, DIM], k_desc.layout)
-            v_all = gl.allocate_shared_memory(dtype, [1, BLOCK_N, DIM], v_desc.layout)
-            q_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, DIM], q_desc.layout)
-            do_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, DIM], do_desc.layout)
-            lse_ring = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], lse_desc.layout)
-            delta_ring = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], delta_desc.layout)
+            k_all, v_all, q_ring, do_ring, lse_ring, delta_ring = _key_and_step_buffers(
+                k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, STAGES, BLOCK_M, BLOCK_N, DIM)
             pl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF], dtype)
             p_all = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HALF], pl)
             ds_all = gl.allocate_shared_memory(dtype, [4, BLOCK_M, HALF], pl)  # [2 * parity + consumer]

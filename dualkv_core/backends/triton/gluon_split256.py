@@ -28,7 +28,7 @@ from . import schedule
 from .gluon_compat import (AVAILABLE, block_barrier, compile_for_sm90 as _compile, desc, fence_async_shared, gl,
                            gluon, hidden_zero, mbarrier, on_hopper, tile_sig, tma_load, warpgroup_mma,
                            warpgroup_mma_wait)
-from .gluon_dkdv import _issue, _step, _store_keys, _walk
+from .gluon_dkdv import _issue, _key_and_step_buffers, _step, _store_keys, _walk
 from .gluon_dkdv_ws import dkdv_args, dkdv_signature
 from .gluon_fwd import _edge_mask, _key_row
 
@@ -47,7 +47,6 @@ if AVAILABLE:
         lower = gl.expand_dims(gl.where(key_rows < seg_end, lower, 2147483647), 1)
         upper = gl.where(in_own, seg_end, r1)
         return rows, lower, upper
-
 
     @gluon.jit
     def _probs(descs, bufs, bars, geo, outs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DIM: gl.constexpr,
@@ -91,7 +90,6 @@ if AVAILABLE:
             mbarrier.arrive(empty.index(slot), count=1)
         _store_keys(dv, krow, DV, WSV, ws_row, nz, seg_end, hk, nheads_k, DIM, BLOCK_N, acc_layout)
 
-
     @gluon.jit
     def _grads(descs, bufs, bars, geo, outs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DIM: gl.constexpr,
                REP: gl.constexpr, STAGES: gl.constexpr):
@@ -130,7 +128,6 @@ if AVAILABLE:
             mbarrier.arrive(empty.index(slot), count=1)
         _store_keys(dk * sm_scale, krow, DK, WSK, ws_row, nz, seg_end, hk, nheads_k, DIM, BLOCK_N, acc_layout)
 
-
     @gluon.jit
     def _dkdv_loader(descs, bufs, bars, geo, outs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DIM: gl.constexpr,
                 REP: gl.constexpr, STAGES: gl.constexpr):
@@ -147,7 +144,6 @@ if AVAILABLE:
             _issue(j, n_blocks, n_own, own_lo, read_lo, hk, q_desc, do_desc, lse_desc, delta_desc,
                    ready.index(slot), q_ring.index(slot), do_ring.index(slot), lse_ring.index(slot),
                    delta_ring.index(slot), REP, DIM, BLOCK_M)
-
 
     @gluon.jit
     def dkdv_split_kernel(
@@ -166,12 +162,8 @@ if AVAILABLE:
                 ITEMS, CU, n_items, item, unit, BLOCK_M, BLOCK_N)
             total = REP * n_blocks
 
-            k_all = gl.allocate_shared_memory(dtype, [1, BLOCK_N, DIM], k_desc.layout)
-            v_all = gl.allocate_shared_memory(dtype, [1, BLOCK_N, DIM], v_desc.layout)
-            q_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, DIM], q_desc.layout)
-            do_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, DIM], do_desc.layout)
-            lse_ring = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], lse_desc.layout)
-            delta_ring = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], delta_desc.layout)
+            k_all, v_all, q_ring, do_ring, lse_ring, delta_ring = _key_and_step_buffers(
+                k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, STAGES, BLOCK_M, BLOCK_N, DIM)
             ptl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
             pt_ring = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ptl)
             kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -209,7 +201,6 @@ if AVAILABLE:
         n = n_c + gl.cdiv(gl.minimum(seg_len, (mb + 1) * ROWS), BLOCK_N)
         return seg_start, seg_len, ctx_start, ctx_len, n_c, n
 
-
     @gluon.jit
     def _load_tile_and_keys(descs, bufs, bars, geo, NQ: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                             DIM: gl.constexpr, STAGES: gl.constexpr):
@@ -235,13 +226,11 @@ if AVAILABLE:
             mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
             tma_load(v_desc, [row, hk * DIM], v_ready.index(slot), v_ring.index(slot))
 
-
     @gluon.jit
     def _row_stat(X, h, total_q, seg_start, seg_len, offs_m, scale):
         """(BLOCK_M, 1): scale * X[h, the tile's rows] (0 past the segment); X is (nheads, total_q) fp32."""
         ok = offs_m < seg_len
         return gl.expand_dims(gl.load(X + h.to(gl.int64) * total_q + seg_start + offs_m, mask=ok, other=0.0) * scale, 1)
-
 
     @gluon.jit
     def _store_dq(dq, DQ, h, seg_start, seg_len, m0, col0, nheads, DIM: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -315,24 +304,20 @@ if AVAILABLE:
 
         _store_dq(dq * sm_scale, DQ, h, seg_start, seg_len, m0, C * HALF, nheads, DIM, BLOCK_M, HALF, o_layout)
 
-
     @gluon.jit
     def _dq_consumer0(descs, bufs, bars, xchg, geo, outs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    DIM: gl.constexpr, STAGES: gl.constexpr):
         _dq_consume(descs, bufs, bars, xchg, geo, outs, 0, BLOCK_M, BLOCK_N, DIM, STAGES)
-
 
     @gluon.jit
     def _dq_consumer1(descs, bufs, bars, xchg, geo, outs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    DIM: gl.constexpr, STAGES: gl.constexpr):
         _dq_consume(descs, bufs, bars, xchg, geo, outs, 1, BLOCK_M, BLOCK_N, DIM, STAGES)
 
-
     @gluon.jit
     def _dq_loader(descs, bufs, bars, xchg, geo, outs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DIM: gl.constexpr,
                 STAGES: gl.constexpr):
         _load_tile_and_keys(descs, bufs, bars, geo, 1, BLOCK_M, BLOCK_N, DIM, STAGES)
-
 
     @gluon.jit
     def dq_split_kernel(q_desc, k_desc, v_desc, do_desc, DQ, LSE, DELTA, TILES, CU, CTX_START, CTX_LEN, n_tiles,
@@ -347,7 +332,8 @@ if AVAILABLE:
         seg = gl.load(TILES + tile)
         mb = gl.load(TILES + n_tiles + tile)
         if seg >= 0:  # padding entries exit
-            seg_start, seg_len, ctx_start, ctx_len, n_c, n = _geometry(CU, CTX_START, CTX_LEN, seg, mb, BLOCK_M, BLOCK_N)
+            seg_start, seg_len, ctx_start, ctx_len, n_c, n = _geometry(CU, CTX_START, CTX_LEN, seg, mb, BLOCK_M,
+                                                                        BLOCK_N)
             q_buf = gl.allocate_shared_memory(dtype, [1, BLOCK_M, DIM], q_desc.layout)
             do_buf = gl.allocate_shared_memory(dtype, [1, BLOCK_M, DIM], do_desc.layout)
             k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DIM], k_desc.layout)
