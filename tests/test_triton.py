@@ -576,6 +576,26 @@ def test_backward_takes_the_warp_specialised_gluon_kernels_where_they_apply(monk
     assert not (bwd.gluon_ws and bwd.gluon_split)
 
 
+def test_warp_specialised_gluon_kernels_reject_what_their_layouts_do_not_cover():
+    """The kernels are written for fixed tiles and head dims: anything else is a clear error at launch,
+    before a descriptor is built (the launcher always passes what they take)."""
+    from dualkv.core.backends.triton import gluon_compat, gluon_dkdv_ws, gluon_split256
+
+    if not gluon_compat.AVAILABLE:
+        pytest.skip("this Triton has no Gluon Hopper API")
+    _, meta, q, k, v, do = _inputs([40], [[9, 5]], 4, 2, 128, dtype=torch.float16)
+    rest = [None] * 12
+    with pytest.raises(ValueError, match="gluon_dkdv_ws: expected d = 128, 64 x 128 tiles and a dQ accumulator, "
+                                         "got d = 128, 64 x 64"):
+        gluon_dkdv_ws.run(q, k, v, do, *rest, torch.zeros(q.shape), block_m=64, block_n=64)
+    with pytest.raises(ValueError, match="dq_acc=None"):
+        gluon_dkdv_ws.run(q, k, v, do, *rest, None)
+    with pytest.raises(ValueError, match="gluon_split256: expected d = 256 and 64 x 64 tiles, got d = 128"):
+        gluon_split256.run_dkdv(q, k, v, do, *rest)
+    with pytest.raises(ValueError, match="gluon_split256: expected d = 256 and a contiguous dq, got d = 128"):
+        gluon_split256.run_dq(q, k, v, do, torch.empty_like(q), None, None, meta, 1.0, 1.0)
+
+
 def test_gluon_switches(monkeypatch):
     """DUALKV_TRITON_GLUON_FWD / _DKDV take 0 or 1 (named in the error otherwise); the Gluon kernels are
     never taken off the GPU, so with both on a CPU call runs the ``tl`` kernels, correctly."""
