@@ -337,6 +337,9 @@ def main():
     if args.cmd == "compile-report":
         compile_report([int(x) for x in args.head_dims.split(",")])
         return
+    # The candidates are the ``tl`` kernels' configs: the warp-specialised Gluon backward kernels take
+    # one tile each and would stand in for them on Hopper (set the variable to 1 to time those instead).
+    os.environ.setdefault("DUALKV_TRITON_GLUON_BWD", "0")
     table = [s for s in args.table.split(",") if s]
     kinds = [k for k in args.kinds.split(",") if k]
     if args.precompile:
