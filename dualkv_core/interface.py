@@ -66,8 +66,9 @@ def dualkv_attention(
             sm_90 GPU whose wgmma backward is switched off, Triton's forward with the CUDA
             backward; the CUDA
             backward adds the prompt's gradients (and on sm_90 at head dim 128 dQ) with fp32
-            atomics by default, so those gradients are bit-identical run to run only with
-            ``deterministic=True``; on CPU the reference),
+            atomics by default, as the Triton backward adds dQ on sm_90 at head dim 128, so those
+            gradients are bit-identical run to run only with ``deterministic=True``; on CPU the
+            reference),
             "reference", "triton", "cuda", or a forward+backward pair such as "triton+cuda".
 
     Returns out (T, nheads, headdim), or (out, lse).
