@@ -62,6 +62,14 @@ if AVAILABLE:
         tma_load(delta_desc, [hq, row], bar, delta_buf)
 
     @gluon.jit
+    def _program_item(ITEMS, nheads_k):
+        """This program's (item, kv head, unit) in a launch over (items x kv heads); unit < 0 marks a
+        padding entry of the item table."""
+        pid = gl.program_id(0)
+        item = pid // nheads_k
+        return item, pid % nheads_k, gl.load(ITEMS + item)
+
+    @gluon.jit
     def _walk(ITEMS, CU, n_items, item, unit, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
         """Key item ``item`` (of segment ``unit``) and the query rows that read it, as
         ``dkdv_rows_kernel`` walks them: (first key row, segment end, own rows from own_lo
@@ -141,10 +149,7 @@ if AVAILABLE:
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
                                                             instr_shape=[16, DIM // DQ_PARTS // (num_warps // 4), 16])
 
-        pid = gl.program_id(0)
-        item = pid // nheads_k
-        hk = pid % nheads_k
-        unit = gl.load(ITEMS + item)
+        item, hk, unit = _program_item(ITEMS, nheads_k)
         if unit >= 0:
             krow, seg_end, own_lo, n_own, read_lo, n_blocks, r0, r1, ws_row, nz = _walk(
                 ITEMS, CU, n_items, item, unit, BLOCK_M, BLOCK_N)

@@ -22,7 +22,7 @@ from __future__ import annotations
 from .gluon_compat import (AVAILABLE, TensorDescriptor, block_barrier, compile_for_sm90 as _compile, desc,
                            fence_async_shared, gl, gluon, hidden_zero, mbarrier, on_hopper, tile_sig, tma, tma_add,
                            tma_load, warpgroup_mma, warpgroup_mma_wait)
-from .gluon_dkdv import _issue, _key_and_step_buffers, _step, _store_keys, _walk
+from .gluon_dkdv import _issue, _key_and_step_buffers, _program_item, _step, _store_keys, _walk
 
 
 def stat_desc(t, block_m: int):
@@ -180,10 +180,7 @@ if AVAILABLE:
     ):
         dtype: gl.constexpr = q_desc.dtype
         HALF: gl.constexpr = BLOCK_N // 2
-        pid = gl.program_id(0)
-        item = pid // nheads_k
-        hk = pid % nheads_k
-        unit = gl.load(ITEMS + item)
+        item, hk, unit = _program_item(ITEMS, nheads_k)
         if unit >= 0:
             krow, seg_end, own_lo, n_own, read_lo, n_blocks, r0, r1, ws_row, nz = _walk(
                 ITEMS, CU, n_items, item, unit, BLOCK_M, BLOCK_N)

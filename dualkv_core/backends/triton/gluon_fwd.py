@@ -46,6 +46,17 @@ if AVAILABLE:
             row = seg_start + mb * (2 * BLOCK_M) + c * BLOCK_M
             mbarrier.expect(q_bars.index(c), q_desc.block_type.nbytes)
             tma_load(q_desc, [row, h * DIM], q_bars.index(c), q_bufs.index(c))
+        _load_key_rings(k_desc, v_desc, (k_ring, v_ring), bars, geo, BLOCK_N, DIM, STAGES)
+
+    @gluon.jit
+    def _load_key_rings(k_desc, v_desc, rings, bars, geo, BLOCK_N: gl.constexpr, DIM: gl.constexpr,
+                        STAGES: gl.constexpr):
+        """K and V of every key block a query tile reads (its context's, then its segment's own) into
+        their rings of STAGES slots, each slot refilled once its readers have released it. bars and geo
+        as the query-tile loaders hold them (this forward's and ``gluon_split256``'s dQ)."""
+        k_ring, v_ring = rings
+        _, k_ready, k_empty, v_ready, v_empty = bars
+        seg_start, seg_len, ctx_start, ctx_len, mb, h, hk, n_c, n = geo
         for j in range(n):
             slot = j % STAGES
             phase = (j // STAGES) & 1

@@ -28,9 +28,9 @@ from . import schedule
 from .gluon_compat import (AVAILABLE, block_barrier, compile_for_sm90 as _compile, desc, fence_async_shared, gl,
                            gluon, hidden_zero, mbarrier, on_hopper, tile_sig, tma_load, warpgroup_mma,
                            warpgroup_mma_wait)
-from .gluon_dkdv import _issue, _key_and_step_buffers, _step, _store_keys, _walk
+from .gluon_dkdv import _issue, _key_and_step_buffers, _program_item, _step, _store_keys, _walk
 from .gluon_dkdv_ws import dkdv_args, dkdv_signature
-from .gluon_fwd import _edge_mask, _key_row
+from .gluon_fwd import _edge_mask, _load_key_rings
 
 BLOCK_M, BLOCK_N = 64, 64  # the tiles both kernels' layouts assume
 
@@ -153,10 +153,7 @@ if AVAILABLE:
         STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
     ):
         dtype: gl.constexpr = q_desc.dtype
-        pid = gl.program_id(0)
-        item = pid // nheads_k
-        hk = pid % nheads_k
-        unit = gl.load(ITEMS + item)
+        item, hk, unit = _program_item(ITEMS, nheads_k)
         if unit >= 0:
             krow, seg_end, own_lo, n_own, read_lo, n_blocks, r0, r1, ws_row, nz = _walk(
                 ITEMS, CU, n_items, item, unit, BLOCK_M, BLOCK_N)
@@ -215,16 +212,7 @@ if AVAILABLE:
             mbarrier.expect(q_bars.index(c), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
             tma_load(q_desc, [row, h * DIM], q_bars.index(c), q_bufs.index(c))
             tma_load(do_desc, [row, h * DIM], q_bars.index(c), do_bufs.index(c))
-        for j in range(n):
-            slot = j % STAGES
-            phase = (j // STAGES) & 1
-            row = _key_row(j, n_c, ctx_start, seg_start, BLOCK_N)
-            mbarrier.wait(k_empty.index(slot), phase ^ 1)  # mbarriers start with phase 1 complete
-            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-            tma_load(k_desc, [row, hk * DIM], k_ready.index(slot), k_ring.index(slot))
-            mbarrier.wait(v_empty.index(slot), phase ^ 1)
-            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-            tma_load(v_desc, [row, hk * DIM], v_ready.index(slot), v_ring.index(slot))
+        _load_key_rings(k_desc, v_desc, (k_ring, v_ring), bars, geo, BLOCK_N, DIM, STAGES)
 
     @gluon.jit
     def _row_stat(X, h, total_q, seg_start, seg_len, offs_m, scale):
