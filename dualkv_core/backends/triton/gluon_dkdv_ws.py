@@ -65,11 +65,16 @@ def dkdv_signature(dim: int, block_m: int, block_n: int, dtype: str = "bf16", dq
 
 if AVAILABLE:
     @gluon.jit
-    def _loader(descs, bufs, bars, geo, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DIM: gl.constexpr,
-                REP: gl.constexpr, STAGES: gl.constexpr):
-        q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc = descs
-        k_all, v_all, q_ring, do_ring, lse_ring, delta_ring, p_all, ds_all, dq_all = bufs
-        kv_bar, ready, empty, ds_full = bars
+    def _key_block_loader(descs, bufs, bars, geo, outs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                          DIM: gl.constexpr, REP: gl.constexpr, STAGES: gl.constexpr):
+        """The loader warp of a warp-specialised dK/dV kernel (this one's and ``gluon_split256``'s): the key
+        block's K and V once, then every step's Q, dO, LSE and delta into the ring. descs, bufs and bars
+        begin (Q, K, V, dO, LSE, delta), (K, V, Q ring, dO ring, LSE ring, delta ring), (K / V barrier,
+        ready, empty) in both kernels."""
+        q_desc, k_desc, v_desc, do_desc = descs[0], descs[1], descs[2], descs[3]
+        lse_desc, delta_desc = descs[4], descs[5]
+        k_all, v_all, q_ring, do_ring, lse_ring, delta_ring = bufs[0], bufs[1], bufs[2], bufs[3], bufs[4], bufs[5]
+        kv_bar, ready, empty = bars[0], bars[1], bars[2]
         krow, seg_end, own_lo, read_lo, n_own, n_blocks, r0, r1, hk, total = geo
         mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma_load(k_desc, [krow, hk * DIM], kv_bar, k_all.index(0))
@@ -167,11 +172,6 @@ if AVAILABLE:
         _consume(descs, bufs, bars, geo, outs, 1, BLOCK_M, BLOCK_N, DIM, REP, STAGES)
 
     @gluon.jit
-    def _loader_part(descs, bufs, bars, geo, outs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DIM: gl.constexpr,
-                     REP: gl.constexpr, STAGES: gl.constexpr):
-        _loader(descs, bufs, bars, geo, BLOCK_M, BLOCK_N, DIM, REP, STAGES)
-
-    @gluon.jit
     def dkdv_dq_ws_kernel(
         q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, DK, DV, WSK, WSV, ITEMS, CU,
         n_items, nheads_k, qk_scale, sm_scale,
@@ -210,7 +210,7 @@ if AVAILABLE:
             gl.warp_specialize([
                 (_consumer0, (descs, bufs, bars, geo, outs, BLOCK_M, BLOCK_N, DIM, REP, STAGES)),
                 (_consumer1, (descs, bufs, bars, geo, outs, BLOCK_M, BLOCK_N, DIM, REP, STAGES)),
-                (_loader_part, (descs, bufs, bars, geo, outs, BLOCK_M, BLOCK_N, DIM, REP, STAGES)),
+                (_key_block_loader, (descs, bufs, bars, geo, outs, BLOCK_M, BLOCK_N, DIM, REP, STAGES)),
             ], [4, 1], [CONSUMER_REGS, 24])
 
 

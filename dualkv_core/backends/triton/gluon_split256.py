@@ -29,7 +29,7 @@ from .gluon_compat import (AVAILABLE, block_barrier, compile_for_sm90 as _compil
                            gluon, hidden_zero, mbarrier, on_hopper, tile_sig, tma_load, warpgroup_mma,
                            warpgroup_mma_wait)
 from .gluon_dkdv import _issue, _key_and_step_buffers, _program_item, _step, _store_keys, _walk
-from .gluon_dkdv_ws import dkdv_args, dkdv_signature
+from .gluon_dkdv_ws import _key_block_loader, dkdv_args, dkdv_signature
 from .gluon_fwd import _edge_mask, _load_key_rings
 
 BLOCK_M, BLOCK_N = 64, 64  # the tiles both kernels' layouts assume
@@ -129,23 +129,6 @@ if AVAILABLE:
         _store_keys(dk * sm_scale, krow, DK, WSK, ws_row, nz, seg_end, hk, nheads_k, DIM, BLOCK_N, acc_layout)
 
     @gluon.jit
-    def _dkdv_loader(descs, bufs, bars, geo, outs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DIM: gl.constexpr,
-                REP: gl.constexpr, STAGES: gl.constexpr):
-        q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV, WSK, WSV = descs
-        k_all, v_all, q_ring, do_ring, lse_ring, delta_ring, pt_ring = bufs
-        kv_bar, ready, empty, pt_full, pt_empty = bars
-        krow, seg_end, own_lo, read_lo, n_own, n_blocks, r0, r1, hk, total = geo
-        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma_load(k_desc, [krow, hk * DIM], kv_bar, k_all.index(0))
-        tma_load(v_desc, [krow, hk * DIM], kv_bar, v_all.index(0))
-        for j in range(total):
-            slot = j % STAGES
-            mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)  # mbarriers start with phase 1 complete
-            _issue(j, n_blocks, n_own, own_lo, read_lo, hk, q_desc, do_desc, lse_desc, delta_desc,
-                   ready.index(slot), q_ring.index(slot), do_ring.index(slot), lse_ring.index(slot),
-                   delta_ring.index(slot), REP, DIM, BLOCK_M)
-
-    @gluon.jit
     def dkdv_split_kernel(
         q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV, WSK, WSV, ITEMS, CU,
         n_items, nheads_k, qk_scale, sm_scale,
@@ -183,7 +166,7 @@ if AVAILABLE:
             gl.warp_specialize([
                 (_probs, (descs, bufs, bars, geo, outs, BLOCK_M, BLOCK_N, DIM, REP, STAGES)),
                 (_grads, (descs, bufs, bars, geo, outs, BLOCK_M, BLOCK_N, DIM, REP, STAGES)),
-                (_dkdv_loader, (descs, bufs, bars, geo, outs, BLOCK_M, BLOCK_N, DIM, REP, STAGES)),
+                (_key_block_loader, (descs, bufs, bars, geo, outs, BLOCK_M, BLOCK_N, DIM, REP, STAGES)),
             ], [4, 1], [CONSUMER_REGS, 24])
 
     @gluon.jit
