@@ -550,6 +550,7 @@ def test_gluon_kernels_compile_for_hopper():
     (128, torch.float32, {}, False, None, (None, False)),
     (256, torch.bfloat16, {}, False, None, ("split", False)),
     (256, torch.bfloat16, {"DUALKV_TRITON_GLUON_BWD": "0"}, False, None, (None, False)),
+    (256, torch.bfloat16, {"DUALKV_TRITON_ATOMIC_DQ": "1"}, False, None, (None, True)),  # the tl atomic path
     (64, torch.bfloat16, {}, False, None, (None, False)),
 ])
 def test_backward_takes_the_warp_specialised_gluon_kernels_where_they_apply(monkeypatch, d, dtype, env, deterministic,

@@ -189,7 +189,7 @@ class Backward:
         ws = gluon and gluon_dkdv_ws.supported(self.o, q)
         self.atomic = configs.atomic_dq_default(ws) if atomic_dq is None else atomic_dq
         self.gluon_ws = ws and self.atomic
-        self.gluon_split = gluon and gluon_split256.supported(self.o, q)
+        self.gluon_split = gluon and not self.atomic and gluon_split256.supported(self.o, q)  # its own dQ kernel
         dev = q.device
         self.dk = torch.empty((T, Hkv, d), dtype=k.dtype, device=dev)
         self.dv = torch.empty((T, Hkv, d), dtype=v.dtype, device=dev)
