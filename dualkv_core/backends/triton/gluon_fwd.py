@@ -49,6 +49,26 @@ if AVAILABLE:
         _load_key_rings(k_desc, v_desc, (k_ring, v_ring), bars, geo, BLOCK_N, DIM, STAGES)
 
     @gluon.jit
+    def _query_tile(TILES, n_tiles, nheads):
+        """This program's (head, segment, tile index within the segment) in a launch over (query tiles of
+        ``schedule.query_tiles`` x heads); segment < 0 marks a padding entry."""
+        pid = gl.program_id(0)
+        tile = pid // nheads
+        return pid % nheads, gl.load(TILES + tile), gl.load(TILES + n_tiles + tile)
+
+    @gluon.jit
+    def _geometry(CU, CTX_START, CTX_LEN, seg, mb, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
+        """Query tile mb (ROWS rows) of segment seg: (segment start, length, context start, length, context
+        key blocks, key blocks in all: the context's, then the segment's own up to the tile's last row)."""
+        seg_start = gl.load(CU + seg)
+        seg_len = gl.load(CU + seg + 1) - seg_start
+        ctx_start = gl.load(CTX_START + seg)
+        ctx_len = gl.load(CTX_LEN + seg)
+        n_c = gl.cdiv(ctx_len, BLOCK_N)
+        n = n_c + gl.cdiv(gl.minimum(seg_len, (mb + 1) * ROWS), BLOCK_N)
+        return seg_start, seg_len, ctx_start, ctx_len, n_c, n
+
+    @gluon.jit
     def _load_key_rings(k_desc, v_desc, rings, bars, geo, BLOCK_N: gl.constexpr, DIM: gl.constexpr,
                         STAGES: gl.constexpr):
         """K and V of every key block a query tile reads (its context's, then its segment's own) into
@@ -165,18 +185,10 @@ if AVAILABLE:
         num_warps = 4 (consumer 0); consumer 1 (4 warps, CONSUMER_REGS registers) and the loader
         (1 warp, 24 registers) are worker partitions."""
         dtype: gl.constexpr = q_desc.dtype
-        pid = gl.program_id(0)
-        tile = pid // nheads
-        h = pid % nheads
-        seg = gl.load(TILES + tile)
-        mb = gl.load(TILES + n_tiles + tile)
+        h, seg, mb = _query_tile(TILES, n_tiles, nheads)
         if seg >= 0:  # padding entries exit
-            seg_start = gl.load(CU + seg)
-            seg_len = gl.load(CU + seg + 1) - seg_start
-            ctx_start = gl.load(CTX_START + seg)
-            ctx_len = gl.load(CTX_LEN + seg)
-            n_c = gl.cdiv(ctx_len, BLOCK_N)
-            n = n_c + gl.cdiv(gl.minimum(seg_len, (mb + 1) * 2 * BLOCK_M), BLOCK_N)
+            seg_start, seg_len, ctx_start, ctx_len, n_c, n = _geometry(CU, CTX_START, CTX_LEN, seg, mb,
+                                                                        2 * BLOCK_M, BLOCK_N)
             q_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, DIM], q_desc.layout)
             k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DIM], k_desc.layout)
             v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DIM], v_desc.layout)

@@ -30,7 +30,7 @@ from .gluon_compat import (AVAILABLE, block_barrier, compile_for_sm90 as _compil
                            warpgroup_mma_wait)
 from .gluon_dkdv import _issue, _key_and_step_buffers, _program_item, _step, _store_keys, _walk
 from .gluon_dkdv_ws import _key_block_loader, dkdv_args, dkdv_signature
-from .gluon_fwd import _edge_mask, _load_key_rings
+from .gluon_fwd import _edge_mask, _geometry, _load_key_rings, _query_tile
 
 BLOCK_M, BLOCK_N = 64, 64  # the tiles both kernels' layouts assume
 
@@ -170,18 +170,6 @@ if AVAILABLE:
             ], [4, 1], [CONSUMER_REGS, 24])
 
     @gluon.jit
-    def _geometry(CU, CTX_START, CTX_LEN, seg, mb, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
-        """Query tile mb (ROWS rows) of segment seg: (segment start, length, context start, length, context
-        key blocks, key blocks in all: the context's, then the segment's own up to the tile's last row)."""
-        seg_start = gl.load(CU + seg)
-        seg_len = gl.load(CU + seg + 1) - seg_start
-        ctx_start = gl.load(CTX_START + seg)
-        ctx_len = gl.load(CTX_LEN + seg)
-        n_c = gl.cdiv(ctx_len, BLOCK_N)
-        n = n_c + gl.cdiv(gl.minimum(seg_len, (mb + 1) * ROWS), BLOCK_N)
-        return seg_start, seg_len, ctx_start, ctx_len, n_c, n
-
-    @gluon.jit
     def _load_tile_and_keys(descs, bufs, bars, geo, NQ: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                             DIM: gl.constexpr, STAGES: gl.constexpr):
         """The loader warp: the tile's NQ row blocks of Q and dO (one barrier each), then K and V of every key
@@ -297,11 +285,7 @@ if AVAILABLE:
                         CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
         """Program = (query tile of BLOCK_M rows, head). LSE (natural log) and DELTA: (nheads, total_q)."""
         dtype: gl.constexpr = q_desc.dtype
-        pid = gl.program_id(0)
-        tile = pid // nheads
-        h = pid % nheads
-        seg = gl.load(TILES + tile)
-        mb = gl.load(TILES + n_tiles + tile)
+        h, seg, mb = _query_tile(TILES, n_tiles, nheads)
         if seg >= 0:  # padding entries exit
             seg_start, seg_len, ctx_start, ctx_len, n_c, n = _geometry(CU, CTX_START, CTX_LEN, seg, mb, BLOCK_M,
                                                                         BLOCK_N)
