@@ -264,23 +264,56 @@ def supported(o, q) -> bool:
     return on_hopper(q) and o.tma and o.dim == o.head_dim and o.dim in (64, 128) and not o.has_softcap and o.elem == 2
 
 
+def stat_desc(t, block_m: int):
+    """LSE (log2 units) or delta, (nheads, t4) fp32, in boxes of (1, block_m)."""
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], [1, block_m], layout)
+
+
+def dq_desc(t, block_m: int, cols: int):
+    """The fp32 dQ accumulator (T, H, d) seen as (T, H * d), in boxes of (block_m, cols)."""
+    layout = gl.NVMMASharedLayout.get_default_for([block_m, cols], gl.float32)
+    return TensorDescriptor(t, [t.shape[0], t.shape[1] * t.shape[2]], [t.stride(0), 1], [block_m, cols], layout)
+
+
+def dkdv_args(q, k, v, dout, lse2, delta, dk, dv, wsk, wsv, table, cu_seqlens, nheads_k, qk_scale, sm_scale,
+              dq_acc=None, block_m: int = 64, block_n: int = 128, dq_cols: int | None = None):
+    """The launch arguments of the warp-specialised dK/dV kernels (``gluon_dkdv_ws``, ``gluon_split256``),
+    in order (dq_desc only with dq_acc)."""
+    descs = [desc(q, block_m), desc(k, block_n), desc(v, block_n), desc(dout, block_m), stat_desc(lse2, block_m),
+             stat_desc(delta, block_m)]
+    if dq_acc is not None:
+        descs.append(dq_desc(dq_acc, block_m, dq_cols or q.shape[2]))
+    return [*descs, dk, dv, wsk, wsv, table, cu_seqlens, table.shape[1], nheads_k, qk_scale, sm_scale]
+
+
+def dkdv_signature(dim: int, block_m: int, block_n: int, dtype: str = "bf16", dq_cols: int | None = None) -> dict:
+    """``gluon_compat.compile_for_sm90``'s signature of those arguments (dq_desc when dq_cols is given)."""
+    stat = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    sig = dict(q_desc=tile_sig(dtype, block_m, dim), do_desc=tile_sig(dtype, block_m, dim),
+               k_desc=tile_sig(dtype, block_n, dim), v_desc=tile_sig(dtype, block_n, dim),
+               lse_desc=f"tensordesc<fp32[1, {block_m}],{stat!r}>",
+               delta_desc=f"tensordesc<fp32[1, {block_m}],{stat!r}>",
+               DK=f"*{dtype}", DV=f"*{dtype}", WSK="*fp32", WSV="*fp32", ITEMS="*i32", CU="*i32",
+               n_items="i32", nheads_k="i32", qk_scale="fp32", sm_scale="fp32")
+    if dq_cols is not None:
+        layout = gl.NVMMASharedLayout.get_default_for([block_m, dq_cols], gl.float32)
+        sig["dq_desc"] = f"tensordesc<fp32[{block_m}, {dq_cols}],{layout!r}>"
+    return sig
+
+
 def run(q, k, v, dout, lse2, delta, dk, dv, wsk, wsv, table, cu_seqlens, nheads_k, rep, qk_scale, sm_scale,
         dq_acc=None, block_m: int = 64, block_n: int = 128, stages: int = 2, num_warps: int = 8,
         dq_parts: int | None = None, hide_descriptors: bool = True):
     """Launch the Gluon dK/dV. lse2 / delta: (nheads, t4) fp32, t4 a multiple of 4, LSE in log2 units.
     dq_acc: an fp32 tensor like q to add the unscaled dQ into (zeroed by the caller), or None.
     hide_descriptors=False builds the kernel without ``hidden_zero`` (to time the difference)."""
-    stat_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-
-    def stat_desc(t):
-        return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], [1, block_m], stat_layout)
-
     n_items = table.shape[1]
     q_desc = desc(q, block_m)
     return dkdv_rows_gluon_kernel[(n_items * nheads_k,)](
-        q_desc, desc(k, block_n), desc(v, block_n), desc(dout, block_m), stat_desc(lse2),
-        stat_desc(delta), q_desc if dq_acc is None else desc(dq_acc, block_m), dk, dv, wsk, wsv, table, cu_seqlens,
-        n_items, nheads_k, qk_scale, sm_scale, REP=rep, DIM=q.shape[2], BLOCK_M=block_m, BLOCK_N=block_n,
+        q_desc, desc(k, block_n), desc(v, block_n), desc(dout, block_m), stat_desc(lse2, block_m),
+        stat_desc(delta, block_m), q_desc if dq_acc is None else desc(dq_acc, block_m), dk, dv, wsk, wsv, table,
+        cu_seqlens, n_items, nheads_k, qk_scale, sm_scale, REP=rep, DIM=q.shape[2], BLOCK_M=block_m, BLOCK_N=block_n,
         STAGES=stages, FUSE_DQ=dq_acc is not None, DQ_PARTS=dq_parts or DQ_PARTS.get(q.shape[2], 1),
         num_warps=num_warps, HIDE_DESC=hide_descriptors,
     )
@@ -290,17 +323,11 @@ def compile_for_sm90(dim: int = 128, block_m: int = 64, block_n: int = 128, num_
                      rep: int = 4, dtype: str = "bf16", fuse_dq: bool = False, dq_parts: int = 2,
                      hide_descriptors: bool = True):
     """Compile the kernel for sm_90 without a GPU (the CPU tests' check that it lowers)."""
-    stat = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    sig = dict(q_desc=tile_sig(dtype, block_m, dim), do_desc=tile_sig(dtype, block_m, dim),
-               k_desc=tile_sig(dtype, block_n, dim), v_desc=tile_sig(dtype, block_n, dim),
-               dq_desc=tile_sig("fp32" if fuse_dq else dtype, block_m, dim),
-               lse_desc=f"tensordesc<fp32[1, {block_m}],{stat!r}>",
-               delta_desc=f"tensordesc<fp32[1, {block_m}],{stat!r}>",
-               DK=f"*{dtype}", DV=f"*{dtype}", WSK="*fp32", WSV="*fp32", ITEMS="*i32", CU="*i32",
-               n_items="i32", nheads_k="i32", qk_scale="fp32", sm_scale="fp32")
+    sig = dkdv_signature(dim, block_m, block_n, dtype)
+    sig["dq_desc"] = tile_sig("fp32" if fuse_dq else dtype, block_m, dim)  # a placeholder (q) without dQ
     const = dict(REP=rep, DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, FUSE_DQ=fuse_dq, DQ_PARTS=dq_parts,
                  num_warps=num_warps, HIDE_DESC=hide_descriptors)
     return _compile(dkdv_rows_gluon_kernel, sig, const, num_warps)
 
 
-__all__ = ["AVAILABLE", "compile_for_sm90", "run", "supported"]
+__all__ = ["AVAILABLE", "compile_for_sm90", "dkdv_args", "dkdv_signature", "run", "supported"]

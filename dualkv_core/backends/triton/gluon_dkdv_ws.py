@@ -19,48 +19,10 @@ On an H200 (``benchmarks/results/raw/triton_bwd_probes_h200_s33.log``) the whole
 
 from __future__ import annotations
 
-from .gluon_compat import (AVAILABLE, TensorDescriptor, block_barrier, compile_for_sm90 as _compile, desc,
-                           fence_async_shared, gl, gluon, hidden_zero, mbarrier, on_hopper, tile_sig, tma, tma_add,
-                           tma_load, warpgroup_mma, warpgroup_mma_wait)
-from .gluon_dkdv import _issue, _key_and_step_buffers, _program_item, _step, _store_keys, _walk
-
-
-def stat_desc(t, block_m: int):
-    """LSE (log2 units) or delta, (nheads, t4) fp32, in boxes of (1, block_m)."""
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], [1, block_m], layout)
-
-
-def dq_desc(t, block_m: int, cols: int):
-    """The fp32 dQ accumulator (T, H, d) seen as (T, H * d), in boxes of (block_m, cols)."""
-    layout = gl.NVMMASharedLayout.get_default_for([block_m, cols], gl.float32)
-    return TensorDescriptor(t, [t.shape[0], t.shape[1] * t.shape[2]], [t.stride(0), 1], [block_m, cols], layout)
-
-
-def dkdv_args(q, k, v, dout, lse2, delta, dk, dv, wsk, wsv, table, cu_seqlens, nheads_k, qk_scale, sm_scale,
-              dq_acc=None, block_m: int = 64, block_n: int = 128, dq_cols: int | None = None):
-    """The launch arguments of this module's and ``gluon_split256``'s dK/dV kernels, in order (dq_desc
-    only with dq_acc)."""
-    descs = [desc(q, block_m), desc(k, block_n), desc(v, block_n), desc(dout, block_m), stat_desc(lse2, block_m),
-             stat_desc(delta, block_m)]
-    if dq_acc is not None:
-        descs.append(dq_desc(dq_acc, block_m, dq_cols or q.shape[2]))
-    return [*descs, dk, dv, wsk, wsv, table, cu_seqlens, table.shape[1], nheads_k, qk_scale, sm_scale]
-
-
-def dkdv_signature(dim: int, block_m: int, block_n: int, dtype: str = "bf16", dq_cols: int | None = None) -> dict:
-    """``gluon_compat.compile_for_sm90``'s signature of those arguments (dq_desc when dq_cols is given)."""
-    stat = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    sig = dict(q_desc=tile_sig(dtype, block_m, dim), do_desc=tile_sig(dtype, block_m, dim),
-               k_desc=tile_sig(dtype, block_n, dim), v_desc=tile_sig(dtype, block_n, dim),
-               lse_desc=f"tensordesc<fp32[1, {block_m}],{stat!r}>",
-               delta_desc=f"tensordesc<fp32[1, {block_m}],{stat!r}>",
-               DK=f"*{dtype}", DV=f"*{dtype}", WSK="*fp32", WSV="*fp32", ITEMS="*i32", CU="*i32",
-               n_items="i32", nheads_k="i32", qk_scale="fp32", sm_scale="fp32")
-    if dq_cols is not None:
-        layout = gl.NVMMASharedLayout.get_default_for([block_m, dq_cols], gl.float32)
-        sig["dq_desc"] = f"tensordesc<fp32[{block_m}, {dq_cols}],{layout!r}>"
-    return sig
+from .gluon_compat import (AVAILABLE, block_barrier, compile_for_sm90 as _compile, fence_async_shared, gl, gluon,
+                           hidden_zero, mbarrier, on_hopper, tma, tma_add, tma_load, warpgroup_mma, warpgroup_mma_wait)
+from .gluon_dkdv import (_issue, _key_and_step_buffers, _program_item, _step, _store_keys, _walk, dkdv_args,
+                         dkdv_signature)
 
 
 if AVAILABLE:
@@ -248,4 +210,4 @@ def compile_for_sm90(dim: int = 128, stages: int = 2, rep: int = 4, dtype: str =
                     maxnreg)
 
 
-__all__ = ["AVAILABLE", "BLOCK_M", "BLOCK_N", "compile_for_sm90", "dkdv_args", "dkdv_signature", "run", "supported"]
+__all__ = ["AVAILABLE", "BLOCK_M", "BLOCK_N", "compile_for_sm90", "run", "supported"]

@@ -28,8 +28,9 @@ from . import schedule
 from .gluon_compat import (AVAILABLE, block_barrier, compile_for_sm90 as _compile, desc, fence_async_shared, gl,
                            gluon, hidden_zero, mbarrier, on_hopper, tile_sig, tma_load, warpgroup_mma,
                            warpgroup_mma_wait)
-from .gluon_dkdv import _issue, _key_and_step_buffers, _program_item, _step, _store_keys, _walk
-from .gluon_dkdv_ws import _key_block_loader, dkdv_args, dkdv_signature
+from .gluon_dkdv import (_key_and_step_buffers, _program_item, _step, _store_keys, _walk, dkdv_args,
+                         dkdv_signature)
+from .gluon_dkdv_ws import _key_block_loader
 from .gluon_fwd import _edge_mask, _geometry, _load_key_rings, _query_tile
 
 BLOCK_M, BLOCK_N = 64, 64  # the tiles both kernels' layouts assume
