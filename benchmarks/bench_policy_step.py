@@ -510,7 +510,7 @@ def _logprob_budget_text(meta: dict) -> str:
     return "" if budget is None else f", no-grad passes in micro-batches of up to {budget} tokens"
 
 
-def _reshard_text(meta: dict) -> str:
+def _fsdp_text(meta: dict) -> str:
     keep = "" if meta.get("reshard_after_forward", True) else ", FSDP keeps the gathered parameters from forward to backward"
     return keep + (", gradients reduced once per mini-batch" if meta.get("reduce_grads_once") else "")
 
@@ -538,7 +538,7 @@ def write_report(writer) -> Path:
                   f"{', log-prob head ' + meta['logprobs_impl'] if meta.get('logprobs_impl', 'torch') != 'torch' else ''}"
                   f"{', old log-probs from the update (no old_log_prob pass)' if meta.get('old_logprobs') == 'from-update' else ''}"
                   f"{_logprob_budget_text(meta)}"
-                  f"{_reshard_text(meta)}"
+                  f"{_fsdp_text(meta)}"
                   f"{_ranks_text(meta)}\n\n"
                   + tables(rows, meta))
     png = plot(rows, writer.dir / f"{writer.stem}.png", meta["card"]["name"])
