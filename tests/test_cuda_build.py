@@ -133,8 +133,9 @@ def test_backend_cuda_on_cpu_says_not_built():
 
 def test_auto_follows_the_measured_table_per_head_dim(monkeypatch):
     """On CUDA tensors "auto" takes, in fp16 / bf16 where the CUDA extension runs the wgmma kernels,
-    the CUDA backend at head dims 512, 256, 128 and 64; the usual order everywhere else; it never starts
-    a build."""
+    the CUDA backend at head dims 512, 192, 128 and 64, and at 256 its forward with Triton's Gluon
+    backward (the CUDA backend alone where that cannot run); the usual order everywhere else; it never
+    starts a build."""
     from dualkv.core import backends
     from dualkv.core.backends import resolve_backend
 
@@ -144,8 +145,13 @@ def test_auto_follows_the_measured_table_per_head_dim(monkeypatch):
     assert resolve_backend("auto", "cuda", head_dim=256, dtype=torch.bfloat16) == usual
     asked = []
     monkeypatch.setattr(cuda, "runs_wgmma", lambda head_dim, device=None: asked.append(head_dim) or True)
+    # d = 256: the CUDA forward with Triton's Gluon backward where that can run, else the CUDA backend
+    at_256 = "cuda+triton" if backends._triton_gluon_backward() and usual == "triton" else "cuda"
+    assert resolve_backend("auto", "cuda", head_dim=256, dtype=torch.bfloat16) == at_256
+    assert resolve_backend("auto", "cuda", head_dim=256, dtype=torch.float16) == at_256
+    monkeypatch.setenv("DUALKV_TRITON_GLUON_BWD", "0")
     assert resolve_backend("auto", "cuda", head_dim=256, dtype=torch.bfloat16) == "cuda"
-    assert resolve_backend("auto", "cuda", head_dim=256, dtype=torch.float16) == "cuda"
+    monkeypatch.delenv("DUALKV_TRITON_GLUON_BWD")
     assert resolve_backend("auto", "cuda", head_dim=256, dtype=torch.float32) == usual
     assert resolve_backend("auto", "cuda", head_dim=128, dtype=torch.bfloat16) == "cuda"
     assert resolve_backend("auto", "cuda", head_dim=64, dtype=torch.bfloat16) == "cuda"
@@ -155,7 +161,7 @@ def test_auto_follows_the_measured_table_per_head_dim(monkeypatch):
     assert resolve_backend("auto", "cpu", head_dim=256, dtype=torch.bfloat16) == "reference"
     assert resolve_backend("triton" if usual == "triton" else "reference", "cuda", head_dim=256,
                            dtype=torch.bfloat16) != "cuda"  # an explicit choice is kept
-    assert asked == [256, 256, 128, 64, 512, 192]
+    assert asked == [256, 256, 256, 128, 64, 512, 192]
     monkeypatch.setattr(cuda, "runs_wgmma", lambda head_dim, device=None: False)
     assert resolve_backend("auto", "cuda", head_dim=256, dtype=torch.bfloat16) == usual
 

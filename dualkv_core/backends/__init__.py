@@ -48,7 +48,13 @@ AUTO_ORDER_CUDA = ("triton",)
 # (benchmarks/results/attention_h200_s26_d192.md). Other head dims are not measured: Triton. Re-measured at
 # d = 64 after Triton's one-loop dK/dV: the CUDA backend still took 0.80-0.84x Triton's forward+backward
 # time (benchmarks/results/attention_h200_s29_d64_auto_vs_triton.md).
-AUTO_WGMMA_CHOICE = {512: "cuda", 256: "cuda", 192: "cuda", 128: "cuda", 64: "cuda"}
+# At d = 256 since 2026-12-05 the CUDA forward with Triton's backward, whose warp-specialised Gluon
+# kernels (split by role) took less time than the CUDA backward: forward+backward 93.0 / 217.9 ms against
+# 102.7 / 240.7 (CUDA) and 94.9 / 221.9 (Triton) at P = 16K / 32K, one run
+# (benchmarks/results/attention_h200_s33_d256_auto.md); again with every provider checked against the
+# reference, 95.3 / 223.1 against 104.0 / 243.6 and 99.0 / 227.7 (attention_h200_s34_d256_auto_validated.md).
+# Where Triton's Gluon backward cannot run (its ``tl`` backward is the slower one), the CUDA backend alone.
+AUTO_WGMMA_CHOICE = {512: "cuda", 256: "cuda+triton", 192: "cuda", 128: "cuda", 64: "cuda"}
 # Where "auto" pairs Triton's forward with the CUDA backward on an sm_90 GPU when the extension is
 # already built but its wgmma kernels do not run (DUALKV_CUDA_WGMMA_BWD=0): d = 512 (Gemma-4's global
 # layers), where the mma.sync backward took 0.89 / 0.89x Triton's backward time and Triton's forward
@@ -58,7 +64,7 @@ AUTO_SM90_PAIR = {512: "triton+cuda"}
 
 
 # Names a command line offers for --attention-backend / --backend.
-BACKEND_CHOICES = ("auto", *BACKENDS, "triton+cuda")
+BACKEND_CHOICES = ("auto", *BACKENDS, "triton+cuda", "cuda+triton")
 
 
 def split_backend(name: str) -> tuple[str, str]:
@@ -101,6 +107,16 @@ def _cuda_says(question: str, *args) -> bool:
         return False
 
 
+def _triton_gluon_backward() -> bool:
+    """Whether Triton's warp-specialised Gluon backward kernels can run (Gluon's Hopper API imports and
+    ``DUALKV_TRITON_GLUON_BWD`` is not 0); the GPU itself is the wgmma check's."""
+    try:
+        from .triton import configs, gluon_compat
+    except ImportError:
+        return False
+    return gluon_compat.AVAILABLE and configs.gluon_bwd_enabled()
+
+
 def available_backends() -> list[str]:
     return [name for name in BACKENDS if _available(name)]
 
@@ -125,6 +141,8 @@ def resolve_backend(name: str, where: torch.Tensor | torch.device | str, head_di
     if is_cuda:
         half = dtype in (torch.float16, torch.bfloat16)
         choice = AUTO_WGMMA_CHOICE.get(head_dim)
+        if choice and split_backend(choice)[1] == "triton" and not _triton_gluon_backward():
+            choice = "cuda"
         if choice and half and _cuda_says("runs_wgmma", head_dim):
             # that answered for the CUDA backend; the other half of a pair must be available too
             if all(_available(part) for part in split_backend(choice) if part != "cuda"):
