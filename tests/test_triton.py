@@ -239,6 +239,43 @@ def test_split_readers(atomic_dq):
     _check_all(q, k, v, do, meta, split_rows=1, atomic_dq=atomic_dq)
 
 
+def test_balanced_split_rows_follows_the_work():
+    """``balanced_split_rows`` is the rows walked by all items without splits, times the programs per
+    item, over twice the SMs; the harness's low-rho configs then take no splits on 132 SMs, a short
+    prompt with many readers still does, and no item walks more than the budget beyond its own rows."""
+    for (N, P, R), want in (((28, 4096, 2048), 1), ((32, 8192, 2048), 1), ((64, 512, 2048), 3)):
+        layout = PackedLayout.from_lengths([P], [[R] * N])
+        meta = AttnMeta.from_layout(layout)
+        whole = schedule.key_items(meta, layout.total_tokens, 0, False, 128, None, split_rows=1 << 40).table
+        valid = whole[schedule.UNIT] >= 0
+        unit, blk = whole[schedule.UNIT][valid].long(), whole[schedule.BLOCK][valid].long()
+        lens = (meta.cu_seqlens[1:] - meta.cu_seqlens[:-1]).long()
+        walked = (lens[unit] - 128 * blk).sum() + (whole[schedule.R1] - whole[schedule.R0])[valid].long().sum()
+        budget = schedule.balanced_split_rows(meta, 128, 8, 132)
+        assert int(budget) == int(walked) * 8 // 264
+        t = schedule.key_items(meta, layout.total_tokens, 0, False, 128, None, budget).table
+        assert int(t[schedule.NSPLIT].max()) == want, (N, P, R)
+        reads = (t[schedule.R1] - t[schedule.R0])[t[schedule.UNIT] >= 0]
+        assert int(reads.max()) <= max(int(budget), P)
+
+
+def test_fused_dq_splits_by_balance(monkeypatch):
+    """With dQ added in the dK/dV kernel and no split size given, the backward splits a prompt's readers
+    by ``balanced_split_rows`` (here many SMs, so several splits) and matches the reference."""
+    _, meta, q, k, v, do = _inputs([9, 3], [[11, 5, 14, 1, 6, 9], [4, 17]], 2, 1, 16, seed=7)
+    monkeypatch.setattr(launcher, "_sm_count", lambda device: 64)
+    seen = []
+    real = schedule.key_items
+    monkeypatch.setattr(schedule, "key_items", lambda *a: seen.append(a[-1]) or real(*a))
+    _check_all(q, k, v, do, meta, split_rows=None, atomic_dq=True)
+    assert len(seen) == 1 and isinstance(seen[0], torch.Tensor)
+    items = real(meta, q.shape[0], 0, False, SMALL.block_n, None, seen[0])
+    assert int(items.table[schedule.NSPLIT].max()) > 1
+    seen.clear()
+    _check_all(q, k, v, do, meta, split_rows=None, atomic_dq=False)
+    assert seen == [schedule.SPLIT_ROWS]  # the dQ kernel's path keeps the fixed size
+
+
 def test_padded_head_dim_and_fp16():
     """headdim 96 runs padded to 128 (through descriptors too); fp16 against the fp64 reference."""
     _, meta, q, k, v, do = _inputs([13], [[10, 21]], 2, 1, 96, dtype=torch.float16, seed=11)

@@ -49,6 +49,11 @@ def _ensure_allocator() -> None:
         triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
 
 
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (1 elsewhere: the interpreter runs one program at a time)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
 def _warp_specialise(o: "_Opts", k_ctx) -> bool:
     """Whether the forward / dQ may take their warp-specialised single loop: descriptors, context keys
     in k / v, and not at d = 192, where zeroing Q's padding keeps a second 128 x 256 copy of it in
@@ -147,14 +152,16 @@ def forward(q, k, v, k_ctx, v_ctx, meta, softmax_scale, window, softcap, config:
 
 def backward(dout, q, k, v, k_ctx, v_ctx, out, lse, meta, softmax_scale, window, softcap, deterministic,
              dkdv_config: KernelConfig | None = None, dq_config: KernelConfig | None = None,
-             tma: bool | None = None, split_rows: int = schedule.SPLIT_ROWS, atomic_dq: bool | None = None):
+             tma: bool | None = None, split_rows: int | None = None, atomic_dq: bool | None = None):
     """dq (like q), dk, dv (like k, v), dk_ctx, dv_ctx (like k_ctx, v_ctx; None when k_ctx is None).
 
     Context gradients are summed over every reading query in fp32 and cast once. dQ comes from a
     query-parallel kernel (bit-identical run to run) or, with ``atomic_dq=True`` (never with
     ``deterministic``), is added in fp32 inside the dK/dV kernel; None: ``configs.atomic_dq_default``
     (added inside where the warp-specialised Gluon dK/dV runs, sm_90 at d = 128).
-    ``split_rows``: a context key block's readers are split over programs of about this many rows.
+    ``split_rows``: a context key block's readers are split over programs of about this many rows; None:
+    ``schedule.balanced_split_rows`` where dQ is added in the dK/dV kernel without a window (splits only
+    as far as the balance over the SMs needs), else ``schedule.SPLIT_ROWS``.
     """
     if deterministic:
         atomic_dq = False
@@ -169,7 +176,7 @@ class Backward:
     """The backward of one call, launch by launch: ``preprocess``, ``dkdv``, ``dq`` (for timing them apart)."""
 
     def __init__(self, dout, q, k, v, k_ctx, v_ctx, out, lse, meta, softmax_scale, window, softcap, atomic_dq,
-                 tma=None, split_rows=schedule.SPLIT_ROWS):
+                 tma=None, split_rows=None):
         T, H, d = q.shape
         Hkv = k.shape[1]
         self.separate = k_ctx is not None
@@ -242,7 +249,11 @@ class Backward:
         q, k, v, kc, vc, dout, _, lse, meta = self.args
         o, T, Hkv, d = self.o, q.shape[0], k.shape[1], q.shape[2]
         n_ctx_rows = kc.shape[0] if self.separate else 0
-        items = schedule.key_items(meta, T, n_ctx_rows, self.separate, cfg.block_n, self.window, self.split_rows)
+        split_rows = self.split_rows
+        if split_rows is None:
+            split_rows = (schedule.balanced_split_rows(meta, cfg.block_n, Hkv, _sm_count(q.device))
+                          if self.atomic and self.window is None else schedule.SPLIT_ROWS)
+        items = schedule.key_items(meta, T, n_ctx_rows, self.separate, cfg.block_n, self.window, split_rows)
         n_items = items.table.shape[1]
         wsk = torch.empty((items.ws_rows, Hkv, d), dtype=torch.float32, device=q.device)
         wsv = torch.empty_like(wsk)

@@ -10,6 +10,10 @@ programs start early and the short ones fill the tail.
   split) with the reader query rows of that split. Context key blocks whose readers are many are
   split over several programs (``nsplit``), each writing an fp32 partial that ``reduce`` sums in a
   fixed order: deterministic, and the prompt-block programs stay as short as the others.
+- ``balanced_split_rows``: the split size for a dK/dV kernel that adds dQ itself. There, splitting
+  costs time: the programs of a prompt's key blocks that walk the same reader rows together add into
+  the same dQ tiles while those are in L2, and splits break that up. So a prompt block's readers are
+  split only as far as the balance of the work over the GPU needs.
 """
 
 from __future__ import annotations
@@ -108,26 +112,46 @@ def _unit_regions(meta, S: int, separate: bool):
     return seg_region
 
 
-def _region_splits(meta, ws_rows: int, split_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _region_splits(meta, ws_rows: int, split_rows) -> tuple[torch.Tensor, torch.Tensor]:
     """Splits per region (C,) and each region's workspace base row (C,), int64."""
     key_len = meta.ctx_key_len.long()
     readers = (meta.ctx_reader_end - meta.ctx_reader_start).long()
-    want = _cdiv(readers, torch.clamp(key_len, min=split_rows))
+    want = _cdiv(readers, torch.maximum(key_len, torch.as_tensor(split_rows, device=key_len.device)))
     cap = torch.clamp(ws_rows // torch.clamp(key_len.sum(), min=1), min=1, max=MAX_SPLITS)
     nsplit = torch.clamp(torch.minimum(want, cap), min=1)
     used = torch.where(nsplit > 1, nsplit * key_len, 0)
     return nsplit, torch.cumsum(used, 0) - used
 
 
+def balanced_split_rows(meta, block_n: int, programs_per_item: int, n_sm: int) -> torch.Tensor:
+    """Reader rows per split (a 0-d int64 tensor, on the device) that keep every dK/dV item within half
+    of one SM's share of the whole walk: the rows walked by all items (each key block's own rows and,
+    for a prompt's blocks, its readers), times the programs per item (kv heads), over the SMs, halved.
+    Heavy-first order then keeps the tail short, and prompt blocks split only when they must.
+
+    Measured on an H200 with dQ added in the dK/dV kernel (``benchmarks/results/raw/
+    triton_ws_variants_h200_s34.log``): one program per prompt block instead of splits of 4096 rows
+    took 0.90x the backward's time at (28, 4K, 2K) and 0.94x at (32, 8K, 2K), within noise elsewhere.
+    """
+    cu = meta.cu_seqlens.long()
+    seg_len = cu[1:] - cu[:-1]
+    nblk = _cdiv(seg_len, block_n)
+    own = (nblk * seg_len - block_n * nblk * (nblk - 1) // 2).sum()  # block b reads len - b * block_n rows
+    readers = (meta.ctx_reader_end - meta.ctx_reader_start).long()
+    read = (_cdiv(meta.ctx_key_len.long(), block_n) * readers).sum()
+    return (own + read) * programs_per_item // max(2 * n_sm, 1)
+
+
 def key_items(meta, total_q: int, n_ctx_rows: int, separate: bool, block_n: int,
-              window: int | None, split_rows: int = SPLIT_ROWS) -> KeyItems:
+              window: int | None, split_rows: int | torch.Tensor = SPLIT_ROWS) -> KeyItems:
     """Work items of the dK/dV kernel: (key block, reader split) of every unit, heaviest first.
 
     Args:
         total_q: rows of q/k; n_ctx_rows: rows of k_ctx (0 in the packed layout);
         separate: context keys live in k_ctx (their blocks are units of their own, read only by
             readers); otherwise a prompt segment's own block also takes its readers.
-        split_rows: aim for at least this many reader rows per split.
+        split_rows: aim for at least this many reader rows per split (an int, or a 0-d tensor such as
+            ``balanced_split_rows``'s).
     """
     cu = meta.cu_seqlens.long()
     dev = cu.device
