@@ -266,14 +266,14 @@ def test_fused_dq_splits_by_balance(monkeypatch):
     monkeypatch.setattr(launcher, "_sm_count", lambda device: 64)
     seen = []
     real = schedule.key_items
-    monkeypatch.setattr(schedule, "key_items", lambda *a: seen.append(a[-1]) or real(*a))
+    monkeypatch.setattr(schedule, "key_items", lambda *a, **kw: seen.append((a[-1], kw)) or real(*a, **kw))
     _check_all(q, k, v, do, meta, split_rows=None, atomic_dq=True)
-    assert len(seen) == 1 and isinstance(seen[0], torch.Tensor)
-    items = real(meta, q.shape[0], 0, False, SMALL.block_n, None, seen[0])
+    assert len(seen) == 1 and isinstance(seen[0][0], torch.Tensor) and seen[0][1] == {"by_segment": True}
+    items = real(meta, q.shape[0], 0, False, SMALL.block_n, None, seen[0][0])
     assert int(items.table[schedule.NSPLIT].max()) > 1
     seen.clear()
     _check_all(q, k, v, do, meta, split_rows=None, atomic_dq=False)
-    assert seen == [schedule.SPLIT_ROWS]  # the dQ kernel's path keeps the fixed size
+    assert seen == [(schedule.SPLIT_ROWS, {"by_segment": False})]  # the dQ kernel's path: as before
 
 
 def test_padded_head_dim_and_fp16():

@@ -253,7 +253,8 @@ class Backward:
         if split_rows is None:
             split_rows = (schedule.balanced_split_rows(meta, cfg.block_n, Hkv, _sm_count(q.device))
                           if self.atomic and self.window is None else schedule.SPLIT_ROWS)
-        items = schedule.key_items(meta, T, n_ctx_rows, self.separate, cfg.block_n, self.window, split_rows)
+        items = schedule.key_items(meta, T, n_ctx_rows, self.separate, cfg.block_n, self.window, split_rows,
+                                   by_segment=self.atomic)
         n_items = items.table.shape[1]
         wsk = torch.empty((items.ws_rows, Hkv, d), dtype=torch.float32, device=q.device)
         wsv = torch.empty_like(wsk)

@@ -3,7 +3,8 @@
 No host synchronisation: every tensor here has a length computed from ``total_q``, ``S`` (segments)
 and ``C`` (context regions), an upper bound of the real count; the surplus entries are marked
 invalid (-1) and their programs exit at once. Entries are ordered heaviest first, so the long
-programs start early and the short ones fill the tail.
+programs start early and the short ones fill the tail (the dK/dV items that add dQ themselves order
+the blocks nobody reads as context segment by segment instead: ``key_items(by_segment=True)``).
 
 - ``query_tiles``: (2, n) int32 rows (segment, query block) for the forward and the dQ kernels.
 - ``key_items``: (ITEM_ROWS, n) int32 for the dK/dV kernel: one entry per (key block, reader
@@ -116,7 +117,9 @@ def _region_splits(meta, ws_rows: int, split_rows) -> tuple[torch.Tensor, torch.
     """Splits per region (C,) and each region's workspace base row (C,), int64."""
     key_len = meta.ctx_key_len.long()
     readers = (meta.ctx_reader_end - meta.ctx_reader_start).long()
-    want = _cdiv(readers, torch.maximum(key_len, torch.as_tensor(split_rows, device=key_len.device)))
+    # (a tensor bound stays on the device: no host copy, no synchronisation)
+    least = torch.maximum(key_len, split_rows) if torch.is_tensor(split_rows) else torch.clamp(key_len, min=split_rows)
+    want = _cdiv(readers, least)
     cap = torch.clamp(ws_rows // torch.clamp(key_len.sum(), min=1), min=1, max=MAX_SPLITS)
     nsplit = torch.clamp(torch.minimum(want, cap), min=1)
     used = torch.where(nsplit > 1, nsplit * key_len, 0)
@@ -143,7 +146,7 @@ def balanced_split_rows(meta, block_n: int, programs_per_item: int, n_sm: int) -
 
 
 def key_items(meta, total_q: int, n_ctx_rows: int, separate: bool, block_n: int,
-              window: int | None, split_rows: int | torch.Tensor = SPLIT_ROWS) -> KeyItems:
+              window: int | None, split_rows: int | torch.Tensor = SPLIT_ROWS, by_segment: bool = False) -> KeyItems:
     """Work items of the dK/dV kernel: (key block, reader split) of every unit, heaviest first.
 
     Args:
@@ -152,6 +155,10 @@ def key_items(meta, total_q: int, n_ctx_rows: int, separate: bool, block_n: int,
             readers); otherwise a prompt segment's own block also takes its readers.
         split_rows: aim for at least this many reader rows per split (an int, or a 0-d tensor such as
             ``balanced_split_rows``'s).
+        by_segment: the blocks read as context still heaviest first, but then the other blocks segment by
+            segment (each segment's blocks together, first block first), not by cost: where dQ is added
+            in the dK/dV kernel, a response's blocks then add into the same dQ rows at about the same
+            time, while those rows are in L2.
     """
     cu = meta.cu_seqlens.long()
     dev = cu.device
@@ -191,4 +198,10 @@ def key_items(meta, total_q: int, n_ctx_rows: int, separate: bool, block_n: int,
         own_rows = torch.clamp(own_rows, max=window + block_n)
     cost = torch.where(valid, own_rows + (r1 - r0), -1)
     table = torch.stack([torch.where(valid, unit, -1), blk, z, nsplit[unit], reg, r0, r1, seg0, ws_base])
-    return KeyItems(_sort_heavy_first(cost, table.to(torch.int32)), ws_rows)
+    if not by_segment:
+        return KeyItems(_sort_heavy_first(cost, table.to(torch.int32)), ws_rows)
+    # blocks read as context heaviest first, then the other blocks segment by segment, then padding
+    order_key = torch.where(reg >= 0, -cost, unit * (n + 1) + blk)
+    order_key = torch.where(valid, order_key, torch.iinfo(torch.int64).max)
+    order = torch.argsort(order_key, stable=True)
+    return KeyItems(table.to(torch.int32)[:, order].contiguous(), ws_rows)
