@@ -259,6 +259,24 @@ def test_balanced_split_rows_follows_the_work():
         assert int(reads.max()) <= max(int(budget), P)
 
 
+def test_key_items_by_segment_order():
+    """by_segment=True: the same items; the blocks read as context first, heaviest first; then every
+    other block segment by segment, first block first; the padding last."""
+    layout = PackedLayout.from_lengths([9, 3], [[11, 5, 14], [4, 17]])
+    meta = AttnMeta.from_layout(layout)
+    args = (meta, layout.total_tokens, 0, False, 8, None, 1)
+    heavy, grouped = schedule.key_items(*args).table, schedule.key_items(*args, by_segment=True).table
+    assert sorted(map(tuple, heavy.T.tolist())) == sorted(map(tuple, grouped.T.tolist()))
+    unit, blk, reg = (grouped[r].tolist() for r in (schedule.UNIT, schedule.BLOCK, schedule.REGION))
+    kind = [2 if u < 0 else 0 if g >= 0 else 1 for u, g in zip(unit, reg)]
+    assert kind == sorted(kind) and 0 in kind and 1 in kind
+    context = [c for c, k in enumerate(kind) if k == 0]
+    heavy_context = (heavy[schedule.UNIT] >= 0) & (heavy[schedule.REGION] >= 0)
+    assert grouped[:, context].tolist() == heavy[:, heavy_context].tolist()
+    own = [(unit[c], blk[c]) for c, k in enumerate(kind) if k == 1]
+    assert own == sorted(own) and len({u for u, _ in own}) == 5
+
+
 def test_fused_dq_splits_by_balance(monkeypatch):
     """With dQ added in the dK/dV kernel and no split size given, the backward splits a prompt's readers
     by ``balanced_split_rows`` (here many SMs, so several splits) and matches the reference."""
