@@ -4,8 +4,9 @@ default, and the largest dQ / dK / dV differences from the default's (relative t
 
     python -m probes.time_ws [--variants a,b] [--shapes 28,4096,2048;...]
 
-(from the repository root, with this file as probes/time_ws.py and probe_ws_var_s34.py as probes/ws_var.py
-in a ``probes`` package on PYTHONPATH; the logs it wrote: triton_ws_variants_h200_s34.log,
+(from the repository root, with this file as probes/time_ws.py in a ``probes`` package on PYTHONPATH,
+beside probes/ws_var.py: dualkv_core/backends/triton/gluon_dkdv_ws.py of commit 7de4338 with
+probe_ws_var_s34.diff applied. The logs it wrote: triton_ws_variants_h200_s34.log,
 triton_balanced_splits_h200_s34.log.)
 """
 
