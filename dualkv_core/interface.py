@@ -62,9 +62,9 @@ def dualkv_attention(
         return_lse: also return lse (nheads, T) float32 (not differentiable).
         backend: "auto" (on CUDA tensors Triton when available; in fp16 / bf16, where the built
             CUDA extension runs the Hopper wgmma kernels, what measured faster: at head dims 64, 128,
-            256 and 512 the CUDA backend (its warp-specialised forward at 64 / 128); at 512 on an
-            sm_90 GPU whose wgmma backward is switched off, Triton's forward with the CUDA
-            backward; the CUDA
+            192 and 512 the CUDA backend (its warp-specialised forward at 64 / 128); at 256 its
+            forward with Triton's backward ("cuda+triton"); at 512 on an sm_90 GPU whose wgmma
+            backward is switched off, Triton's forward with the CUDA backward; the CUDA
             backward adds the prompt's gradients (and on sm_90 at head dim 128 dQ) with fp32
             atomics by default, as the Triton backward adds dQ on sm_90 at head dim 128, so those
             gradients are bit-identical run to run only with ``deterministic=True``; on CPU the

@@ -53,6 +53,19 @@ if AVAILABLE:
                    delta_ring.index(slot), REP, DIM, BLOCK_M)
 
     @gluon.jit
+    def _loader_barriers(STAGES: gl.constexpr):
+        """The barriers ``_key_block_loader`` works with, initialised: (K / V barrier, ready ring, empty ring);
+        each empty slot is released by both consumer warpgroups."""
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=2)
+        return kv_bar, ready, empty
+
+    @gluon.jit
     def _consume(descs, bufs, bars, geo, outs, C: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                  DIM: gl.constexpr, REP: gl.constexpr, STAGES: gl.constexpr):
         """Consumer C: keys krow + 64 C .. + 63 of the block."""
@@ -158,14 +171,8 @@ if AVAILABLE:
             p_all = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HALF], pl)
             ds_all = gl.allocate_shared_memory(dtype, [4, BLOCK_M, HALF], pl)  # [2 * parity + consumer]
             dq_all = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, DIM // 2], dq_desc.layout)
-            kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-            ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            kv_bar, ready, empty = _loader_barriers(STAGES)
             ds_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            mbarrier.init(kv_bar, count=1)
-            for s in gl.static_range(STAGES):
-                mbarrier.init(ready.index(s), count=1)
-                mbarrier.init(empty.index(s), count=2)  # released by both consumers
             for s in gl.static_range(2):
                 mbarrier.init(ds_full.index(s), count=2)
             descs = (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc)

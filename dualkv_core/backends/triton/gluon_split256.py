@@ -30,7 +30,7 @@ from .gluon_compat import (AVAILABLE, block_barrier, compile_for_sm90 as _compil
                            warpgroup_mma_wait)
 from .gluon_dkdv import (_key_and_step_buffers, _program_item, _step, _store_keys, _walk, dkdv_args,
                          dkdv_signature)
-from .gluon_dkdv_ws import _key_block_loader
+from .gluon_dkdv_ws import _key_block_loader, _loader_barriers
 from .gluon_fwd import _edge_mask, _geometry, _load_key_rings, _query_tile
 
 BLOCK_M, BLOCK_N = 64, 64  # the tiles both kernels' layouts assume
@@ -147,15 +147,9 @@ if AVAILABLE:
                 k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, STAGES, BLOCK_M, BLOCK_N, DIM)
             ptl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
             pt_ring = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ptl)
-            kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-            ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            kv_bar, ready, empty = _loader_barriers(STAGES)
             pt_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
             pt_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            mbarrier.init(kv_bar, count=1)
-            for s in gl.static_range(STAGES):
-                mbarrier.init(ready.index(s), count=1)
-                mbarrier.init(empty.index(s), count=2)  # released by both warpgroups
             for s in gl.static_range(2):
                 mbarrier.init(pt_full.index(s), count=1)
                 mbarrier.init(pt_empty.index(s), count=1)
@@ -372,13 +366,6 @@ def dq_signature(dim: int, block_m: int, block_n: int, dtype: str = "bf16") -> d
                 v_desc=tile_sig(dtype, block_n, dim), do_desc=tile_sig(dtype, block_m, dim), DQ=f"*{dtype}",
                 LSE="*fp32", DELTA="*fp32", TILES="*i32", CU="*i32", CTX_START="*i32", CTX_LEN="*i32",
                 n_tiles="i32", total_q="i32", nheads="i32", qk_scale="fp32", sm_scale="fp32")
-
-
-def dq_args(q, k, v, dout, dq, lse, delta, meta, tiles, qk_scale, sm_scale, block_m, block_n):
-    """The dQ probes' launch arguments."""
-    T, H, _ = q.shape
-    return [desc(q, block_m), desc(k, block_n), desc(v, block_n), desc(dout, block_m), dq, lse, delta, tiles,
-            meta.cu_seqlens, meta.seg_ctx_start, meta.seg_ctx_len, tiles.shape[1], T, H, qk_scale, sm_scale]
 
 
 def compile_for_sm90(kernel: str = "dkdv", dim: int = 256, stages: int = 2, rep: int = 2, dtype: str = "bf16",

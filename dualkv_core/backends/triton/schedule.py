@@ -117,9 +117,7 @@ def _region_splits(meta, ws_rows: int, split_rows) -> tuple[torch.Tensor, torch.
     """Splits per region (C,) and each region's workspace base row (C,), int64."""
     key_len = meta.ctx_key_len.long()
     readers = (meta.ctx_reader_end - meta.ctx_reader_start).long()
-    # (a tensor bound stays on the device: no host copy, no synchronisation)
-    least = torch.maximum(key_len, split_rows) if torch.is_tensor(split_rows) else torch.clamp(key_len, min=split_rows)
-    want = _cdiv(readers, least)
+    want = _cdiv(readers, torch.clamp(key_len, min=split_rows))  # an int, or a 0-d tensor kept on the device
     cap = torch.clamp(ws_rows // torch.clamp(key_len.sum(), min=1), min=1, max=MAX_SPLITS)
     nsplit = torch.clamp(torch.minimum(want, cap), min=1)
     used = torch.where(nsplit > 1, nsplit * key_len, 0)
