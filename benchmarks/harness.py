@@ -389,6 +389,7 @@ class Timing:
     median_ms: float
     reps: int
     times_ms: list[float]
+    busy_ms: float = 0.0  # every timed call's time, the first estimate's too
 
 
 class Timer:
@@ -422,9 +423,10 @@ class Timer:
         first = self._once(fn, setup)
         reps = int(max(1, min(self.max_reps - 1, self.budget_ms // max(first, 1e-3))))
         times = [self._once(fn, setup) for _ in range(reps)]
+        busy = first + sum(times)
         if reps < 3:  # too few for a median of the later calls alone: keep the estimate too
             times.append(first)
-        return Timing(statistics.median(times), len(times), times)
+        return Timing(statistics.median(times), len(times), times, busy)
 
 
 def _sync(device):
@@ -461,7 +463,9 @@ def run_case(cfg: AttnConfig, provider: str, device: torch.device, timer: Timer,
     """Time one provider on one config; returns a result row (status 'ok', 'OOM', 'unsupported: ...',
     'skipped: ...' or 'error: ...'). Never raises for a provider's own failure. ``monitor`` (a running
     ``benchmarks.gpu_monitor.GpuMonitor``) adds ``<mode>_clock_mhz`` / ``<mode>_power_w``: the medians of
-    the GPU's SM clock and power while each mode was timed, where it sampled any."""
+    the GPU's SM clock and power while each mode was timed, where it sampled any, and ``<mode>_busy``: the
+    share of that stretch's wall time the timed calls took (the rest is setup, flushes and host time; a
+    power reading averaged over a second, as nvidia-smi's is on Ampere and newer, falls with it)."""
     row = base_row(cfg, provider)
     cls = get_provider(provider)
     computed = cls.computed_pairs(cfg)
@@ -520,9 +524,12 @@ def _measure(prov: Provider, cfg: AttnConfig, device, timer: Timer, modes, seed:
     def measure(mode, fn, setup=None):  # and the GPU's clock and power meanwhile, where a monitor sampled them
         t0 = time.monotonic()
         timings[mode] = timer.measure(fn, setup)
-        clocks = monitor.window(t0, time.monotonic()) if monitor is not None else None
+        t1 = time.monotonic()
+        clocks = monitor.window(t0, t1) if monitor is not None else None
         if clocks is not None:
-            result.update({f"{mode}_clock_mhz": clocks["sm_clock_mhz"], f"{mode}_power_w": clocks["power_w"]})
+            busy = min(timings[mode].busy_ms / max((t1 - t0) * 1e3, 1e-6), 1.0)
+            result.update({f"{mode}_clock_mhz": clocks["sm_clock_mhz"], f"{mode}_power_w": clocks["power_w"],
+                           f"{mode}_busy": round(busy, 3)})
 
     if "fwd" in modes:
         measure("fwd", fwd)

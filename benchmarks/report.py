@@ -273,6 +273,12 @@ def write_markdown(path: Path, results: list[dict], rows: list[dict] | None = No
         lines += [f"SM clock while forward+backward was timed: {min(clocks):.0f}-{max(clocks):.0f} MHz over the rows "
                   "(each row's median of nvidia-smi samples every 50 ms, or the nearest sample; `<mode>_clock_mhz` and `<mode>_power_w` in "
                   "the CSV / JSON).", ""]
+        busy = [r["fwdbwd_busy"] for r in rows if r.get("fwdbwd_busy") is not None]
+        if busy:
+            lines += [f"The timed calls filled {min(busy):.0%}-{max(busy):.0%} of each row's forward+backward stretch "
+                      "(`<mode>_busy`); the rest is inputs' setup, L2 flushes and host time. nvidia-smi's board power is "
+                      "an average over about a second on Ampere and newer GPUs, so a mode's power reading falls with its "
+                      "busy share: compare the power of rows and providers only at like shares.", ""]
     for res in results:
         val = res.get("validation", [])
         failed = [r for r in val if r.get("ok") is False]

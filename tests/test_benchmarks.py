@@ -113,6 +113,11 @@ def test_timer_cpu_median_and_budget():
     t = timer.measure(lambda: calls.append(sum(range(20000))))
     assert 1 <= len(calls) - 1 <= 3 and t.reps >= 1 and t.median_ms > 0
     assert t.median_ms == pytest.approx(sorted(t.times_ms)[len(t.times_ms) // 2], rel=1) and len(t.times_ms) == t.reps
+    # busy_ms: every call's time, the first (estimating) call's too, counted once where it joins the median
+    if len(calls) - 1 < 3:  # the first call's time is among times_ms
+        assert t.busy_ms == pytest.approx(sum(t.times_ms))
+    else:
+        assert t.busy_ms > sum(t.times_ms)
 
 
 # ------------------------------------------------------------------------------- cascade, on CPU
@@ -363,10 +368,13 @@ def test_run_case_records_the_clock_of_each_timed_mode(tmp_path):
     assert row["fwdbwd_power_w"] == 650.0
     (f0, f1), (b0, b1), (w0, w1) = mon.windows  # one stretch per mode, in the order they were timed
     assert f0 < f1 <= b0 < b1 <= w0 < w1
+    # the timed calls' share of each stretch: the backward's untimed forward (its setup) leaves a gap
+    assert all(0 < row[f"{m}_busy"] <= 1 for m in ("fwd", "bwd", "fwdbwd"))
     plain = run_case(AttnConfig(N=1, P=3, R=2, H=2, H_kv=1, d=8), "reference", CPU, Timer(CPU, budget_ms=5, max_reps=2))
     assert "fwd_clock_mhz" not in plain
     md = write_markdown(tmp_path / "clocks.md", [dict(meta={}, rows=[row])]).read_text()
     assert "SM clock while forward+backward was timed: 1900-1900 MHz" in md
+    assert f"The timed calls filled {row['fwdbwd_busy']:.0%}-{row['fwdbwd_busy']:.0%} of each row's" in md
     assert "SM clock" not in write_markdown(tmp_path / "plain.md", [dict(meta={}, rows=[plain])]).read_text()
 
 
