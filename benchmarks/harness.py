@@ -465,7 +465,8 @@ def run_case(cfg: AttnConfig, provider: str, device: torch.device, timer: Timer,
     ``benchmarks.gpu_monitor.GpuMonitor``) adds ``<mode>_clock_mhz`` / ``<mode>_power_w``: the medians of
     the GPU's SM clock and power while each mode was timed, where it sampled any, and ``<mode>_busy``: the
     share of that stretch's wall time the timed calls took (the rest is setup, flushes and host time; a
-    power reading averaged over a second, as nvidia-smi's is on Ampere and newer, falls with it)."""
+    power reading averaged over the last second, as nvidia-smi's is on Ampere and newer, falls with it
+    and, for a mode timed for less than a second, reads partly the stretch before)."""
     row = base_row(cfg, provider)
     cls = get_provider(provider)
     computed = cls.computed_pairs(cfg)

@@ -277,8 +277,9 @@ def write_markdown(path: Path, results: list[dict], rows: list[dict] | None = No
         if busy:
             lines += [f"The timed calls filled {min(busy):.0%}-{max(busy):.0%} of each row's forward+backward stretch "
                       "(`<mode>_busy`); the rest is inputs' setup, L2 flushes and host time. nvidia-smi's board power is "
-                      "an average over about a second on Ampere and newer GPUs, so a mode's power reading falls with its "
-                      "busy share: compare the power of rows and providers only at like shares.", ""]
+                      "an average over about the last second on Ampere and newer GPUs, so a mode timed for less than that "
+                      "reads partly the stretch before it, and less the smaller its busy share: compare power only "
+                      "between modes timed for seconds at like shares.", ""]
     for res in results:
         val = res.get("validation", [])
         failed = [r for r in val if r.get("ok") is False]
