@@ -1,7 +1,10 @@
-"""Every results file that the README and docs/ name (in backticks) is in the repository, so each figure
-they quote can be traced to the file it came from."""
+"""Every results file that the README and docs/ name (in backticks) is in the repository, and every
+"ms (useful TFLOP/s)" cell of their tables is a figure some results file holds, so each figure they
+quote can be traced to the file it came from."""
 
+import json
 import re
+from functools import lru_cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,3 +45,54 @@ def test_a_missing_results_file_is_reported():
     text = "see `attention_h200_s27_plan_cache.md`, `raw/no_such_run.log` and `_run2.md` (its sibling)"
     assert named_results(text) == ["attention_h200_s27_plan_cache.md", "raw/no_such_run.log"]
     assert missing_results(named_results(text)) == ["raw/no_such_run.log"]
+
+
+# a table cell "34.0 (510)" or "**34.0 (510)**": milliseconds (useful TFLOP/s)
+TIMING_CELL = re.compile(r"\|\s*\**(\d+(?:\.\d+)?) \((\d+)\)\**\s*(?=\|)")
+
+
+@lru_cache(maxsize=1)
+def _results():
+    """(the text of every results markdown file, every (ms, TFLOP/s) pair of every results JSON row)."""
+    text = "\n".join(p.read_text(errors="ignore") for p in sorted(RESULTS.rglob("*.md")))
+    pairs = []
+    for path in sorted(RESULTS.rglob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except ValueError:
+            continue
+        rows = data.get("rows", []) if isinstance(data, dict) else data if isinstance(data, list) else []
+        for row in rows:
+            for mode in ("fwd", "bwd", "fwdbwd"):
+                ms, tflops = (row.get(f"{mode}_ms"), row.get(f"{mode}_tflops")) if isinstance(row, dict) else (0, 0)
+                if isinstance(ms, (int, float)) and isinstance(tflops, (int, float)):
+                    pairs.append((ms, tflops))
+    return text, pairs
+
+
+def unsourced_timings(text: str, results=None) -> list[str]:
+    """The "ms (TFLOP/s)" cells of a page's tables that no results file holds: neither written so in a
+    results markdown file nor, to the cell's rounding, a (ms, TFLOP/s) pair of a results JSON row."""
+    results_text, pairs = results or _results()
+    out = []
+    for ms, tflops in TIMING_CELL.findall(text):
+        if f"{ms} ({tflops})" in results_text:
+            continue
+        tol = 0.5 * 10 ** -(len(ms.split(".")[1]) if "." in ms else 0) + 1e-6
+        if not any(abs(a - float(ms)) <= tol and abs(b - float(tflops)) <= 0.5 + 1e-6 for a, b in pairs):
+            out.append(f"{ms} ({tflops})")
+    return out
+
+
+def test_every_timing_in_the_docs_tables_comes_from_a_results_file():
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    cells = {page.name: TIMING_CELL.findall(page.read_text()) for page in pages}
+    assert sum(len(v) for v in cells.values()) > 100
+    unsourced = {page.name: unsourced_timings(page.read_text()) for page in pages}
+    assert not any(unsourced.values()), {page: v for page, v in unsourced.items() if v}
+
+
+def test_an_unsourced_timing_is_reported():
+    results = ("| 28, 4K, 2K | 34.0 (510) |", [(31.692, 585.47)])
+    page = "| a | 34.0 (510) | 31.69 (585) | **31.7 (585)** | 31.8 (585) | 34.0 (511) |"
+    assert unsourced_timings(page, results) == ["31.8 (585)", "34.0 (511)"]
