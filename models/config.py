@@ -16,6 +16,8 @@ transformers ``config.json`` of each family (``qwen3``, ``qwen3_moe``, ``gemma4_
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +39,7 @@ __all__ = [
 
 FAMILIES = ("qwen3", "gemma4")
 ACTIVATIONS = ("silu", "gelu_tanh")
-ROPE_TYPES = ("default", "linear", "proportional")
+ROPE_TYPES = ("default", "linear", "proportional", "yarn")
 ROUTERS = ("softmax_topk", "gemma4")
 
 
@@ -61,12 +63,23 @@ class RopeConfig:
         ``proportional``: the first ``partial_rotary_factor * d/2`` frequencies of the default
         spectrum (exponent over the whole d); the remaining frequencies are 0 (those dims pass
         through unrotated), so the encoding still spans the whole head dim.
+        ``yarn`` (YaRN, Qwen3's long-context extension): per frequency a blend of the default
+        (``extrapolated``) and the default divided by ``factor`` (interpolated), the interpolated
+        share ramping linearly from 0 to 1 between the dims that turn ``beta_fast`` and ``beta_slow``
+        times over ``original_max_position_embeddings`` positions (those dims rounded outwards when
+        ``truncate``); cos and sin are multiplied by ``attention_factor`` (by default
+        0.1 ln(factor) + 1 for factor > 1).
     """
 
     theta: float
     rope_type: str = "default"
     partial_rotary_factor: float = 1.0
     factor: float = 1.0
+    original_max_position_embeddings: int | None = None  # yarn: the context the model was pretrained on
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    truncate: bool = True
 
     def __post_init__(self):
         _check(self.rope_type in ROPE_TYPES, f"rope_type: expected one of {ROPE_TYPES}, got {self.rope_type!r}")
@@ -74,6 +87,22 @@ class RopeConfig:
         _check(0.0 < self.partial_rotary_factor <= 1.0,
                f"partial_rotary_factor: expected in (0, 1], got {self.partial_rotary_factor!r}")
         _check(self.factor > 0, f"rope factor: expected > 0, got {self.factor!r}")
+        if self.rope_type == "yarn":
+            _positive_int("original_max_position_embeddings (yarn)", self.original_max_position_embeddings)
+            _check(self.beta_fast > self.beta_slow > 0,
+                   f"beta_fast, beta_slow (yarn): expected beta_fast > beta_slow > 0, got {self.beta_fast!r}, "
+                   f"{self.beta_slow!r}")
+            _check(self.attention_factor is None or self.attention_factor > 0,
+                   f"attention_factor (yarn): expected > 0 or None, got {self.attention_factor!r}")
+
+    @property
+    def cos_sin_scale(self) -> float:
+        """What cos and sin are multiplied by: YaRN's attention factor, 1 for the other types."""
+        if self.rope_type != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+        return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
 
 
 @dataclass(frozen=True)
@@ -120,7 +149,8 @@ class AttentionConfig:
         """Key of this layer's (cos, sin) tables in ``BlockInputs.rope``: plain values, so layers of
         two models with equal RoPE share one table and one torch.compile graph (no identity guard)."""
         r = self.rope
-        return (r.rope_type, r.theta, r.partial_rotary_factor, r.factor, self.head_dim)
+        return (r.rope_type, r.theta, r.partial_rotary_factor, r.factor, r.original_max_position_embeddings,
+                r.beta_fast, r.beta_slow, r.attention_factor, r.truncate, self.head_dim)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,8 @@ gated activation take Liger-Kernel's fused Triton kernels on CUDA where it is in
 
 from __future__ import annotations
 
+import math
+
 from typing import Any, NamedTuple
 
 import torch
@@ -144,6 +146,8 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int, device: torch.device | str = 
             n_rot = int(rope.partial_rotary_factor * head_dim // 2)
             exps = torch.arange(0, 2 * n_rot, 2, dtype=torch.int64).float() / head_dim
             inv = torch.cat([1.0 / (rope.theta ** exps), torch.zeros(head_dim // 2 - n_rot)])
+        elif rope.rope_type == "yarn":
+            inv = _yarn_inv_freq(rope, head_dim)
         else:
             if rope.partial_rotary_factor != 1.0:
                 raise ValueError(
@@ -151,9 +155,33 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int, device: torch.device | str = 
                     f"got {rope.partial_rotary_factor} (use rope_type='proportional')"
                 )
             inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-        inv = inv / rope.factor if rope.factor != 1.0 else inv
+        if rope.rope_type != "yarn" and rope.factor != 1.0:
+            inv = inv / rope.factor
         _INV_FREQ_CACHE[key] = inv.to(device)
     return _INV_FREQ_CACHE[key]
+
+
+def _yarn_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """YaRN's frequencies (``RopeConfig``): frequency i interpolated (divided by factor) by the share
+    ramp_i, clamp((i - low) / (high - low), 0, 1), where low / high are the (fractional) frequency
+    indices that turn beta_fast / beta_slow times over the pretraining context."""
+    if rope.partial_rotary_factor != 1.0:
+        raise ValueError(f"partial_rotary_factor: the yarn RoPE here rotates the whole head dim; got "
+                         f"{rope.partial_rotary_factor}")
+    extrapolated = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+
+    def index_turning(turns: float) -> float:  # frequency index whose period fits `turns` times in the context
+        return head_dim * math.log(rope.original_max_position_embeddings / (turns * 2 * math.pi)) / (
+            2 * math.log(rope.theta))
+
+    low, high = index_turning(rope.beta_fast), index_turning(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float) - low) / (high - low), 0, 1)
+    return extrapolated / rope.factor * ramp + extrapolated * (1 - ramp)
 
 
 def rope_tables(rope: RopeConfig, head_dim: int, position_ids_T: torch.Tensor, dtype: torch.dtype):
@@ -161,7 +189,10 @@ def rope_tables(rope: RopeConfig, head_dim: int, position_ids_T: torch.Tensor, d
     inv = rope_inv_freq(rope, head_dim, position_ids_T.device)
     freqs_Tf = position_ids_T[:, None].float() * inv[None, :]
     emb_Td = torch.cat([freqs_Tf, freqs_Tf], dim=-1)
-    return emb_Td.cos().to(dtype), emb_Td.sin().to(dtype)
+    cos_Td, sin_Td = emb_Td.cos(), emb_Td.sin()
+    if rope.cos_sin_scale != 1.0:  # YaRN's attention factor
+        cos_Td, sin_Td = cos_Td * rope.cos_sin_scale, sin_Td * rope.cos_sin_scale
+    return cos_Td.to(dtype), sin_Td.to(dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

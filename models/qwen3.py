@@ -22,7 +22,7 @@ from .config import AttentionConfig, LayerConfig, MLPConfig, ModelConfig, MoECon
 from .layers import Attention, BlockInputs, BlockOutput, GatedMLP, RMSNorm
 from .moe import Experts, SoftmaxTopKRouter, router_stats
 
-__all__ = ["Qwen3Block", "Qwen3SparseMoE", "HF_PARSERS", "to_hf_config", "rope_from_hf"]
+__all__ = ["Qwen3Block", "Qwen3SparseMoE", "HF_PARSERS", "to_hf_config", "rope_from_hf", "rope_to_hf"]
 
 _ACT = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
@@ -76,29 +76,57 @@ def _get(hf: dict, key: str, default=None):
     return default if value is None else value
 
 
-def rope_from_hf(params: dict | None, fallback_theta: float = 10000.0) -> RopeConfig:
-    """A RopeConfig from a ``rope_parameters`` dict (or a legacy ``rope_scaling``)."""
+def rope_from_hf(params: dict | None, fallback_theta: float = 10000.0,
+                 max_position_embeddings: int | None = None) -> RopeConfig:
+    """A RopeConfig from a ``rope_parameters`` dict (or a legacy ``rope_scaling``). YaRN without
+    ``original_max_position_embeddings`` takes ``max_position_embeddings``, as transformers does."""
     params = dict(params or {})
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ("default", "linear", "proportional"):
+    if rope_type not in ("default", "linear", "proportional", "yarn"):
         raise ValueError(
-            f"rope_type: expected 'default', 'linear' or 'proportional' (the RoPE types these models "
-            f"ship with), got {rope_type!r}"
+            f"rope_type: expected 'default', 'linear', 'proportional' or 'yarn' (the RoPE types these "
+            f"models ship with), got {rope_type!r}"
         )
+    yarn = {}
+    if rope_type == "yarn":
+        if params.get("mscale") or params.get("mscale_all_dim"):
+            raise ValueError("rope_parameters: YaRN's mscale / mscale_all_dim (DeepSeek's attention factor) are "
+                             "not supported; give attention_factor instead")
+        yarn = dict(original_max_position_embeddings=params.get("original_max_position_embeddings",
+                                                                 max_position_embeddings),
+                    beta_fast=float(params.get("beta_fast") or 32.0), beta_slow=float(params.get("beta_slow") or 1.0),
+                    attention_factor=params.get("attention_factor"), truncate=bool(params.get("truncate", True)))
     return RopeConfig(
         theta=float(params.get("rope_theta", fallback_theta)),
         rope_type=rope_type,
         partial_rotary_factor=float(params.get("partial_rotary_factor", 1.0)),
         factor=float(params.get("factor", 1.0)),
+        **yarn,
     )
 
 
+def rope_to_hf(rope: RopeConfig) -> dict[str, Any]:
+    """``rope_from_hf``'s inverse: the ``rope_parameters`` dict of a RopeConfig."""
+    out: dict[str, Any] = {"rope_type": rope.rope_type, "rope_theta": rope.theta}
+    if rope.rope_type in ("linear", "yarn"):
+        out["factor"] = rope.factor
+    if rope.rope_type == "proportional":
+        out["partial_rotary_factor"] = rope.partial_rotary_factor
+    if rope.rope_type == "yarn":
+        out.update(original_max_position_embeddings=rope.original_max_position_embeddings,
+                   beta_fast=rope.beta_fast, beta_slow=rope.beta_slow, truncate=rope.truncate)
+        if rope.attention_factor is not None:
+            out["attention_factor"] = rope.attention_factor
+    return out
+
+
 def _qwen_rope(hf: dict) -> RopeConfig:
+    max_pos = hf.get("max_position_embeddings")
     if hf.get("rope_parameters"):
-        return rope_from_hf(hf["rope_parameters"])
+        return rope_from_hf(hf["rope_parameters"], max_position_embeddings=max_pos)
     scaling = dict(hf.get("rope_scaling") or {})
     scaling.setdefault("rope_theta", _get(hf, "rope_theta", 10000.0))
-    return rope_from_hf(scaling)
+    return rope_from_hf(scaling, max_position_embeddings=max_pos)
 
 
 def _activation(hf: dict, key: str) -> str:
@@ -220,8 +248,7 @@ def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
         max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.norm_eps,
         tie_word_embeddings=cfg.tie_word_embeddings, attention_bias=bias, pad_token_id=cfg.pad_token_id,
-        rope_parameters={"rope_type": rope.rope_type, "rope_theta": rope.theta,
-                         **({"factor": rope.factor} if rope.rope_type == "linear" else {})},
+        rope_parameters=rope_to_hf(rope),
         use_sliding_window=window is not None, sliding_window=window,
     )
     if moe_layers:

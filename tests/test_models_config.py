@@ -72,8 +72,53 @@ def test_proportional_rope_rotates_a_quarter_of_the_frequencies():
     assert torch.equal(inv[:64], 1.0 / 1e6 ** (torch.arange(0, 128, 2).float() / 512))
 
 
+@pytest.mark.parametrize("params", [
+    dict(factor=4.0, original_max_position_embeddings=32768, rope_theta=1e6),  # Qwen3's long-context setting
+    dict(factor=8.0, original_max_position_embeddings=4096, rope_theta=5e5, truncate=False),
+    dict(factor=2.0, original_max_position_embeddings=64, rope_theta=1e4, beta_fast=16, beta_slow=2,
+         attention_factor=1.3),
+    dict(factor=4.0, original_max_position_embeddings=100000, rope_theta=1e4),  # a ramp over no dims
+])
+def test_yarn_rope_matches_transformers(params):
+    """YaRN's frequencies and cos / sin factor equal transformers' (``_compute_yarn_parameters``) for the
+    head dims of Qwen3 (128) and the tiny presets (16)."""
+    from transformers import Qwen3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from dualkv.models.layers import rope_inv_freq
+    from dualkv.models.qwen3 import rope_from_hf
+
+    for head_dim in (128, 16):
+        hf = Qwen3Config(hidden_size=4 * head_dim, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
+                         max_position_embeddings=4 * params["original_max_position_embeddings"],
+                         rope_parameters={"rope_type": "yarn", **params})
+        inv_ref, scale_ref = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
+        rope = rope_from_hf(hf.rope_parameters)
+        assert rope.rope_type == "yarn" and rope.cos_sin_scale == pytest.approx(scale_ref, rel=1e-12)
+        torch.testing.assert_close(rope_inv_freq(rope, head_dim), inv_ref.float(), rtol=1e-6, atol=0)
+    if params.get("rope_theta") == 1e6:  # the ramp blends: neither the default spectrum nor the interpolated one
+        default = rope_inv_freq(RopeConfig(1e6), 128)
+        yarn = rope_inv_freq(rope_from_hf({"rope_type": "yarn", **params}), 128)
+        assert torch.equal(yarn[:8], default[:8]) and torch.allclose(yarn[-8:], default[-8:] / 4)
+
+
+def test_yarn_config_round_trip_and_default_context():
+    """A Qwen3 config with YaRN survives to_hf_config -> from_hf_config; without
+    ``original_max_position_embeddings`` it takes ``max_position_embeddings`` (as transformers does)."""
+    hf = M.preset_hf_config("tiny-qwen3")
+    hf["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+    cfg = M.from_hf_config(hf)
+    rope = cfg.layers[0].attention.rope
+    assert rope.rope_type == "yarn" and rope.original_max_position_embeddings == hf["max_position_embeddings"]
+    assert M.from_hf_config(M.to_hf_config(cfg)) == cfg
+
+
 @pytest.mark.parametrize("make, match", [
-    (lambda: RopeConfig(1e4, "yarn"), "rope_type"),
+    (lambda: RopeConfig(1e4, "ntk"), "rope_type"),
+    (lambda: RopeConfig(1e4, "yarn", factor=4.0), "original_max_position_embeddings"),
+    (lambda: RopeConfig(1e4, "yarn", factor=4.0, original_max_position_embeddings=64, beta_fast=0.5), "beta_fast"),
+    (lambda: RopeConfig(1e4, "yarn", factor=4.0, original_max_position_embeddings=64, attention_factor=0.0),
+     "attention_factor"),
     (lambda: RopeConfig(1e4, partial_rotary_factor=0.0), "partial_rotary_factor"),
     (lambda: AttentionConfig(6, 4, 16, RopeConfig(1e4)), "num_kv_heads"),
     (lambda: AttentionConfig(4, 2, 15, RopeConfig(1e4)), "head_dim"),
@@ -95,7 +140,9 @@ def test_config_validation(make, match):
 @pytest.mark.parametrize("preset, edit, match", [
     ("tiny-qwen3", {"model_type": "mistral"}, "model_type"),
     ("tiny-qwen3", {"hidden_size": None}, "hidden_size"),
-    ("tiny-qwen3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type"),
+    ("tiny-qwen3", {"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "rope_type"),
+    ("tiny-qwen3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "mscale": 0.7, "mscale_all_dim": 0.7}},
+     "mscale"),
     ("tiny-qwen3", {"layer_types": ["full_attention"]}, "layer_types"),
     ("tiny-qwen3", {"hidden_act": "relu"}, "hidden_act"),
     ("tiny-qwen3-moe", {"num_experts": None}, "num_experts"),

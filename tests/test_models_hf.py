@@ -98,6 +98,7 @@ def test_logprobs_and_grads_match_transformers(tmp_path, preset):
 QWEN3_VARIANTS = {
     "tied_bias_sliding": dict(tie_word_embeddings=True, attention_bias=True, use_sliding_window=True,
                               sliding_window=5, max_window_layers=1),
+    "yarn": dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
     "moe_sliding_every_other": dict(model_type="qwen3_moe", num_experts=6, num_experts_per_tok=3,
                                     moe_intermediate_size=24, norm_topk_prob=False, decoder_sparse_step=2,
                                     mlp_only_layers=[], use_sliding_window=True, sliding_window=4),
