@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from typing import Any
 
 __all__ = [
@@ -148,9 +148,7 @@ class AttentionConfig:
     def rope_key(self) -> tuple:
         """Key of this layer's (cos, sin) tables in ``BlockInputs.rope``: plain values, so layers of
         two models with equal RoPE share one table and one torch.compile graph (no identity guard)."""
-        r = self.rope
-        return (r.rope_type, r.theta, r.partial_rotary_factor, r.factor, r.original_max_position_embeddings,
-                r.beta_fast, r.beta_slow, r.attention_factor, r.truncate, self.head_dim)
+        return (*astuple(self.rope), self.head_dim)
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from torch import nn
 from .config import AttentionConfig, LayerConfig, MLPConfig, ModelConfig, MoEConfig, PerLayerInputConfig
 from .layers import Attention, BlockInputs, BlockOutput, GatedMLP, RMSNorm, ScaledEmbedding, activation_fn
 from .moe import Experts, Gemma4Router, router_stats
-from .qwen3 import rope_from_hf
+from .qwen3 import rope_from_hf, rope_to_hf
 
 __all__ = ["Gemma4Block", "add_per_layer_input_modules", "per_layer_inputs", "HF_PARSERS", "to_hf_config"]
 
@@ -249,14 +249,6 @@ def _one(values: set, what: str):
     return next(iter(values))
 
 
-def _rope_dict(rope) -> dict:
-    out = {"rope_type": rope.rope_type, "rope_theta": rope.theta}
-    if rope.rope_type == "proportional":
-        out["partial_rotary_factor"] = rope.partial_rotary_factor
-    if rope.factor != 1.0:
-        out["factor"] = rope.factor
-    return out
-
 
 def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
     """A ``gemma4_text`` config.json (loads as transformers' ``Gemma4ForCausalLM``)."""
@@ -289,7 +281,7 @@ def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
         num_global_key_value_heads=full[0].attention.num_kv_heads if full and k_eq_v else None,
         attention_k_eq_v=k_eq_v, per_layer_config=per_layer, layer_types=types,
         sliding_window=_one({l.attention.window for l in by_type[SLIDING]}, "sliding_window") if SLIDING in by_type else 512,
-        rope_parameters={t: _rope_dict(_one({l.attention.rope for l in ls}, "RoPE")) for t, ls in by_type.items()},
+        rope_parameters={t: rope_to_hf(_one({l.attention.rope for l in ls}, "RoPE")) for t, ls in by_type.items()},
         hidden_activation={"gelu_tanh": "gelu_pytorch_tanh", "silu": "silu"}[layers[0].mlp.activation],
         max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.norm_eps,
         tie_word_embeddings=cfg.tie_word_embeddings, pad_token_id=cfg.pad_token_id,

@@ -146,8 +146,6 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int, device: torch.device | str = 
             n_rot = int(rope.partial_rotary_factor * head_dim // 2)
             exps = torch.arange(0, 2 * n_rot, 2, dtype=torch.int64).float() / head_dim
             inv = torch.cat([1.0 / (rope.theta ** exps), torch.zeros(head_dim // 2 - n_rot)])
-        elif rope.rope_type == "yarn":
-            inv = _yarn_inv_freq(rope, head_dim)
         else:
             if rope.partial_rotary_factor != 1.0:
                 raise ValueError(
@@ -155,20 +153,18 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int, device: torch.device | str = 
                     f"got {rope.partial_rotary_factor} (use rope_type='proportional')"
                 )
             inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-        if rope.rope_type != "yarn" and rope.factor != 1.0:
+        if rope.rope_type == "yarn":
+            inv = _yarn_blend(inv, rope, head_dim)
+        elif rope.factor != 1.0:
             inv = inv / rope.factor
         _INV_FREQ_CACHE[key] = inv.to(device)
     return _INV_FREQ_CACHE[key]
 
 
-def _yarn_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    """YaRN's frequencies (``RopeConfig``): frequency i interpolated (divided by factor) by the share
-    ramp_i, clamp((i - low) / (high - low), 0, 1), where low / high are the (fractional) frequency
-    indices that turn beta_fast / beta_slow times over the pretraining context."""
-    if rope.partial_rotary_factor != 1.0:
-        raise ValueError(f"partial_rotary_factor: the yarn RoPE here rotates the whole head dim; got "
-                         f"{rope.partial_rotary_factor}")
-    extrapolated = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+def _yarn_blend(extrapolated: torch.Tensor, rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """YaRN's frequencies (``RopeConfig``) from the default ones: frequency i interpolated (divided by
+    factor) by the share ramp_i, clamp((i - low) / (high - low), 0, 1), where low / high are the
+    (fractional) frequency indices that turn beta_fast / beta_slow times over the pretraining context."""
 
     def index_turning(turns: float) -> float:  # frequency index whose period fits `turns` times in the context
         return head_dim * math.log(rope.original_max_position_embeddings / (turns * 2 * math.pi)) / (

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .config import AttentionConfig, LayerConfig, MLPConfig, ModelConfig, MoEConfig, RopeConfig
+from .config import ROPE_TYPES, AttentionConfig, LayerConfig, MLPConfig, ModelConfig, MoEConfig, RopeConfig
 from .layers import Attention, BlockInputs, BlockOutput, GatedMLP, RMSNorm
 from .moe import Experts, SoftmaxTopKRouter, router_stats
 
@@ -82,11 +82,9 @@ def rope_from_hf(params: dict | None, fallback_theta: float = 10000.0,
     ``original_max_position_embeddings`` takes ``max_position_embeddings``, as transformers does."""
     params = dict(params or {})
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ("default", "linear", "proportional", "yarn"):
-        raise ValueError(
-            f"rope_type: expected 'default', 'linear', 'proportional' or 'yarn' (the RoPE types these "
-            f"models ship with), got {rope_type!r}"
-        )
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"rope_type: expected one of {ROPE_TYPES} (the RoPE types these models ship with), "
+                         f"got {rope_type!r}")
     yarn = {}
     if rope_type == "yarn":
         if params.get("mscale") or params.get("mscale_all_dim"):
@@ -106,9 +104,9 @@ def rope_from_hf(params: dict | None, fallback_theta: float = 10000.0,
 
 
 def rope_to_hf(rope: RopeConfig) -> dict[str, Any]:
-    """``rope_from_hf``'s inverse: the ``rope_parameters`` dict of a RopeConfig."""
+    """``rope_from_hf``'s inverse: the ``rope_parameters`` dict of a RopeConfig (Qwen3's and Gemma-4's)."""
     out: dict[str, Any] = {"rope_type": rope.rope_type, "rope_theta": rope.theta}
-    if rope.rope_type in ("linear", "yarn"):
+    if rope.rope_type in ("linear", "yarn") or rope.factor != 1.0:
         out["factor"] = rope.factor
     if rope.rope_type == "proportional":
         out["partial_rotary_factor"] = rope.partial_rotary_factor
