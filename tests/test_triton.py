@@ -591,8 +591,9 @@ def test_gluon_kernels_compile_for_hopper():
     for kind, _, smem, cubin, spill in lines:
         assert int(cubin) > 0 and int(smem) <= 227 * 1024
         # no spills: without gluon_compat.hidden_zero the d = 128 dK/dV spilled 16-248 bytes. The
-        # warp-specialised one has none under Triton 3.6 (the GPU machine's) and 32 bytes under 3.9.
-        assert int(spill) <= (32 if kind == "ws_dkdv_dq" else 0), lines
+        # warp-specialised one, with its unmasked path for the steps that see all keys, spills 16 bytes
+        # under Triton 3.6 (the GPU machine's: one reload a step) and 56 under 3.9.
+        assert int(spill) <= (64 if kind == "ws_dkdv_dq" else 0), lines
 
 
 @pytest.mark.parametrize("d, dtype, env, deterministic, softcap, expect", [

@@ -48,6 +48,29 @@ if AVAILABLE:
         return row, hk * REP + r, in_own
 
     @gluon.jit
+    def _sees_all_keys(row, in_own, key_lo, keys_inside, seg_end, r0, r1, N_KEYS: gl.constexpr,
+                       BLOCK_M: gl.constexpr):
+        """Whether every query row of a step (row .. row + BLOCK_M - 1) sees every one of keys key_lo ..
+        key_lo + N_KEYS - 1 (``keys_inside``: all of them before seg_end): its P then needs no mask. Own
+        rows must lie at or below the last key and inside the segment, readers inside [r0, r1)."""
+        first = gl.where(in_own, key_lo + N_KEYS - 1, r0)
+        upper = gl.where(in_own, seg_end, r1)
+        return keys_inside & (row >= first) & (row + BLOCK_M <= upper)
+
+    @gluon.jit
+    def _mask_probs(p, row, in_own, keys, seg_end, r0, r1, KEY_AXIS: gl.constexpr):
+        """p with the pairs a step's rows do not see set to 0. p holds (query rows row.., keys) (KEY_AXIS
+        1) or the transpose (KEY_AXIS 0); keys: their rows, sliced from p's layout. Own rows see the keys at
+        or before them, readers' rows in [r0, r1) all of the keys; keys past seg_end nobody (the next
+        tokens' keys, for a prompt's readers)."""
+        rows = row + gl.arange(0, p.shape[1 - KEY_AXIS], layout=gl.SliceLayout(KEY_AXIS, p.type.layout))
+        lower = gl.where(keys < seg_end, gl.where(in_own, keys, r0), 2147483647)
+        upper = gl.where(in_own, seg_end, r1)
+        rows = gl.expand_dims(rows, KEY_AXIS)
+        lower = gl.expand_dims(lower, 1 - KEY_AXIS)
+        return gl.where((rows >= lower) & (rows < upper), p, 0.0)
+
+    @gluon.jit
     def _issue(j, n_blocks, n_own, own_lo, read_lo, hk, q_desc, do_desc, lse_desc, delta_desc,
                bar, q_buf, do_buf, lse_buf, delta_buf, REP: gl.constexpr, DIM: gl.constexpr,
                BLOCK_M: gl.constexpr):

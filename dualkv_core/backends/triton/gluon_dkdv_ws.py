@@ -10,8 +10,10 @@ adds it to an fp32 accumulator by TMA reduce-add from a tile of its own. The con
 through mbarriers, never at a block barrier. Five products a step instead of the seven of a dK/dV
 kernel and a dQ kernel. The walk over the item table, the masks and the dK / dV outputs are
 ``gluon_dkdv``'s (the same gradients; dQ's last bits vary run to run with the order of the adds, so
-``deterministic=True`` never takes it). sm_90 compile (Triton 3.6): 240 registers a consumer thread, no
-spills.
+``deterministic=True`` never takes it). Most steps' rows see all of a consumer's 64 keys
+(``gluon_dkdv._sees_all_keys``): their P skips the mask. Four block barriers a step: the previous dQ
+tile's store is awaited before the first, and the ring slot is released after the dQ tile's. sm_90
+compile (Triton 3.6): 240 registers a consumer thread, 16 bytes spilled (one reload a step).
 
 On an H200 (``benchmarks/results/raw/triton_bwd_probes_h200_s33.log``) the whole backward took
 0.77-0.85x the ``tl`` default's time at (16, 32K, 2K) and (8, 16K, 512), 1.02x at (28, 4K, 2K). Where
@@ -19,14 +21,18 @@ this kernel runs, the launcher orders and splits the items for dQ's adds
 (``schedule.balanced_split_rows``, ``key_items(by_segment=True)``): against 4096-row splits heaviest
 first, the backward then took 0.71-0.88x the time at the four shapes with the most readers per prompt
 token, 0.95-0.98x at (28, 16K, 2K) / (16, 32K, 2K) (``raw/triton_balanced_splits_h200_s34.log``).
+The unmasked path and the fifth barrier's removal together: 1.09x at (8, 16K, 512), 1.17x at
+(28, 4K, 2K) on an H100 (``raw/triton_bwd_ab_h100_s36.log``, interleaved rounds). On that card dQ's
+reduce-adds are bimodal at the long prompts: the same kernel took 362-365 ms or 587-597 ms at
+(16, 64K, 2K), 335 ms without dQ (``raw/triton_bwd_dq_diag_h100_s36.log``).
 """
 
 from __future__ import annotations
 
 from .gluon_compat import (AVAILABLE, block_barrier, compile_for_sm90 as _compile, fence_async_shared, gl, gluon,
                            hidden_zero, mbarrier, on_hopper, tma, tma_add, tma_load, warpgroup_mma, warpgroup_mma_wait)
-from .gluon_dkdv import (_issue, _key_and_step_buffers, _program_item, _step, _store_keys, _walk, dkdv_args,
-                         dkdv_signature)
+from .gluon_dkdv import (_issue, _key_and_step_buffers, _mask_probs, _program_item, _sees_all_keys, _step,
+                         _store_keys, _walk, dkdv_args, dkdv_signature)
 
 
 if AVAILABLE:
@@ -84,8 +90,7 @@ if AVAILABLE:
                                                             instr_shape=[16, DIM // 2, 16])
         key_lo = krow + C * HALF
         key_rows = key_lo + gl.arange(0, HALF, layout=gl.SliceLayout(0, s_layout))
-        offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-        lower = gl.where(key_rows < seg_end, 0, 2147483647)  # keys past the segment: nobody's
+        keys_inside = key_lo + HALF <= seg_end
         s_zero = gl.zeros([BLOCK_M, HALF], gl.float32, s_layout)
         dq_zero = gl.zeros([BLOCK_M, DIM // 2], gl.float32, dq_layout)
         dk = gl.zeros([HALF, DIM], gl.float32, acc_layout)
@@ -103,11 +108,10 @@ if AVAILABLE:
             dp = warpgroup_mma(do_s, v_c.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             lse2 = lse_ring.index(slot).permute((1, 0)).load(s_layout)
             row, hq, in_own = _step(i, n_blocks, n_own, own_lo, read_lo, hk, REP, BLOCK_M)
-            rows = gl.expand_dims(row + offs_m, 1)
-            low = gl.expand_dims(gl.maximum(lower, gl.where(in_own, key_rows, r0)), 0)
-            upper = gl.where(in_own, seg_end, r1)
             sc = warpgroup_mma_wait(num_outstanding=1, deps=[sc])
-            p = gl.where((rows >= low) & (rows < upper), gl.exp2(sc * qk_scale - lse2), 0.0)
+            p = gl.exp2(sc * qk_scale - lse2)
+            if not _sees_all_keys(row, in_own, key_lo, keys_inside, seg_end, r0, r1, HALF, BLOCK_M):  # most see all
+                p = _mask_probs(p, row, in_own, key_rows, seg_end, r0, r1, 1)
             p_buf = p_all.index(C + zero)
             p_buf.store(p.to(dtype))
             dp = warpgroup_mma_wait(num_outstanding=0, deps=[dp])
@@ -116,6 +120,7 @@ if AVAILABLE:
             ds_buf = ds_all.index(2 * par + C)
             ds_buf.store((p * (dp - delta)).to(dtype))
             fence_async_shared()
+            tma.store_wait(0)  # the previous step's dQ tile has been read (the barrier tells every thread)
             block_barrier()  # this warpgroup's P and dS are in place
             mbarrier.arrive(ds_full.index(par), count=1)
             dv = warpgroup_mma(p_buf.permute((1, 0)), do_s, dv, is_async=True)
@@ -127,13 +132,11 @@ if AVAILABLE:
             dq = warpgroup_mma(ds_all.index(2 * par + 1),
                                kk.slice(HALF, HALF, dim=0).slice(C * (DIM // 2), DIM // 2, dim=1), dq, is_async=True)
             dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=[dv, dk, dq])
-            tma.store_wait(0)  # the previous step's dQ tile has been read
-            block_barrier()  # ... as every thread now knows; and the slot's LSE / delta are read
-            mbarrier.arrive(empty.index(slot), count=1)
             dq_buf = dq_all.index(C + zero)
             dq_buf.store(dq)
             fence_async_shared()
-            block_barrier()
+            block_barrier()  # dQ's tile in place, and every warp's products (which read the ring slot) done
+            mbarrier.arrive(empty.index(slot), count=1)
             tma_add(dq_desc, [row, hq * DIM + C * (DIM // 2)], dq_buf)
         tma.store_wait(0)
 

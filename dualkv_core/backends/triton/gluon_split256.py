@@ -28,8 +28,8 @@ from . import schedule
 from .gluon_compat import (AVAILABLE, block_barrier, compile_for_sm90 as _compile, desc, fence_async_shared, gl,
                            gluon, hidden_zero, mbarrier, on_hopper, tile_sig, tma_load, warpgroup_mma,
                            warpgroup_mma_wait)
-from .gluon_dkdv import (_key_and_step_buffers, _program_item, _step, _store_keys, _walk, dkdv_args,
-                         dkdv_signature)
+from .gluon_dkdv import (_key_and_step_buffers, _mask_probs, _program_item, _sees_all_keys, _step, _store_keys,
+                         _walk, dkdv_args, dkdv_signature)
 from .gluon_dkdv_ws import _key_block_loader, _loader_barriers
 from .gluon_fwd import _edge_mask, _geometry, _load_key_rings, _query_tile
 
@@ -37,18 +37,6 @@ BLOCK_M, BLOCK_N = 64, 64  # the tiles both kernels' layouts assume
 
 
 if AVAILABLE:
-    @gluon.jit
-    def _masks(i, key_rows, offs_m, geo, REP: gl.constexpr, BLOCK_M: gl.constexpr):
-        """(query rows as a row vector, per-key lower bound, upper bound) of step i; keys past the segment
-        see nobody (a prompt block's readers would otherwise see the next tokens' keys)."""
-        krow, seg_end, own_lo, read_lo, n_own, n_blocks, r0, r1, hk, total = geo
-        row, hq, in_own = _step(i, n_blocks, n_own, own_lo, read_lo, hk, REP, BLOCK_M)
-        rows = gl.expand_dims(row + offs_m, 0)
-        lower = gl.where(in_own, key_rows, r0)
-        lower = gl.expand_dims(gl.where(key_rows < seg_end, lower, 2147483647), 1)
-        upper = gl.where(in_own, seg_end, r1)
-        return rows, lower, upper
-
     @gluon.jit
     def _probs(descs, bufs, bars, geo, outs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DIM: gl.constexpr,
                REP: gl.constexpr, STAGES: gl.constexpr):
@@ -64,10 +52,10 @@ if AVAILABLE:
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, DIM // 2, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-        key_rows = krow + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
-        offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
         s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
         dv = gl.zeros([BLOCK_N, DIM], gl.float32, acc_layout)
+        key_rows = krow + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+        keys_inside = krow + BLOCK_N <= seg_end
         mbarrier.wait(kv_bar, 0)
         for i in range(total):
             slot = i % STAGES
@@ -76,9 +64,12 @@ if AVAILABLE:
             k_s = k_all.index(hidden_zero(i))
             st = warpgroup_mma(k_s, q_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             lse2 = lse_ring.index(slot).load(s_layout)  # (1, BLOCK_M)
-            rows, lower, upper = _masks(i, key_rows, offs_m, geo, REP, BLOCK_M)
+            row, hq, in_own = _step(i, n_blocks, n_own, own_lo, read_lo, hk, REP, BLOCK_M)
             st = warpgroup_mma_wait(num_outstanding=0, deps=[st])
-            p = gl.where((rows >= lower) & (rows < upper), gl.exp2(st * qk_scale - lse2), 0.0).to(dtype)
+            p = gl.exp2(st * qk_scale - lse2)
+            if not _sees_all_keys(row, in_own, krow, keys_inside, seg_end, r0, r1, BLOCK_N, BLOCK_M):  # most see all
+                p = _mask_probs(p, row, in_own, key_rows, seg_end, r0, r1, 0)
+            p = p.to(dtype)
             par = i % 2
             mbarrier.wait(pt_empty.index(par), ((i // 2) & 1) ^ 1)  # S has read the buffer's last P^T
             pt_ring.index(par).store(p)
