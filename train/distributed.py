@@ -181,8 +181,14 @@ def init_distributed(sp: int = 1, device: str | None = None) -> DistContext:
     return DistContext(dist.get_rank(), world, local_rank, dev, mesh, owns)
 
 
-def destroy_distributed(ctx: DistContext) -> None:
+def destroy_distributed(ctx: DistContext, sync: bool = True) -> None:
+    """Tear down the process group this context created (one it was given is the caller's). ``sync``: meet
+    the other ranks first, so that no rank closes its connections while a peer's last collective is still
+    in flight (gloo then aborts the peer at exit); pass False on an error path, where a peer may never
+    arrive."""
     if ctx.owns_group and dist.is_initialized():
+        if sync and dist.get_world_size() > 1:
+            dist.barrier()
         dist.destroy_process_group()
 
 

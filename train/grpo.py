@@ -203,9 +203,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
             rho = sum(h["rho"] for h in history) / len(history)
             print(f"done: {len(history)} steps, mean reward {first:.3f} (first {k} steps) -> {last:.3f} (last {k}), "
                   f"rho {rho:.2f}", file=sys.stderr)
-        return history
-    finally:
-        trainer.close()
+    except BaseException:
+        trainer.close(sync=False)
+        raise
+    trainer.close()
+    return history
 
 
 if __name__ == "__main__":
