@@ -5,6 +5,10 @@
   programs of neighbouring key blocks that read the same query rows (the reader splits z > 0, which
   all start at r0) add into different dQ tiles at the same moment.
 - ROT = 2: the reader part of the walk starts at block (16 * key block) mod n_read and wraps.
+- ROT = 3: readers first, then the key block's own rows; ROT = 4: the same with row blocks outer and the
+  REP query heads inner; ROT = 5 ("wave"): row blocks outer, both parts rotated by the item's start time
+  from a list-scheduling simulation of the launch (a 10th table row); ROT = 6: programs kv head major
+  (pid % n_items the item, pid // n_items the head), the package's order since s36.
 - FAST_MASK: a step whose query block lies inside its bounds for all of the consumer's keys computes P
   without the mask (fewer instructions a step: energy, where the card is at its power limit).
 - FEW_BARS: four block barriers a step instead of five (two of them the compiler's, after each mbarrier
@@ -36,7 +40,13 @@ if AVAILABLE:
         if ROT == 4:  # block outer, the REP heads inner
             b = i // REP
             r = i - b * REP
-        if ROT >= 3:  # readers first, then the key block's own rows
+        if ROT == 5:  # wavefront: block outer, readers then own rows, both rotated by the item's start time
+            bl = i // REP
+            r = i - bl * REP
+            n_rd5 = n_blocks - n_own
+            b = gl.where(bl < n_rd5, n_own + (bl + rot) % gl.maximum(n_rd5, 1),
+                         n_own - 1 - (bl + rot) % gl.maximum(n_own, 1))
+        if (ROT == 3) or (ROT == 4):  # readers first, then the key block's own rows
             n_rd = n_blocks - n_own
             b = gl.where(b < n_rd, b + n_own, b - n_rd)
         in_own = b < n_own
@@ -223,11 +233,19 @@ if AVAILABLE:
         dtype: gl.constexpr = q_desc.dtype
         HALF: gl.constexpr = BLOCK_N // 2
         item, hk, unit = _program_item(ITEMS, nheads_k)
+        if ROT == 6:  # kv head major: every item of head 0, then head 1, ...
+            pid = gl.program_id(0)
+            item = pid % n_items
+            hk = pid // n_items
+            unit = gl.load(ITEMS + item)
         if unit >= 0:
             krow, seg_end, own_lo, n_own, read_lo, n_blocks, r0, r1, ws_row, nz = _walk(
                 ITEMS, CU, n_items, item, unit, BLOCK_M, BLOCK_N)
             total = REP * n_blocks
-            rot = gl.load(ITEMS + I_BLOCK * n_items + item)
+            if ROT == 5:
+                rot = gl.load(ITEMS + 9 * n_items + item)  # the wavefront row ws_var.run appends
+            else:
+                rot = gl.load(ITEMS + I_BLOCK * n_items + item)
 
             k_all, v_all, q_ring, do_ring, lse_ring, delta_ring = _key_and_step_buffers(
                 k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, STAGES, BLOCK_M, BLOCK_N, DIM)
@@ -267,6 +285,43 @@ def supported(o, q) -> bool:
     return on_hopper(q) and o.tma and o.dim == o.head_dim == 128 and not o.has_softcap and o.elem == 2
 
 
+_WAVE = {}
+
+
+def _with_wavefront(table, cu_seqlens, nheads_k, n_sm=132):
+    """table plus a 10th row: each item's start time in row blocks, from a list-scheduling simulation of
+    the launch (programs in pid order, one per SM, each taking its walk's row blocks)."""
+    import heapq
+
+    import numpy as np
+    import torch
+
+    key = (tuple(table.shape), nheads_k)
+    if key not in _WAVE:
+        t = table.cpu().numpy().astype(np.int64)
+        cu = cu_seqlens.cpu().numpy().astype(np.int64)
+        unit, blk, z, region, r0, r1 = t[0], t[1], t[2], t[4], t[5], t[6]
+        ok = unit >= 0
+        u = np.where(ok, unit, 0)
+        seg_start, seg_end = cu[u], cu[u + 1]
+        krow = seg_start + blk * BLOCK_N
+        own_lo = krow - krow % 4
+        n_own = np.where(z == 0, -(-(seg_end - own_lo) // BLOCK_M), 0)
+        read_lo = r0 - r0 % 4
+        n_read = np.where((region >= 0) & (r1 > r0), -(-(r1 - read_lo) // BLOCK_M), 0)
+        work = np.where(ok, n_own + n_read, 0)
+        free = [0] * n_sm
+        start = np.zeros(t.shape[1], dtype=np.int64)
+        for j in range(t.shape[1]):
+            for h in range(nheads_k):
+                s0 = heapq.heappop(free)
+                if h == 0:
+                    start[j] = s0
+                heapq.heappush(free, s0 + int(work[j]) + 1)
+        _WAVE[key] = torch.cat([table, torch.as_tensor(start, dtype=table.dtype, device=table.device)[None]])
+    return _WAVE[key]
+
+
 def run(q, k, v, dout, lse2, delta, dk, dv, wsk, wsv, table, cu_seqlens, nheads_k, rep, qk_scale, sm_scale,
         dq_acc, block_m: int = BLOCK_M, block_n: int = BLOCK_N, stages: int = 2, consumer_regs: int = 240,
         maxnreg: int = 168, early: bool = False, rot: int = 0, no_dq: bool = False, fast_mask: bool = False,
@@ -276,6 +331,8 @@ def run(q, k, v, dout, lse2, delta, dk, dv, wsk, wsv, table, cu_seqlens, nheads_
     if (block_m, block_n) != (BLOCK_M, BLOCK_N) or q.shape[2] != 128 or dq_acc is None:
         raise ValueError(f"gluon_dkdv_ws: expected d = 128, {BLOCK_M} x {BLOCK_N} tiles and a dQ accumulator, got "
                          f"d = {q.shape[2]}, {block_m} x {block_n}, dq_acc={'given' if dq_acc is not None else None}")
+    if rot == 5:
+        table = _with_wavefront(table, cu_seqlens, nheads_k)
     args = dkdv_args(q, k, v, dout, lse2, delta, dk, dv, wsk, wsv, table, cu_seqlens, nheads_k, qk_scale, sm_scale,
                      dq_acc, block_m, block_n, dq_cols=q.shape[2] // 2)
     return dkdv_dq_ws_kernel[(table.shape[1] * nheads_k,)](

@@ -93,6 +93,15 @@ if AVAILABLE:
         return item, pid % nheads_k, gl.load(ITEMS + item)
 
     @gluon.jit
+    def _program_item_by_head(ITEMS, n_items):
+        """``_program_item`` with the kv head outermost: every item of head 0, then of head 1, ... The
+        programs in flight then share their query heads' Q / dO rows and, where dQ is added in the kernel,
+        its rows in L2 (on an H100, eight heads in flight left dQ's fp32 adds to DRAM at long prompts)."""
+        pid = gl.program_id(0)
+        item = pid % n_items
+        return item, pid // n_items, gl.load(ITEMS + item)
+
+    @gluon.jit
     def _walk(ITEMS, CU, n_items, item, unit, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
         """Key item ``item`` (of segment ``unit``) and the query rows that read it, as
         ``dkdv_rows_kernel`` walks them: (first key row, segment end, own rows from own_lo

@@ -25,13 +25,20 @@ The unmasked path and the fifth barrier's removal together: 1.09x at (8, 16K, 51
 (28, 4K, 2K) on an H100 (``raw/triton_bwd_ab_h100_s36.log``, interleaved rounds). On that card dQ's
 reduce-adds are bimodal at the long prompts: the same kernel took 362-365 ms or 587-597 ms at
 (16, 64K, 2K), 335 ms without dQ (``raw/triton_bwd_dq_diag_h100_s36.log``).
+Programs run kv head major (``_program_item_by_head``): at a time the programs in flight serve one
+kv head's query heads, so dQ's adds and the Q / dO reads stay in L2. In the same interleaved rounds on
+the H100 that took (16, 64K, 2K) to 323 ms every round and (28, 16K, 2K) to 86 ms (1.30-1.87x the
+item-major order's medians, which sat in the slow mode), 1.00-1.02x at the other long-prompt shapes and
+0.95x at (28, 4K, 2K) (``raw/triton_bwd_order_h100_s36.log``, ``raw/triton_bwd_head_major_h100_s36.log``;
+each program's walk unchanged; outputs within 1.3e-4-3.4e-4 of the item-major kernel's, relative
+to their largest value: dQ's add-order noise).
 """
 
 from __future__ import annotations
 
 from .gluon_compat import (AVAILABLE, block_barrier, compile_for_sm90 as _compile, fence_async_shared, gl, gluon,
                            hidden_zero, mbarrier, on_hopper, tma, tma_add, tma_load, warpgroup_mma, warpgroup_mma_wait)
-from .gluon_dkdv import (_issue, _key_and_step_buffers, _mask_probs, _program_item, _sees_all_keys, _step,
+from .gluon_dkdv import (_issue, _key_and_step_buffers, _mask_probs, _program_item_by_head, _sees_all_keys, _step,
                          _store_keys, _walk, dkdv_args, dkdv_signature)
 
 
@@ -162,7 +169,7 @@ if AVAILABLE:
     ):
         dtype: gl.constexpr = q_desc.dtype
         HALF: gl.constexpr = BLOCK_N // 2
-        item, hk, unit = _program_item(ITEMS, nheads_k)
+        item, hk, unit = _program_item_by_head(ITEMS, n_items)
         if unit >= 0:
             krow, seg_end, own_lo, n_own, read_lo, n_blocks, r0, r1, ws_row, nz = _walk(
                 ITEMS, CU, n_items, item, unit, BLOCK_M, BLOCK_N)
