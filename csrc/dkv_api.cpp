@@ -354,6 +354,18 @@ bool tile_order_by_readers() {
   return choice != "0";
 }
 
+// DUALKV_CUDA_BWD_ITEM_ORDER: how the dK/dV kernels number their (key tile, kv head) items. 0 (unset): a
+// tile's kv heads side by side; 1: kv head major, every tile of head 0, then of head 1, ..., so the
+// programs in flight serve one kv head's query heads (their dQ adds and Q / dO reads share L2; the
+// Triton backend's order since it took its d = 128 backward at (16, 64K, 2K) from 588-618 to 323 ms on
+// an H100). Not a kernel form: the CPU emulation takes it too.
+bool bwd_items_by_kv_head() {
+  const std::string choice = env_value("DUALKV_CUDA_BWD_ITEM_ORDER");
+  DKV_CHECK(choice.empty() || choice == "0" || choice == "1", kOps,
+            ": DUALKV_CUDA_BWD_ITEM_ORDER: expected one of 0, 1 (or unset), got '", choice, "'");
+  return choice == "1";
+}
+
 QueryTiles query_tiles(const Tensor& seg_len, const Tensor& seg_ctx_len, int block, bool by_readers) {
   QueryTiles tiles;
   if (!by_readers || seg_len.size(0) < 2) {
@@ -744,6 +756,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
   p.kv_item_prefix = kv_item_prefix.data_ptr<int>();
   p.chunk_end = deterministic ? nullptr : chunk_end.data_ptr<int>();
   p.num_item_groups = static_cast<int>(kv_item_prefix.size(0) - 1);
+  p.kv_head_major = bwd_items_by_kv_head();
   p.work_counter = work_counter.data_ptr<int>();
   p.deterministic = deterministic;
   p.dq_accum = fused_dq ? dq_accum.data_ptr<float>() : nullptr;

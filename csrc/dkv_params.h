@@ -92,6 +92,8 @@ struct BwdParams : AttnArgs {
   // context items of its own.
   const int* chunk_end = nullptr;
   int num_item_groups = 0;              // S, or S + C (deterministic, separate context)
+  bool kv_head_major = false;           // decode_item: every tile of kv head 0, then head 1, ... (else a tile's
+                                        // kv heads side by side); DUALKV_CUDA_BWD_ITEM_ORDER
   int* work_counter = nullptr;          // dynamic scheduler of the dkdv kernel (zeroed)
   bool deterministic = false;
   int accum_rows = 0;  // rows of dk_accum / dv_accum

@@ -177,6 +177,9 @@ SM90_BWD_CASES = [
     dict(d=512, dtype=torch.bfloat16, prompts=[100], responses=[[70, 3]], H=2, Hkv=1),
     dict(d=512, dtype=torch.float16, prompts=[80, 5], responses=[[40, 1], [9]], H=2, Hkv=1, window=50, softcap=5.0),
     dict(d=512, dtype=torch.bfloat16, prompts=[70], responses=[[30, 12]], H=1, Hkv=1, separate=True, deterministic=True),
+    # two kv heads: the items' order over (key tile, kv head) matters (DUALKV_CUDA_BWD_ITEM_ORDER)
+    dict(d=128, dtype=torch.bfloat16, prompts=[130], responses=[[70, 9]], H=4, Hkv=2),
+    dict(d=64, dtype=torch.float16, prompts=[130, 5], responses=[[70, 1], [66]], H=4, Hkv=2),
 ]
 
 
@@ -515,8 +518,10 @@ def main():
         # separate context
         # and for 6 with the deferred dQ (9, TMA only) items of several tiles at d = 128 and 64, GQA,
         # its deterministic fallback to 5, a softcap and a separate context
+        # and for the defaults at d = 128 / 64 two kv heads, their items kv head major too ("h")
         quick = {"1": (3, 4, 6, 7), "1t": (7, 10), "2": (3, 4, 6), "3": (0, 4, 5), "4": (0, 1, 2), "5": (0, 1), "6": (0, 1, 4, 5, 11),
-                 "8": (0, 1, 3, 4, 5, 6), "6t": (0, 1, 4, 11), "8t": (1, 3, 4, 5), "9t": (0, 1, 2, 4, 5, 11)}
+                 "8": (0, 1, 3, 4, 5, 6), "6t": (0, 1, 4, 11, 15), "8t": (1, 3, 4, 5, 16), "9t": (0, 1, 2, 4, 5, 11),
+                 "6th": (15,), "8th": (16,)}
         ok = check_wgmma_path()
         ok = check_device_defaults(backward=True) and ok
         ok = check_tma_fallback(backward=True) and ok
@@ -524,14 +529,19 @@ def main():
         ok = check_reader_chunks(device_defaults=True) and ok
         ok = check_tile_order(device_defaults=True) and ok
         ok = check_plan_cache() and ok
-        for mode in quick:  # the schedules above; "t": with the TMA producer
+        for mode in quick:  # the schedules above; "t": with the TMA producer; "h": items kv head major
             os.environ["DUALKV_CUDA_WGMMA_BWD"] = mode[0]
-            os.environ["DUALKV_CUDA_BWD_TMA"] = "1" if mode.endswith("t") else "0"
-            print(f"DUALKV_CUDA_WGMMA_BWD={mode[0]} DUALKV_CUDA_BWD_TMA={os.environ['DUALKV_CUDA_BWD_TMA']}", flush=True)
+            os.environ["DUALKV_CUDA_BWD_TMA"] = "1" if "t" in mode else "0"
+            os.environ["DUALKV_CUDA_BWD_ITEM_ORDER"] = "1" if "h" in mode else "0"
+            print(f"DUALKV_CUDA_WGMMA_BWD={mode[0]} DUALKV_CUDA_BWD_TMA={os.environ['DUALKV_CUDA_BWD_TMA']} "
+                  f"DUALKV_CUDA_BWD_ITEM_ORDER={os.environ['DUALKV_CUDA_BWD_ITEM_ORDER']}", flush=True)
             cases = [SM90_BWD_CASES[i] for i in quick[mode]] if args.quick else SM90_BWD_CASES
             if args.only is not None:
                 cases = [SM90_BWD_CASES[args.only]]
             ok = all([run_case(**c) for c in cases]) and ok
+        ok = expect_error({"DUALKV_CUDA_BWD_ITEM_ORDER": "2"},
+                          "DUALKV_CUDA_BWD_ITEM_ORDER: expected one of 0, 1 (or unset), got '2'",
+                          "DUALKV_CUDA_BWD_ITEM_ORDER=2", **SM90_BWD_CASES[15]) and ok
         print("ALL OK" if ok else "FAILURES")
         sys.exit(0 if ok else 1)
     cases = CASES[:2] if args.quick else CASES
