@@ -85,21 +85,20 @@ if AVAILABLE:
         tma_load(delta_desc, [hq, row], bar, delta_buf)
 
     @gluon.jit
-    def _program_item(ITEMS, nheads_k):
+    def _program_item(ITEMS, n_items, nheads_k, HEAD_MAJOR: gl.constexpr = False):
         """This program's (item, kv head, unit) in a launch over (items x kv heads); unit < 0 marks a
-        padding entry of the item table."""
+        padding entry of the item table. HEAD_MAJOR: every item of kv head 0, then of head 1, ... (else
+        an item's kv heads side by side). Head major, the programs in flight share their query heads' Q /
+        dO rows and, where dQ is added in the kernel, its rows in L2 (on an H100, eight heads in flight
+        left the d = 128 backward's fp32 dQ adds to DRAM at long prompts)."""
         pid = gl.program_id(0)
-        item = pid // nheads_k
-        return item, pid % nheads_k, gl.load(ITEMS + item)
-
-    @gluon.jit
-    def _program_item_by_head(ITEMS, n_items):
-        """``_program_item`` with the kv head outermost: every item of head 0, then of head 1, ... The
-        programs in flight then share their query heads' Q / dO rows and, where dQ is added in the kernel,
-        its rows in L2 (on an H100, eight heads in flight left dQ's fp32 adds to DRAM at long prompts)."""
-        pid = gl.program_id(0)
-        item = pid % n_items
-        return item, pid // n_items, gl.load(ITEMS + item)
+        if HEAD_MAJOR:
+            item = pid % n_items
+            hk = pid // n_items
+        else:
+            item = pid // nheads_k
+            hk = pid % nheads_k
+        return item, hk, gl.load(ITEMS + item)
 
     @gluon.jit
     def _walk(ITEMS, CU, n_items, item, unit, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
@@ -181,7 +180,7 @@ if AVAILABLE:
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
                                                             instr_shape=[16, DIM // DQ_PARTS // (num_warps // 4), 16])
 
-        item, hk, unit = _program_item(ITEMS, nheads_k)
+        item, hk, unit = _program_item(ITEMS, n_items, nheads_k)
         if unit >= 0:
             krow, seg_end, own_lo, n_own, read_lo, n_blocks, r0, r1, ws_row, nz = _walk(
                 ITEMS, CU, n_items, item, unit, BLOCK_M, BLOCK_N)

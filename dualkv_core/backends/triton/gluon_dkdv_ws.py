@@ -25,8 +25,9 @@ The unmasked path and the fifth barrier's removal together: 1.09x at (8, 16K, 51
 (28, 4K, 2K) on an H100 (``raw/triton_bwd_ab_h100_s36.log``, interleaved rounds). On that card dQ's
 reduce-adds are bimodal at the long prompts: the same kernel took 362-365 ms or 587-597 ms at
 (16, 64K, 2K), 335 ms without dQ (``raw/triton_bwd_dq_diag_h100_s36.log``).
-Programs run kv head major (``_program_item_by_head``): at a time the programs in flight serve one
-kv head's query heads, so dQ's adds and the Q / dO reads stay in L2. In the same interleaved rounds on
+Programs run kv head major (``gluon_dkdv._program_item``'s HEAD_MAJOR; ``run(head_major=False)``: the
+order before): at a time the programs in flight serve one kv head's query heads, so dQ's adds and the
+Q / dO reads stay in L2. In the same interleaved rounds on
 the H100 that took (16, 64K, 2K) to 323 ms every round and (28, 16K, 2K) to 86 ms (1.30-1.87x the
 item-major order's medians, which sat in the slow mode), 1.00-1.02x at the other long-prompt shapes and
 0.95x at (28, 4K, 2K) (``raw/triton_bwd_order_h100_s36.log``, ``raw/triton_bwd_head_major_h100_s36.log``;
@@ -38,7 +39,7 @@ from __future__ import annotations
 
 from .gluon_compat import (AVAILABLE, block_barrier, compile_for_sm90 as _compile, fence_async_shared, gl, gluon,
                            hidden_zero, mbarrier, on_hopper, tma, tma_add, tma_load, warpgroup_mma, warpgroup_mma_wait)
-from .gluon_dkdv import (_issue, _key_and_step_buffers, _mask_probs, _program_item_by_head, _sees_all_keys, _step,
+from .gluon_dkdv import (_issue, _key_and_step_buffers, _mask_probs, _program_item, _sees_all_keys, _step,
                          _store_keys, _walk, dkdv_args, dkdv_signature)
 
 
@@ -165,11 +166,11 @@ if AVAILABLE:
         q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, DK, DV, WSK, WSV, ITEMS, CU,
         n_items, nheads_k, qk_scale, sm_scale,
         REP: gl.constexpr, DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
+        STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, HEAD_MAJOR: gl.constexpr, num_warps: gl.constexpr,
     ):
         dtype: gl.constexpr = q_desc.dtype
         HALF: gl.constexpr = BLOCK_N // 2
-        item, hk, unit = _program_item_by_head(ITEMS, n_items)
+        item, hk, unit = _program_item(ITEMS, n_items, nheads_k, HEAD_MAJOR)
         if unit >= 0:
             krow, seg_end, own_lo, n_own, read_lo, n_blocks, r0, r1, ws_row, nz = _walk(
                 ITEMS, CU, n_items, item, unit, BLOCK_M, BLOCK_N)
@@ -209,9 +210,10 @@ def supported(o, q) -> bool:
 
 def run(q, k, v, dout, lse2, delta, dk, dv, wsk, wsv, table, cu_seqlens, nheads_k, rep, qk_scale, sm_scale,
         dq_acc, block_m: int = BLOCK_M, block_n: int = BLOCK_N, stages: int = 2, consumer_regs: int = 240,
-        maxnreg: int = 168):
+        maxnreg: int = 168, head_major: bool = True):
     """``gluon_dkdv.run``'s arguments; dq_acc (an fp32 tensor like q, zeroed) is required: unscaled dQ is
-    added into it. The item table must be built for ``BLOCK_N``-key blocks."""
+    added into it. The item table must be built for ``BLOCK_N``-key blocks. head_major: the programs kv
+    head major (``gluon_dkdv._program_item``); False: an item's kv heads side by side."""
     if (block_m, block_n) != (BLOCK_M, BLOCK_N) or q.shape[2] != 128 or dq_acc is None:
         raise ValueError(f"gluon_dkdv_ws: expected d = 128, {BLOCK_M} x {BLOCK_N} tiles and a dQ accumulator, got "
                          f"d = {q.shape[2]}, {block_m} x {block_n}, dq_acc={'given' if dq_acc is not None else None}")
@@ -219,14 +221,14 @@ def run(q, k, v, dout, lse2, delta, dk, dv, wsk, wsv, table, cu_seqlens, nheads_
                      dq_acc, block_m, block_n, dq_cols=q.shape[2] // 2)
     return dkdv_dq_ws_kernel[(table.shape[1] * nheads_k,)](
         *args, REP=rep, DIM=q.shape[2], BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
-        CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)
+        CONSUMER_REGS=consumer_regs, HEAD_MAJOR=head_major, num_warps=4, maxnreg=maxnreg)
 
 
 def compile_for_sm90(dim: int = 128, stages: int = 2, rep: int = 4, dtype: str = "bf16", consumer_regs: int = 240,
-                     maxnreg: int = 168):
+                     maxnreg: int = 168, head_major: bool = True):
     """Compile the kernel for sm_90 without a GPU (the CPU tests' check that it lowers)."""
     const = dict(REP=rep, DIM=dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=stages, CONSUMER_REGS=consumer_regs,
-                 num_warps=4)
+                 HEAD_MAJOR=head_major, num_warps=4)
     return _compile(dkdv_dq_ws_kernel, dkdv_signature(dim, BLOCK_M, BLOCK_N, dtype, dq_cols=dim // 2), const, 4,
                     maxnreg)
 

@@ -125,10 +125,10 @@ if AVAILABLE:
         q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV, WSK, WSV, ITEMS, CU,
         n_items, nheads_k, qk_scale, sm_scale,
         REP: gl.constexpr, DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
+        STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, HEAD_MAJOR: gl.constexpr, num_warps: gl.constexpr,
     ):
         dtype: gl.constexpr = q_desc.dtype
-        item, hk, unit = _program_item(ITEMS, nheads_k)
+        item, hk, unit = _program_item(ITEMS, n_items, nheads_k, HEAD_MAJOR)
         if unit >= 0:
             krow, seg_end, own_lo, n_own, read_lo, n_blocks, r0, r1, ws_row, nz = _walk(
                 ITEMS, CU, n_items, item, unit, BLOCK_M, BLOCK_N)
@@ -318,8 +318,9 @@ def supported(o, q) -> bool:
 
 def run_dkdv(q, k, v, dout, lse2, delta, dk, dv, wsk, wsv, table, cu_seqlens, nheads_k, rep, qk_scale, sm_scale,
              block_m: int = BLOCK_M, block_n: int = BLOCK_N, stages: int = 2, consumer_regs: int = 240,
-             maxnreg: int = 168):
-    """dK/dV: ``gluon_dkdv.run``'s arguments without dQ. The item table must be built for ``BLOCK_N``-key blocks."""
+             maxnreg: int = 168, head_major: bool = False):
+    """dK/dV: ``gluon_dkdv.run``'s arguments without dQ. The item table must be built for ``BLOCK_N``-key blocks.
+    head_major: the programs kv head major (``gluon_dkdv._program_item``; not yet measured at d = 256)."""
     if (block_m, block_n) != (BLOCK_M, BLOCK_N) or q.shape[2] != 256:
         raise ValueError(f"gluon_split256: expected d = 256 and {BLOCK_M} x {BLOCK_N} tiles, got d = {q.shape[2]}, "
                          f"{block_m} x {block_n}")
@@ -327,7 +328,7 @@ def run_dkdv(q, k, v, dout, lse2, delta, dk, dv, wsk, wsv, table, cu_seqlens, nh
                      None, block_m, block_n)
     return dkdv_split_kernel[(table.shape[1] * nheads_k,)](
         *args, REP=rep, DIM=q.shape[2], BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
-        CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)
+        CONSUMER_REGS=consumer_regs, HEAD_MAJOR=head_major, num_warps=4, maxnreg=maxnreg)
 
 
 def dq_args(q, k, v, dout, dq, lse, delta, meta, tiles, qk_scale, sm_scale, block_m, block_n):
@@ -360,11 +361,12 @@ def dq_signature(dim: int, block_m: int, block_n: int, dtype: str = "bf16") -> d
 
 
 def compile_for_sm90(kernel: str = "dkdv", dim: int = 256, stages: int = 2, rep: int = 2, dtype: str = "bf16",
-                     consumer_regs: int = 240, maxnreg: int = 168):
+                     consumer_regs: int = 240, maxnreg: int = 168, head_major: bool = False):
     """Compile ``kernel`` ("dkdv" or "dq") for sm_90 without a GPU (the CPU tests' check that it lowers)."""
     const = dict(REP=rep, DIM=dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=stages, CONSUMER_REGS=consumer_regs,
                  num_warps=4)
     if kernel == "dkdv":
+        const["HEAD_MAJOR"] = head_major
         return _compile(dkdv_split_kernel, dkdv_signature(dim, BLOCK_M, BLOCK_N, dtype), const, 4, maxnreg)
     return _compile(dq_split_kernel, dq_signature(dim, BLOCK_M, BLOCK_N, dtype), const, 4, maxnreg)
 
