@@ -547,6 +547,7 @@ def _measure(prov: Provider, cfg: AttnConfig, device, timer: Timer, modes, seed:
     for mode, t in timings.items():
         result[f"{mode}_ms"] = t.median_ms
         result[f"{mode}_reps"] = t.reps
+        result[f"{mode}_min_ms"], result[f"{mode}_max_ms"] = min(t.times_ms), max(t.times_ms)
         result[f"{mode}_tflops"] = attention_flops(cfg, mode) / (t.median_ms * 1e-3) / 1e12
     return result
 

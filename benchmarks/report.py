@@ -252,6 +252,26 @@ def measured_modes(rows: list[dict]) -> list[str]:
     return [m for m in ("fwdbwd", "fwd", "bwd") if any(r.get(f"{m}_ms") is not None for r in rows)]
 
 
+def spread_lines(rows: list[dict], mode: str = "fwdbwd", wide: float = 1.10) -> list[str]:
+    """The markdown's note on how far each row's timed repeats spread (``<mode>_min_ms`` /
+    ``<mode>_max_ms``), naming the rows whose slowest repeat took more than ``wide`` times their fastest:
+    a kernel that runs in two modes (on an H100 the Triton backward's dQ adds once did) makes the median
+    of a few repeats read either."""
+    spans = [(r, r[f"{mode}_max_ms"] / r[f"{mode}_min_ms"]) for r in rows
+             if r.get("status") == "ok" and r.get(f"{mode}_min_ms")]
+    if not spans:
+        return []
+    worst = max(ratio for _, ratio in spans)
+    lines = [f"Forward+backward repeats: the slowest of a row took up to {worst:.2f}x its fastest "
+             f"(`{mode}_min_ms` / `{mode}_max_ms` in the CSV / JSON)."]
+    flagged = [f"{r['config']} {r['provider']} {r[f'{mode}_min_ms']:.2f}-{r[f'{mode}_max_ms']:.2f} ms"
+               for r, ratio in spans if ratio > wide]
+    if flagged:
+        lines[0] += (f" Wider than {wide:.2f}x, where the median may sit in either of two modes: "
+                     + "; ".join(flagged) + ".")
+    return lines + [""]
+
+
 def write_markdown(path: Path, results: list[dict], rows: list[dict] | None = None) -> Path:
     rows = merged_rows(results) if rows is None else rows
     lines = [f"# {path.stem}", ""]
@@ -280,6 +300,7 @@ def write_markdown(path: Path, results: list[dict], rows: list[dict] | None = No
                       "an average over about the last second on Ampere and newer GPUs, so a mode timed for less than that "
                       "reads partly the stretch before it, and less the smaller its busy share: compare power only "
                       "between modes timed for seconds at like shares.", ""]
+    lines += spread_lines(rows)
     for res in results:
         val = res.get("validation", [])
         failed = [r for r in val if r.get("ok") is False]

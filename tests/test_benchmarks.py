@@ -378,6 +378,26 @@ def test_run_case_records_the_clock_of_each_timed_mode(tmp_path):
     assert "SM clock" not in write_markdown(tmp_path / "plain.md", [dict(meta={}, rows=[plain])]).read_text()
 
 
+def test_rows_record_the_spread_of_their_repeats(tmp_path):
+    """Each timed mode's row holds its fastest and slowest repeat; the markdown states the widest spread
+    and names the rows whose repeats spread past 1.10x (a kernel in two modes), and only those."""
+    from benchmarks.report import spread_lines, write_markdown
+
+    row = run_case(AttnConfig(N=1, P=3, R=2, H=2, H_kv=1, d=8), "reference", CPU, Timer(CPU, budget_ms=5, max_reps=3))
+    for m in ("fwd", "bwd", "fwdbwd"):
+        assert 0 < row[f"{m}_min_ms"] <= row[f"{m}_ms"] <= row[f"{m}_max_ms"]
+    steady = dict(config="a", provider="p", status="ok", fwdbwd_min_ms=100.0, fwdbwd_max_ms=104.0)
+    bimodal = dict(config="b", provider="q", status="ok", fwdbwd_min_ms=362.0, fwdbwd_max_ms=597.0)
+    failed = dict(config="c", provider="r", status="OOM")
+    text = " ".join(spread_lines([steady, bimodal, failed]))
+    assert "up to 1.65x its fastest" in text and "b q 362.00-597.00 ms" in text and "a p" not in text
+    assert "Wider than" not in " ".join(spread_lines([steady]))
+    assert spread_lines([failed]) == []
+    two_modes = dict(row, fwdbwd_min_ms=362.0, fwdbwd_max_ms=597.0)
+    md = write_markdown(tmp_path / "spread.md", [dict(meta={}, rows=[two_modes])]).read_text()
+    assert f"{row['config']} reference 362.00-597.00 ms" in md
+
+
 def test_host_time_benchmark_smoke(tmp_path, capsys, monkeypatch):
     """bench_host times dualkv_attention's layers per call and writes its table and plot, leaving the
     launch-plan setting as it found it; bad arguments are usage errors naming the flag."""
