@@ -184,7 +184,7 @@ def run_config(args, packing: str, mb: int, meta: dict | None = None) -> dict:
             row["status"] = "OOM"
         finally:
             if trainer is not None:
-                trainer.close(sync=sys.exc_info()[1] is None)  # no meeting on an error: a peer may not come
+                trainer.close()
             trainer = None
             _free()
     return row

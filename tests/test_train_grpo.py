@@ -385,3 +385,29 @@ def test_torchrun_rank_without_groups_runs_padding(tmp_path):
     assert one["groups_used"] == two["groups_used"] == 1
     for key in ("loss", "grad_norm", "entropy"):
         assert two[key] == pytest.approx(one[key], rel=1e-5), key
+
+
+def test_ranks_meet_before_the_group_is_destroyed_unless_an_error_propagates(monkeypatch):
+    """destroy_distributed meets the other ranks (a barrier) before it destroys the group it created, so
+    no rank closes its connections under a peer's last collective; while an exception propagates it
+    does not wait for peers that may never come; a group it was given is left alone."""
+    from dualkv.train import distributed
+
+    calls = []
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(distributed.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(distributed.dist, "barrier", lambda: calls.append("barrier"))
+    monkeypatch.setattr(distributed.dist, "destroy_process_group", lambda: calls.append("destroy"))
+    ctx = distributed.DistContext(0, 2, 0, torch.device("cpu"), None, True)
+    distributed.destroy_distributed(ctx)
+    assert calls == ["barrier", "destroy"]
+    calls.clear()
+    with pytest.raises(RuntimeError):
+        try:
+            raise RuntimeError("a rank failed")
+        finally:
+            distributed.destroy_distributed(ctx)
+    assert calls == ["destroy"]
+    calls.clear()
+    distributed.destroy_distributed(distributed.DistContext(0, 2, 0, torch.device("cpu"), None, False))
+    assert calls == []

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -181,13 +182,13 @@ def init_distributed(sp: int = 1, device: str | None = None) -> DistContext:
     return DistContext(dist.get_rank(), world, local_rank, dev, mesh, owns)
 
 
-def destroy_distributed(ctx: DistContext, sync: bool = True) -> None:
-    """Tear down the process group this context created (one it was given is the caller's). ``sync``: meet
-    the other ranks first, so that no rank closes its connections while a peer's last collective is still
-    in flight (gloo then aborts the peer at exit); pass False on an error path, where a peer may never
-    arrive."""
+def destroy_distributed(ctx: DistContext) -> None:
+    """Tear down the process group this context created (one it was given is the caller's). On a normal
+    exit the ranks meet first, so that no rank closes its connections while a peer's last collective is
+    still in flight (gloo then aborts the peer at exit); while an exception propagates (called from a
+    ``finally`` or ``except``) they do not, since a failed peer may never arrive."""
     if ctx.owns_group and dist.is_initialized():
-        if sync and dist.get_world_size() > 1:
+        if dist.get_world_size() > 1 and sys.exc_info()[1] is None:
             dist.barrier()
         dist.destroy_process_group()
 

@@ -203,11 +203,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
             rho = sum(h["rho"] for h in history) / len(history)
             print(f"done: {len(history)} steps, mean reward {first:.3f} (first {k} steps) -> {last:.3f} (last {k}), "
                   f"rho {rho:.2f}", file=sys.stderr)
-    except BaseException:
-        trainer.close(sync=False)
-        raise
-    trainer.close()
-    return history
+        return history
+    finally:
+        trainer.close()
 
 
 if __name__ == "__main__":

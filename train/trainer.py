@@ -156,7 +156,7 @@ class Trainer:
             self._build()
         except BaseException:
             if ctx is None:
-                destroy_distributed(self.ctx, sync=False)
+                destroy_distributed(self.ctx)
             raise
 
     def _build(self) -> None:
@@ -278,9 +278,8 @@ class Trainer:
         self.logger.close()
         return self.history
 
-    def close(self, sync: bool = True) -> None:
-        """Release the process group (``destroy_distributed``; sync=False after an error)."""
-        destroy_distributed(self.ctx, sync)
+    def close(self) -> None:
+        destroy_distributed(self.ctx)
 
 
 def _postfix(rec: dict) -> dict:
