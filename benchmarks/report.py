@@ -252,24 +252,23 @@ def measured_modes(rows: list[dict]) -> list[str]:
     return [m for m in ("fwdbwd", "fwd", "bwd") if any(r.get(f"{m}_ms") is not None for r in rows)]
 
 
-def spread_lines(rows: list[dict], mode: str = "fwdbwd", wide: float = 1.10) -> list[str]:
-    """The markdown's note on how far each row's timed repeats spread (``<mode>_min_ms`` /
-    ``<mode>_max_ms``), naming the rows whose slowest repeat took more than ``wide`` times their fastest:
+def spread_lines(rows: list[dict], wide: float = 1.10) -> list[str]:
+    """The markdown's note on how far each row's forward+backward repeats spread (``fwdbwd_min_ms`` /
+    ``fwdbwd_max_ms``), naming the rows whose slowest repeat took more than ``wide`` times their fastest:
     a kernel that runs in two modes (on an H100 the Triton backward's dQ adds once did) makes the median
     of a few repeats read either."""
-    spans = [(r, r[f"{mode}_max_ms"] / r[f"{mode}_min_ms"]) for r in rows
-             if r.get("status") == "ok" and r.get(f"{mode}_min_ms")]
+    spans = [(r, r["fwdbwd_max_ms"] / r["fwdbwd_min_ms"]) for r in rows
+             if r.get("status") == "ok" and r.get("fwdbwd_min_ms")]
     if not spans:
         return []
     worst = max(ratio for _, ratio in spans)
-    lines = [f"Forward+backward repeats: the slowest of a row took up to {worst:.2f}x its fastest "
-             f"(`{mode}_min_ms` / `{mode}_max_ms` in the CSV / JSON)."]
-    flagged = [f"{r['config']} {r['provider']} {r[f'{mode}_min_ms']:.2f}-{r[f'{mode}_max_ms']:.2f} ms"
+    line = (f"Forward+backward repeats: the slowest of a row took up to {worst:.2f}x its fastest "
+            "(`<mode>_min_ms` / `<mode>_max_ms` in the CSV / JSON).")
+    flagged = [f"{r['config']} {r['provider']} {r['fwdbwd_min_ms']:.2f}-{r['fwdbwd_max_ms']:.2f} ms"
                for r, ratio in spans if ratio > wide]
     if flagged:
-        lines[0] += (f" Wider than {wide:.2f}x, where the median may sit in either of two modes: "
-                     + "; ".join(flagged) + ".")
-    return lines + [""]
+        line += f" Wider than {wide:.2f}x, where the median may sit in either of two modes: {'; '.join(flagged)}."
+    return [line, ""]
 
 
 def write_markdown(path: Path, results: list[dict], rows: list[dict] | None = None) -> Path:
