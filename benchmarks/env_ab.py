@@ -1,7 +1,8 @@
 """Same-process A/B of a kernel-choice environment variable: backward (or forward) time per value.
 
 The CUDA binding reads its variables (``DUALKV_CUDA_BWD_CHUNK_ROWS``, ``DUALKV_CUDA_WGMMA_BWD``, ...)
-on every call, so one process can time several values on the same inputs. Per layout the values
+on every call, as do the Triton backend's (``DUALKV_TRITON_BWD_HEAD_MAJOR``, ``DUALKV_TRITON_ATOMIC_DQ``,
+with ``--backend triton``), so one process can time several values on the same inputs. Per layout the values
 take turns for ``--rounds`` rounds (the order reversed every other round, so that clock or thermal
 drift does not favour one value); each sample is the mean of ``--calls`` calls. Printed per value:
 the median ms, the minimum, and the median relative to the first value.

@@ -654,7 +654,7 @@ def test_warp_specialised_gluon_kernels_reject_what_their_layouts_do_not_cover()
 
 
 def test_gluon_switches(monkeypatch):
-    """DUALKV_TRITON_GLUON_FWD / _DKDV take 0 or 1 (named in the error otherwise); the Gluon kernels are
+    """DUALKV_TRITON_GLUON_FWD / _DKDV and _BWD_HEAD_MAJOR take 0 or 1 (named in the error otherwise); the Gluon kernels are
     never taken off the GPU, so with both on a CPU call runs the ``tl`` kernels, correctly."""
     from dualkv.core.backends.triton import configs, gluon_dkdv, gluon_fwd
 
@@ -667,6 +667,17 @@ def test_gluon_switches(monkeypatch):
         assert enabled()
     monkeypatch.delenv("DUALKV_TRITON_GLUON_FWD")
     assert configs.gluon_fwd_enabled()  # on by default
+    # the Gluon dK/dV's program order: the kernel's own default unless the variable says 0 or 1
+    monkeypatch.delenv("DUALKV_TRITON_BWD_HEAD_MAJOR", raising=False)
+    assert configs.bwd_head_major(True) and not configs.bwd_head_major(False)
+    monkeypatch.setenv("DUALKV_TRITON_BWD_HEAD_MAJOR", "0")
+    assert not configs.bwd_head_major(True)
+    monkeypatch.setenv("DUALKV_TRITON_BWD_HEAD_MAJOR", "1")
+    assert configs.bwd_head_major(False)
+    monkeypatch.setenv("DUALKV_TRITON_BWD_HEAD_MAJOR", "true")
+    with pytest.raises(ValueError, match="DUALKV_TRITON_BWD_HEAD_MAJOR: expected 0 or 1"):
+        configs.bwd_head_major(True)
+    monkeypatch.delenv("DUALKV_TRITON_BWD_HEAD_MAJOR")
     q = torch.zeros(8, 4, 128, dtype=torch.float16)
     k = torch.zeros(8, 2, 128, dtype=torch.float16)
     opts = launcher._Opts(q, k, 0.1, None, None, True)

@@ -242,6 +242,35 @@ def test_warp_specialised_gluon_backward(d, dtype, H, Hkv, monkeypatch):
             assert _err(g_gluon[i], g_tl[i]) <= 2e-2 * max(g_tl[i].float().abs().max().item(), 1.0)
 
 
+@pytest.mark.parametrize("d, H, Hkv", [(128, 8, 2), (256, 4, 2)])
+def test_gluon_backward_program_order(d, H, Hkv, monkeypatch):
+    """``DUALKV_TRITON_BWD_HEAD_MAJOR``: the Gluon dK/dV's programs in either order (kv head major, or an
+    item's kv heads side by side) reach the kernel, pass the reference check and give the same dK and dV
+    bit for bit (a key tile's sums run in the same order whichever program runs it); dQ as well at
+    d = 256 (its own kernel), within rounding at d = 128 (its reduce-adds land in another order)."""
+    from dualkv.core.backends.triton import gluon_dkdv_ws, gluon_split256
+
+    if torch.cuda.get_device_capability()[0] != 9 or not gluon_dkdv_ws.AVAILABLE:
+        pytest.skip("the Gluon backward runs on Hopper (sm_90) with Triton's Gluon")
+    mod, name = (gluon_dkdv_ws, "run") if d == 128 else (gluon_split256, "run_dkdv")
+    orders = []
+    real = getattr(mod, name)
+    monkeypatch.setattr(mod, name, lambda *a, **kw: orders.append(kw["head_major"]) or real(*a, **kw))
+    layout = _layout([2048, 129], [8, 3], [[1024] * 7 + [1], 63])
+    grads = {}
+    for value in ("0", "1"):
+        monkeypatch.setenv("DUALKV_TRITON_BWD_HEAD_MAJOR", value)
+        orders.clear()
+        grads[value] = _check(layout, H, Hkv, d, torch.bfloat16, seed=9)
+        assert orders == [value == "1"], orders
+    (dq0, dk0, dv0), (dq1, dk1, dv1) = grads["0"], grads["1"]
+    assert torch.equal(dk0, dk1) and torch.equal(dv0, dv1)
+    if d == 256:
+        assert torch.equal(dq0, dq1)
+    else:
+        assert _err(dq0, dq1) <= 2e-2 * max(dq1.float().abs().max().item(), 1.0)
+
+
 @pytest.mark.parametrize("d, dtype", [(128, torch.bfloat16), (64, torch.float16)])
 def test_gluon_forward_matches_tl_forward(d, dtype, monkeypatch):
     """The Gluon forward (the default on Hopper at d = 64 / 128) against the ``tl`` forward: the same

@@ -183,6 +183,14 @@ def gluon_dkdv_enabled() -> bool:
     return _switch("DUALKV_TRITON_GLUON_DKDV", "0")
 
 
+def bwd_head_major(kernel_default: bool) -> bool:
+    """Whether the warp-specialised Gluon dK/dV programs run kv head major (every item of kv head 0,
+    then of head 1, ...) rather than with an item's kv heads side by side: ``DUALKV_TRITON_BWD_HEAD_MAJOR=1``
+    / ``0`` where set, otherwise ``kernel_default``, the kernel's measured choice (``gluon_dkdv_ws.HEAD_MAJOR``,
+    ``gluon_split256.HEAD_MAJOR``). Read on every call, so ``benchmarks.env_ab`` can time both orders."""
+    return _switch("DUALKV_TRITON_BWD_HEAD_MAJOR", "1" if kernel_default else "0")
+
+
 def autotune_enabled() -> bool:
     return os.environ.get("DUALKV_TRITON_AUTOTUNE", "0") == "1" and os.environ.get("TRITON_INTERPRET", "0") != "1"
 

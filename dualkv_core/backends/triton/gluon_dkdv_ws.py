@@ -201,6 +201,8 @@ if AVAILABLE:
 
 # The kernel's layouts assume these tiles: 64 query rows a step, 128 keys a program (64 a consumer).
 BLOCK_M, BLOCK_N = 64, 128
+# The program order the launcher uses unless DUALKV_TRITON_BWD_HEAD_MAJOR says otherwise (configs.bwd_head_major).
+HEAD_MAJOR = True
 
 
 def supported(o, q) -> bool:
@@ -211,7 +213,7 @@ def supported(o, q) -> bool:
 
 def run(q, k, v, dout, lse2, delta, dk, dv, wsk, wsv, table, cu_seqlens, nheads_k, rep, qk_scale, sm_scale,
         dq_acc, block_m: int = BLOCK_M, block_n: int = BLOCK_N, stages: int = 2, consumer_regs: int = 240,
-        maxnreg: int = 168, head_major: bool = True):
+        maxnreg: int = 168, head_major: bool = HEAD_MAJOR):
     """``gluon_dkdv.run``'s arguments; dq_acc (an fp32 tensor like q, zeroed) is required: unscaled dQ is
     added into it. The item table must be built for ``BLOCK_N``-key blocks. head_major: the programs kv
     head major (``gluon_dkdv._program_item``); False: an item's kv heads side by side."""
@@ -226,7 +228,7 @@ def run(q, k, v, dout, lse2, delta, dk, dv, wsk, wsv, table, cu_seqlens, nheads_
 
 
 def compile_for_sm90(dim: int = 128, stages: int = 2, rep: int = 4, dtype: str = "bf16", consumer_regs: int = 240,
-                     maxnreg: int = 168, head_major: bool = True):
+                     maxnreg: int = 168, head_major: bool = HEAD_MAJOR):
     """Compile the kernel for sm_90 without a GPU (the CPU tests' check that it lowers)."""
     const = dict(REP=rep, DIM=dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=stages, CONSUMER_REGS=consumer_regs,
                  HEAD_MAJOR=head_major, num_warps=4)
@@ -234,4 +236,4 @@ def compile_for_sm90(dim: int = 128, stages: int = 2, rep: int = 4, dtype: str =
                     maxnreg)
 
 
-__all__ = ["AVAILABLE", "BLOCK_M", "BLOCK_N", "compile_for_sm90", "run", "supported"]
+__all__ = ["AVAILABLE", "BLOCK_M", "BLOCK_N", "HEAD_MAJOR", "compile_for_sm90", "run", "supported"]

@@ -34,6 +34,8 @@ from .gluon_dkdv_ws import _key_block_loader, _loader_barriers
 from .gluon_fwd import _edge_mask, _geometry, _load_key_rings, _query_tile
 
 BLOCK_M, BLOCK_N = 64, 64  # the tiles both kernels' layouts assume
+# The dK/dV program order the launcher uses unless DUALKV_TRITON_BWD_HEAD_MAJOR says otherwise (not yet measured).
+HEAD_MAJOR = False
 
 
 if AVAILABLE:
@@ -318,7 +320,7 @@ def supported(o, q) -> bool:
 
 def run_dkdv(q, k, v, dout, lse2, delta, dk, dv, wsk, wsv, table, cu_seqlens, nheads_k, rep, qk_scale, sm_scale,
              block_m: int = BLOCK_M, block_n: int = BLOCK_N, stages: int = 2, consumer_regs: int = 240,
-             maxnreg: int = 168, head_major: bool = False):
+             maxnreg: int = 168, head_major: bool = HEAD_MAJOR):
     """dK/dV: ``gluon_dkdv.run``'s arguments without dQ. The item table must be built for ``BLOCK_N``-key blocks.
     head_major: the programs kv head major (``gluon_dkdv._program_item``; not yet measured at d = 256)."""
     if (block_m, block_n) != (BLOCK_M, BLOCK_N) or q.shape[2] != 256:
@@ -361,7 +363,7 @@ def dq_signature(dim: int, block_m: int, block_n: int, dtype: str = "bf16") -> d
 
 
 def compile_for_sm90(kernel: str = "dkdv", dim: int = 256, stages: int = 2, rep: int = 2, dtype: str = "bf16",
-                     consumer_regs: int = 240, maxnreg: int = 168, head_major: bool = False):
+                     consumer_regs: int = 240, maxnreg: int = 168, head_major: bool = HEAD_MAJOR):
     """Compile ``kernel`` ("dkdv" or "dq") for sm_90 without a GPU (the CPU tests' check that it lowers)."""
     const = dict(REP=rep, DIM=dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=stages, CONSUMER_REGS=consumer_regs,
                  num_warps=4)
@@ -371,4 +373,4 @@ def compile_for_sm90(kernel: str = "dkdv", dim: int = 256, stages: int = 2, rep:
     return _compile(dq_split_kernel, dq_signature(dim, BLOCK_M, BLOCK_N, dtype), const, 4, maxnreg)
 
 
-__all__ = ["AVAILABLE", "BLOCK_M", "BLOCK_N", "compile_for_sm90", "run_dkdv", "run_dq", "supported"]
+__all__ = ["AVAILABLE", "BLOCK_M", "BLOCK_N", "HEAD_MAJOR", "compile_for_sm90", "run_dkdv", "run_dq", "supported"]

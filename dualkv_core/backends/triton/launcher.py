@@ -283,10 +283,12 @@ class Backward:
         common = (q, k, v, dout, lse2, delta, self.dk, self.dv, wsk, wsv, table, meta.cu_seqlens, Hkv, o.rep,
                   o.qk_scale, o.scale)
         if self.gluon_ws:
-            gluon_dkdv_ws.run(*common, self.dq_acc, cfg.block_m, cfg.block_n)
+            gluon_dkdv_ws.run(*common, self.dq_acc, cfg.block_m, cfg.block_n,
+                              head_major=configs.bwd_head_major(gluon_dkdv_ws.HEAD_MAJOR))
             return
         if self.gluon_split:
-            gluon_split256.run_dkdv(*common, cfg.block_m, cfg.block_n)
+            gluon_split256.run_dkdv(*common, cfg.block_m, cfg.block_n,
+                                    head_major=configs.bwd_head_major(gluon_split256.HEAD_MAJOR))
             return
         if configs.gluon_dkdv_enabled() and gluon_dkdv.supported(o, q):
             gluon_dkdv.run(*common, dq_acc=self.dq_acc if self.atomic else None, block_m=cfg.block_m,
