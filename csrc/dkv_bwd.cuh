@@ -381,9 +381,15 @@ DKV_DEV void reader_segments(const BwdParams& p, int c, int& begin, int& end) {
 template <int kBlockN>
 DKV_DEV KvItem decode_item(const BwdParams& p, int item) {
   KvItem it;
-  const int n_tiles = p.kv_item_prefix[p.num_item_groups];
-  it.hk = p.kv_head_major ? item / n_tiles : item % p.nheads_kv;
-  const int tile_item = p.kv_head_major ? item - it.hk * n_tiles : item / p.nheads_kv;
+  int tile_item;
+  if (p.kv_head_major) {  // every tile of kv head 0, then of head 1, ...
+    const int n_tiles = p.kv_item_prefix[p.num_item_groups];
+    it.hk = item / n_tiles;
+    tile_item = item - it.hk * n_tiles;
+  } else {  // a tile's kv heads side by side
+    it.hk = item % p.nheads_kv;
+    tile_item = item / p.nheads_kv;
+  }
   const int grp = find_bucket(p.kv_item_prefix, p.num_item_groups, tile_item);
   const int li = tile_item - p.kv_item_prefix[grp];
   const int S = p.layout.num_segments;
