@@ -654,8 +654,8 @@ def test_warp_specialised_gluon_kernels_reject_what_their_layouts_do_not_cover()
 
 
 def test_gluon_switches(monkeypatch):
-    """DUALKV_TRITON_GLUON_FWD / _DKDV and _BWD_HEAD_MAJOR take 0 or 1 (named in the error otherwise); the Gluon kernels are
-    never taken off the GPU, so with both on a CPU call runs the ``tl`` kernels, correctly."""
+    """DUALKV_TRITON_GLUON_FWD / _DKDV and _BWD_HEAD_MAJOR take 0 or 1 (named in the error otherwise); the
+    Gluon kernels are never taken off the GPU, so with both on a CPU call runs the ``tl`` kernels, correctly."""
     from dualkv.core.backends.triton import configs, gluon_dkdv, gluon_fwd
 
     for name, enabled in (("DUALKV_TRITON_GLUON_DKDV", configs.gluon_dkdv_enabled),

@@ -27,15 +27,14 @@ an item's kv heads side by side, dQ's reduce-adds were bimodal at the long promp
 362-365 ms or 587-597 ms at (16, 64K, 2K), 335 ms without dQ (``raw/triton_bwd_dq_diag_h100_s36.log``).
 
 Programs run kv head major (``gluon_dkdv._program_item``'s HEAD_MAJOR; ``run(head_major=False)`` or
-``DUALKV_TRITON_BWD_HEAD_MAJOR=0``: the order before): at a time the programs in flight serve one kv head's query heads, so dQ's adds and the
-Q / dO reads stay in L2. In interleaved rounds on the H100 that took (16, 64K, 2K) to 323 ms every
-round and (28, 16K, 2K) to 86 ms (1.30-1.87x the item-major order's medians, which sat in the slow
-mode), 1.00-1.02x at the other long-prompt shapes and 0.95x at (28, 4K, 2K)
-(``raw/triton_bwd_order_h100_s36.log``, ``raw/triton_bwd_head_major_h100_s36.log``; each program's walk
-unchanged; outputs within 1.3e-4-3.4e-4 of the item-major kernel's, relative to their largest value:
-dQ's add-order noise). On an H200 (no slow mode there): 1.02-1.04x at P >= 16K, level at 8K, 0.90-0.94x
-at (28, 4K, 2K) (``raw/triton_bwd_order_h200_s37.log``). ``DUALKV_TRITON_BWD_HEAD_MAJOR=0`` runs the
-item-major order.
+``DUALKV_TRITON_BWD_HEAD_MAJOR=0``: the order before): at a time the programs in flight serve one kv
+head's query heads, so dQ's adds and the Q / dO reads stay in L2. In interleaved rounds on the H100 that
+took (16, 64K, 2K) to 323 ms every round and (28, 16K, 2K) to 86 ms (1.30-1.87x the item-major order's
+medians, which sat in the slow mode), 1.00-1.02x at the other long-prompt shapes and 0.95x at (28, 4K,
+2K) (``raw/triton_bwd_order_h100_s36.log``, ``raw/triton_bwd_head_major_h100_s36.log``; each program's
+walk unchanged; outputs within 1.3e-4-3.4e-4 of the item-major kernel's, relative to their largest
+value: dQ's add-order noise). On an H200 (no slow mode there): 1.02-1.04x at P >= 16K, level at 8K,
+0.90-0.94x at (28, 4K, 2K) (``raw/triton_bwd_order_h200_s37.log``).
 """
 
 from __future__ import annotations
