@@ -5,7 +5,8 @@ on every call, as do the Triton backend's (``DUALKV_TRITON_BWD_HEAD_MAJOR``, ``D
 with ``--backend triton``), so one process can time several values on the same inputs. Per layout the values
 take turns for ``--rounds`` rounds (the order reversed every other round, so that clock or thermal
 drift does not favour one value); each sample is the mean of ``--calls`` calls. Printed per value:
-the median ms, the minimum, and the median relative to the first value.
+the median ms, the minimum, and the median relative to the first value. The value ``unset`` removes the
+variable (the package's own default).
 
     python -m benchmarks.env_ab --var DUALKV_CUDA_BWD_CHUNK_ROWS --values 0,4096,8192,16384 \\
         --layouts 'dec:5K,32;dec:8K,16;dec:16K,8;8,16K,512;28,4K,2K;16,32K,2K'
@@ -43,16 +44,28 @@ def parse_layout(text: str, seed: int) -> tuple[str, int, list[int]]:
     return f"({text})", p, [r] * n
 
 
+UNSET = "unset"  # a value that removes the variable
+
+
+def set_value(var: str, value: str) -> None:
+    """``var`` = ``value``, or removed for ``UNSET``."""
+    if value == UNSET:
+        os.environ.pop(var, None)
+    else:
+        os.environ[var] = value
+
+
 def time_values(fn, var: str, values: list[str], rounds: int, calls: int) -> dict[str, list[float]]:
-    """ms per call of ``fn`` under each value of ``var``, ``rounds`` samples each, taking turns."""
+    """ms per call of ``fn`` under each value of ``var`` (``UNSET``: removed), ``rounds`` samples each,
+    taking turns."""
     times: dict[str, list[float]] = {v: [] for v in values}
     with restored_env(var):
         for v in values:  # one warm-up call each
-            os.environ[var] = v
+            set_value(var, v)
             fn()
         for rnd in range(rounds):
             for v in values if rnd % 2 == 0 else values[::-1]:
-                os.environ[var] = v
+                set_value(var, v)
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 for _ in range(calls):
@@ -66,7 +79,7 @@ def time_values(fn, var: str, values: list[str], rounds: int, calls: int) -> dic
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--var", required=True, help="the environment variable, e.g. DUALKV_CUDA_BWD_CHUNK_ROWS")
-    ap.add_argument("--values", required=True, help="','-separated values; the first is the baseline")
+    ap.add_argument("--values", required=True, help="','-separated values; the first is the baseline; 'unset' removes the variable")
     ap.add_argument("--layouts", required=True, help="';'-separated 'N,P,R' or 'dec:P,mb'")
     ap.add_argument("--backend", default="cuda", choices=BACKEND_CHOICES)
     ap.add_argument("--forward", action="store_true", help="time the forward instead of the backward")

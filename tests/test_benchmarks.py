@@ -537,8 +537,14 @@ def test_logprob_head_benchmark_bad_arguments(argv, match, capsys):
     assert match in capsys.readouterr().err
 
 
-def test_env_ab_layouts_and_cpu_refusal():
+def test_env_ab_layouts_and_cpu_refusal(monkeypatch):
     from benchmarks import env_ab
+
+    monkeypatch.setenv("DUALKV_AB_PROBE", "1")
+    env_ab.set_value("DUALKV_AB_PROBE", "0")
+    assert os.environ["DUALKV_AB_PROBE"] == "0"
+    env_ab.set_value("DUALKV_AB_PROBE", "unset")  # the package's default: the variable removed
+    assert "DUALKV_AB_PROBE" not in os.environ
 
     assert env_ab.parse_layout("4,1K,100", 0) == ("(4,1K,100)", 1024, [100] * 4)
     name, P, rs = env_ab.parse_layout("dec:5K,32", 0)

@@ -259,6 +259,35 @@ def test_balanced_split_rows_follows_the_work():
         assert int(reads.max()) <= max(int(budget), P)
 
 
+def test_head_major_flag_follows_the_longest_prompt():
+    """The Gluon dK/dV's program order: kv head major where the longest prompt reaches ``min_prompt`` keys
+    (one group or several), item-major below it, without prompts or with no threshold; True / False fix
+    it. ``order_flag`` passes the flag through, makes one from a bool and names a wrong tensor."""
+    from dualkv.core.backends.triton import gluon_dkdv
+
+    def flag(prompts, responses, head_major=None, min_prompt=8192):
+        meta = AttnMeta.from_layout(PackedLayout.from_lengths(prompts, responses))
+        out = schedule.head_major_flag(meta, head_major, min_prompt)
+        assert out.shape == (1,) and out.dtype == torch.int32
+        return int(out)
+
+    assert flag([4096], [[16] * 3]) == 0
+    assert flag([8192], [[16] * 3]) == 1
+    assert flag([4096, 8192, 100], [[16], [16], [16]]) == 1
+    assert flag([8191, 512], [[16], [16]]) == 0
+    assert flag([8192], [[16]], min_prompt=None) == 0
+    assert flag([8192], [[16]], head_major=False) == 0
+    assert flag([4096], [[16]], head_major=True) == 1
+    no_prompt = AttnMeta.from_layout(PackedLayout.from_lengths([4096], [[16]]))._replace(
+        ctx_key_len=torch.zeros(0, dtype=torch.int32))
+    assert int(schedule.head_major_flag(no_prompt, None, 8192)) == 0
+    ready = torch.ones(1, dtype=torch.int32)
+    assert gluon_dkdv.order_flag(ready, "cpu") is ready
+    assert gluon_dkdv.order_flag(True, "cpu").tolist() == [1]
+    with pytest.raises(ValueError, match=r"head_major: expected a bool or a \(1,\) int32 tensor"):
+        gluon_dkdv.order_flag(torch.ones(1), "cpu")
+
+
 def test_key_items_by_segment_order():
     """by_segment=True: the same items; the blocks read as context first, heaviest first; then every
     other block segment by segment, first block first; the padding last."""
@@ -667,16 +696,16 @@ def test_gluon_switches(monkeypatch):
         assert enabled()
     monkeypatch.delenv("DUALKV_TRITON_GLUON_FWD")
     assert configs.gluon_fwd_enabled()  # on by default
-    # the Gluon dK/dV's program order: the kernel's own default unless the variable says 0 or 1
+    # the Gluon dK/dV's program order: left to the layout (None) unless the variable says 0 or 1
     monkeypatch.delenv("DUALKV_TRITON_BWD_HEAD_MAJOR", raising=False)
-    assert configs.bwd_head_major(True) and not configs.bwd_head_major(False)
+    assert configs.bwd_head_major() is None
     monkeypatch.setenv("DUALKV_TRITON_BWD_HEAD_MAJOR", "0")
-    assert not configs.bwd_head_major(True)
+    assert configs.bwd_head_major() is False
     monkeypatch.setenv("DUALKV_TRITON_BWD_HEAD_MAJOR", "1")
-    assert configs.bwd_head_major(False)
+    assert configs.bwd_head_major() is True
     monkeypatch.setenv("DUALKV_TRITON_BWD_HEAD_MAJOR", "true")
     with pytest.raises(ValueError, match="DUALKV_TRITON_BWD_HEAD_MAJOR: expected 0 or 1"):
-        configs.bwd_head_major(True)
+        configs.bwd_head_major()
     monkeypatch.delenv("DUALKV_TRITON_BWD_HEAD_MAJOR")
     q = torch.zeros(8, 4, 128, dtype=torch.float16)
     k = torch.zeros(8, 2, 128, dtype=torch.float16)

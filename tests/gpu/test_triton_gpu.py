@@ -247,7 +247,9 @@ def test_gluon_backward_program_order(d, H, Hkv, monkeypatch):
     """``DUALKV_TRITON_BWD_HEAD_MAJOR``: the Gluon dK/dV's programs in either order (kv head major, or an
     item's kv heads side by side) reach the kernel, pass the reference check and give the same dK and dV
     bit for bit (a key tile's sums run in the same order whichever program runs it); dQ as well at
-    d = 256 (its own kernel), within rounding at d = 128 (its reduce-adds land in another order)."""
+    d = 256 (its own kernel), within rounding at d = 128 (its reduce-adds land in another order). Unset,
+    the order follows the longest prompt: item-major below ``HEAD_MAJOR_MIN_PROMPT`` (always at d = 256),
+    kv head major from it, and that layout passes the reference too."""
     from dualkv.core.backends.triton import gluon_dkdv_ws, gluon_split256
 
     if torch.cuda.get_device_capability()[0] != 9 or not gluon_dkdv_ws.AVAILABLE:
@@ -255,14 +257,20 @@ def test_gluon_backward_program_order(d, H, Hkv, monkeypatch):
     mod, name = (gluon_dkdv_ws, "run") if d == 128 else (gluon_split256, "run_dkdv")
     orders = []
     real = getattr(mod, name)
-    monkeypatch.setattr(mod, name, lambda *a, **kw: orders.append(kw["head_major"]) or real(*a, **kw))
+    monkeypatch.setattr(mod, name, lambda *a, **kw: orders.append(int(kw["head_major"])) or real(*a, **kw))
     layout = _layout([2048, 129], [8, 3], [[1024] * 7 + [1], 63])
     grads = {}
     for value in ("0", "1"):
         monkeypatch.setenv("DUALKV_TRITON_BWD_HEAD_MAJOR", value)
         orders.clear()
         grads[value] = _check(layout, H, Hkv, d, torch.bfloat16, seed=9)
-        assert orders == [value == "1"], orders
+        assert orders == [int(value)], orders
+    monkeypatch.delenv("DUALKV_TRITON_BWD_HEAD_MAJOR")
+    orders.clear()
+    _check(layout, H, Hkv, d, torch.bfloat16, seed=9)
+    long_prompt = _layout([8192, 300], [3, 2], [[700, 1, 129], 64])
+    _check(long_prompt, H, Hkv, d, torch.bfloat16, seed=10)
+    assert orders == [0, int(d == 128)], orders
     (dq0, dk0, dv0), (dq1, dk1, dv1) = grads["0"], grads["1"]
     assert torch.equal(dk0, dk1) and torch.equal(dv0, dv1)
     if d == 256:

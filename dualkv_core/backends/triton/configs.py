@@ -183,12 +183,14 @@ def gluon_dkdv_enabled() -> bool:
     return _switch("DUALKV_TRITON_GLUON_DKDV", "0")
 
 
-def bwd_head_major(kernel_default: bool) -> bool:
-    """Whether the warp-specialised Gluon dK/dV programs run kv head major (every item of kv head 0,
-    then of head 1, ...) rather than with an item's kv heads side by side: ``DUALKV_TRITON_BWD_HEAD_MAJOR=1``
-    / ``0`` where set, otherwise ``kernel_default``, the kernel's measured choice (``gluon_dkdv_ws.HEAD_MAJOR``,
-    ``gluon_split256.HEAD_MAJOR``). Read on every call, so ``benchmarks.env_ab`` can time both orders."""
-    return _switch("DUALKV_TRITON_BWD_HEAD_MAJOR", "1" if kernel_default else "0")
+def bwd_head_major() -> bool | None:
+    """The program order of the warp-specialised Gluon dK/dV where ``DUALKV_TRITON_BWD_HEAD_MAJOR`` sets it:
+    1, kv head major (every item of kv head 0, then of head 1, ...); 0, an item's kv heads side by side;
+    unset (None), the kernel's measured choice for the layout (``schedule.head_major_flag`` with the
+    kernel's ``HEAD_MAJOR_MIN_PROMPT``). Read on every call, so ``benchmarks.env_ab`` can time the orders."""
+    if os.environ.get("DUALKV_TRITON_BWD_HEAD_MAJOR") is None:
+        return None
+    return _switch("DUALKV_TRITON_BWD_HEAD_MAJOR", "0")
 
 
 def autotune_enabled() -> bool:

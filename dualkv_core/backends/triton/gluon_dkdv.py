@@ -32,6 +32,8 @@ padding), no softcap, the packed layout without a window: the same items, masks 
 
 from __future__ import annotations
 
+import torch
+
 from .bwd_kernel import I_BLOCK, I_NSPLIT, I_R0, I_R1, I_REGION, I_SPLIT, I_WS_BASE
 from .gluon_compat import (AVAILABLE, block_barrier, compile_for_sm90 as _compile, desc, fence_async_shared, gl,
                            gluon, hidden_zero, mbarrier, on_hopper, tile_sig, tma, TensorDescriptor, tma_add, tma_load,
@@ -85,14 +87,15 @@ if AVAILABLE:
         tma_load(delta_desc, [hq, row], bar, delta_buf)
 
     @gluon.jit
-    def _program_item(ITEMS, n_items, nheads_k, HEAD_MAJOR: gl.constexpr = False):
+    def _program_item(ITEMS, n_items, nheads_k, head_major=False):
         """This program's (item, kv head, unit) in a launch over (items x kv heads); unit < 0 marks a
-        padding entry of the item table. HEAD_MAJOR: every item of kv head 0, then of head 1, ... (else
-        an item's kv heads side by side). Head major, the programs in flight share their query heads' Q /
-        dO rows and, where dQ is added in the kernel, its rows in L2 (on an H100, eight heads in flight
-        left the d = 128 backward's fp32 dQ adds to DRAM at long prompts)."""
+        padding entry of the item table. head_major (a constant, or a flag read from the device): every
+        item of kv head 0, then of head 1, ... (else an item's kv heads side by side). Head major, the
+        programs in flight share their query heads' Q / dO rows and, where dQ is added in the kernel, its
+        rows in L2 (on an H100, eight heads in flight left the d = 128 backward's fp32 dQ adds to DRAM at
+        long prompts)."""
         pid = gl.program_id(0)
-        if HEAD_MAJOR:
+        if head_major:
             item = pid % n_items
             hk = pid // n_items
         else:
@@ -307,15 +310,28 @@ def dq_desc(t, block_m: int, cols: int):
     return TensorDescriptor(t, [t.shape[0], t.shape[1] * t.shape[2]], [t.stride(0), 1], [block_m, cols], layout)
 
 
+def order_flag(head_major, device) -> torch.Tensor:
+    """The program-order flag of the warp-specialised dK/dV kernels: a (1,) int32 tensor on ``device``,
+    non-zero for kv head major. ``head_major`` is such a tensor already (``schedule.head_major_flag``, made
+    on the device from the layout) or a bool."""
+    if isinstance(head_major, torch.Tensor):
+        if head_major.shape != (1,) or head_major.dtype != torch.int32 or head_major.device != torch.device(device):
+            raise ValueError(f"head_major: expected a bool or a (1,) int32 tensor on {device}, got "
+                             f"{tuple(head_major.shape)} {head_major.dtype} on {head_major.device}")
+        return head_major
+    return torch.full((1,), int(bool(head_major)), dtype=torch.int32, device=device)
+
+
 def dkdv_args(q, k, v, dout, lse2, delta, dk, dv, wsk, wsv, table, cu_seqlens, nheads_k, qk_scale, sm_scale,
-              dq_acc=None, block_m: int = 64, block_n: int = 128, dq_cols: int | None = None):
+              dq_acc=None, block_m: int = 64, block_n: int = 128, dq_cols: int | None = None, head_major=False):
     """The launch arguments of the warp-specialised dK/dV kernels (``gluon_dkdv_ws``, ``gluon_split256``),
-    in order (dq_desc only with dq_acc)."""
+    in order (dq_desc only with dq_acc; head_major as ``order_flag`` takes it)."""
     descs = [desc(q, block_m), desc(k, block_n), desc(v, block_n), desc(dout, block_m), stat_desc(lse2, block_m),
              stat_desc(delta, block_m)]
     if dq_acc is not None:
         descs.append(dq_desc(dq_acc, block_m, dq_cols or q.shape[2]))
-    return [*descs, dk, dv, wsk, wsv, table, cu_seqlens, table.shape[1], nheads_k, qk_scale, sm_scale]
+    return [*descs, dk, dv, wsk, wsv, table, cu_seqlens, order_flag(head_major, q.device), table.shape[1], nheads_k,
+            qk_scale, sm_scale]
 
 
 def dkdv_signature(dim: int, block_m: int, block_n: int, dtype: str = "bf16", dq_cols: int | None = None) -> dict:
@@ -326,7 +342,7 @@ def dkdv_signature(dim: int, block_m: int, block_n: int, dtype: str = "bf16", dq
                lse_desc=f"tensordesc<fp32[1, {block_m}],{stat!r}>",
                delta_desc=f"tensordesc<fp32[1, {block_m}],{stat!r}>",
                DK=f"*{dtype}", DV=f"*{dtype}", WSK="*fp32", WSV="*fp32", ITEMS="*i32", CU="*i32",
-               n_items="i32", nheads_k="i32", qk_scale="fp32", sm_scale="fp32")
+               ORDER="*i32", n_items="i32", nheads_k="i32", qk_scale="fp32", sm_scale="fp32")
     if dq_cols is not None:
         layout = gl.NVMMASharedLayout.get_default_for([block_m, dq_cols], gl.float32)
         sig["dq_desc"] = f"tensordesc<fp32[{block_m}, {dq_cols}],{layout!r}>"

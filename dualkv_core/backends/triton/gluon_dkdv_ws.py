@@ -26,15 +26,17 @@ The unmasked path and the fifth barrier's removal together: 1.09x at (8, 16K, 51
 an item's kv heads side by side, dQ's reduce-adds were bimodal at the long prompts: the same kernel took
 362-365 ms or 587-597 ms at (16, 64K, 2K), 335 ms without dQ (``raw/triton_bwd_dq_diag_h100_s36.log``).
 
-Programs run kv head major (``gluon_dkdv._program_item``'s HEAD_MAJOR; ``run(head_major=False)`` or
-``DUALKV_TRITON_BWD_HEAD_MAJOR=0``: the order before): at a time the programs in flight serve one kv
+Where the longest prompt has at least ``HEAD_MAJOR_MIN_PROMPT`` keys, programs run kv head major
+(``gluon_dkdv._program_item``; the flag is made on the device from the layout, ``schedule.head_major_flag``;
+``DUALKV_TRITON_BWD_HEAD_MAJOR=0`` / ``1`` fixes the order): at a time the programs in flight serve one kv
 head's query heads, so dQ's adds and the Q / dO reads stay in L2. In interleaved rounds on the H100 that
 took (16, 64K, 2K) to 323 ms every round and (28, 16K, 2K) to 86 ms (1.30-1.87x the item-major order's
 medians, which sat in the slow mode), 1.00-1.02x at the other long-prompt shapes and 0.95x at (28, 4K,
 2K) (``raw/triton_bwd_order_h100_s36.log``, ``raw/triton_bwd_head_major_h100_s36.log``; each program's
 walk unchanged; outputs within 1.3e-4-3.4e-4 of the item-major kernel's, relative to their largest
 value: dQ's add-order noise). On an H200 (no slow mode there): 1.02-1.04x at P >= 16K, level at 8K,
-0.90-0.94x at (28, 4K, 2K) (``raw/triton_bwd_order_h200_s37.log``).
+0.90-0.94x at (28, 4K, 2K) (``raw/triton_bwd_order_h200_s37.log``): shorter prompts keep an item's kv
+heads side by side.
 """
 
 from __future__ import annotations
@@ -166,13 +168,13 @@ if AVAILABLE:
     @gluon.jit
     def dkdv_dq_ws_kernel(
         q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, DK, DV, WSK, WSV, ITEMS, CU,
-        n_items, nheads_k, qk_scale, sm_scale,
+        ORDER, n_items, nheads_k, qk_scale, sm_scale,
         REP: gl.constexpr, DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, HEAD_MAJOR: gl.constexpr, num_warps: gl.constexpr,
+        STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
     ):
         dtype: gl.constexpr = q_desc.dtype
         HALF: gl.constexpr = BLOCK_N // 2
-        item, hk, unit = _program_item(ITEMS, n_items, nheads_k, HEAD_MAJOR)
+        item, hk, unit = _program_item(ITEMS, n_items, nheads_k, gl.load(ORDER) != 0)
         if unit >= 0:
             krow, seg_end, own_lo, n_own, read_lo, n_blocks, r0, r1, ws_row, nz = _walk(
                 ITEMS, CU, n_items, item, unit, BLOCK_M, BLOCK_N)
@@ -202,8 +204,11 @@ if AVAILABLE:
 
 # The kernel's layouts assume these tiles: 64 query rows a step, 128 keys a program (64 a consumer).
 BLOCK_M, BLOCK_N = 64, 128
-# The program order the launcher uses unless DUALKV_TRITON_BWD_HEAD_MAJOR says otherwise (configs.bwd_head_major).
-HEAD_MAJOR = True
+# The program order the launcher takes unless DUALKV_TRITON_BWD_HEAD_MAJOR says otherwise: kv head major where the
+# longest prompt of the layout has at least this many keys, else an item's kv heads side by side
+# (schedule.head_major_flag, on the device). On an H200 head major took 0.96-0.98x the backward's time at
+# P >= 16K, level at 8K, 1.07-1.11x at (28, 4K, 2K) (raw/triton_bwd_order_h200_s37.log).
+HEAD_MAJOR_MIN_PROMPT = 8192
 
 
 def supported(o, q) -> bool:
@@ -214,27 +219,28 @@ def supported(o, q) -> bool:
 
 def run(q, k, v, dout, lse2, delta, dk, dv, wsk, wsv, table, cu_seqlens, nheads_k, rep, qk_scale, sm_scale,
         dq_acc, block_m: int = BLOCK_M, block_n: int = BLOCK_N, stages: int = 2, consumer_regs: int = 240,
-        maxnreg: int = 168, head_major: bool = HEAD_MAJOR):
+        maxnreg: int = 168, head_major=True):
     """``gluon_dkdv.run``'s arguments; dq_acc (an fp32 tensor like q, zeroed) is required: unscaled dQ is
     added into it. The item table must be built for ``BLOCK_N``-key blocks. head_major: the programs kv
-    head major (``gluon_dkdv._program_item``); False: an item's kv heads side by side."""
+    head major (``gluon_dkdv._program_item``), a bool or the device flag ``schedule.head_major_flag``
+    makes; False: an item's kv heads side by side."""
     if (block_m, block_n) != (BLOCK_M, BLOCK_N) or q.shape[2] != 128 or dq_acc is None:
         raise ValueError(f"gluon_dkdv_ws: expected d = 128, {BLOCK_M} x {BLOCK_N} tiles and a dQ accumulator, got "
                          f"d = {q.shape[2]}, {block_m} x {block_n}, dq_acc={'given' if dq_acc is not None else None}")
     args = dkdv_args(q, k, v, dout, lse2, delta, dk, dv, wsk, wsv, table, cu_seqlens, nheads_k, qk_scale, sm_scale,
-                     dq_acc, block_m, block_n, dq_cols=q.shape[2] // 2)
+                     dq_acc, block_m, block_n, dq_cols=q.shape[2] // 2, head_major=head_major)
     return dkdv_dq_ws_kernel[(table.shape[1] * nheads_k,)](
         *args, REP=rep, DIM=q.shape[2], BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
-        CONSUMER_REGS=consumer_regs, HEAD_MAJOR=head_major, num_warps=4, maxnreg=maxnreg)
+        CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)
 
 
 def compile_for_sm90(dim: int = 128, stages: int = 2, rep: int = 4, dtype: str = "bf16", consumer_regs: int = 240,
-                     maxnreg: int = 168, head_major: bool = HEAD_MAJOR):
+                     maxnreg: int = 168):
     """Compile the kernel for sm_90 without a GPU (the CPU tests' check that it lowers)."""
     const = dict(REP=rep, DIM=dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=stages, CONSUMER_REGS=consumer_regs,
-                 HEAD_MAJOR=head_major, num_warps=4)
+                 num_warps=4)
     return _compile(dkdv_dq_ws_kernel, dkdv_signature(dim, BLOCK_M, BLOCK_N, dtype, dq_cols=dim // 2), const, 4,
                     maxnreg)
 
 
-__all__ = ["AVAILABLE", "BLOCK_M", "BLOCK_N", "HEAD_MAJOR", "compile_for_sm90", "run", "supported"]
+__all__ = ["AVAILABLE", "BLOCK_M", "BLOCK_N", "HEAD_MAJOR_MIN_PROMPT", "compile_for_sm90", "run", "supported"]

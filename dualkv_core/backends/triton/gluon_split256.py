@@ -34,9 +34,9 @@ from .gluon_dkdv_ws import _key_block_loader, _loader_barriers
 from .gluon_fwd import _edge_mask, _geometry, _load_key_rings, _query_tile
 
 BLOCK_M, BLOCK_N = 64, 64  # the tiles both kernels' layouts assume
-# The dK/dV program order the launcher uses unless DUALKV_TRITON_BWD_HEAD_MAJOR says otherwise: item-major (kv head
-# major measured within 2% on an H200, raw/triton_bwd_order_h200_s37.log).
-HEAD_MAJOR = False
+# The dK/dV program order the launcher takes unless DUALKV_TRITON_BWD_HEAD_MAJOR says otherwise: item-major at every
+# prompt length (None; kv head major measured within 2% on an H200, raw/triton_bwd_order_h200_s37.log).
+HEAD_MAJOR_MIN_PROMPT = None
 
 
 if AVAILABLE:
@@ -126,12 +126,12 @@ if AVAILABLE:
     @gluon.jit
     def dkdv_split_kernel(
         q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, DK, DV, WSK, WSV, ITEMS, CU,
-        n_items, nheads_k, qk_scale, sm_scale,
+        ORDER, n_items, nheads_k, qk_scale, sm_scale,
         REP: gl.constexpr, DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, HEAD_MAJOR: gl.constexpr, num_warps: gl.constexpr,
+        STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
     ):
         dtype: gl.constexpr = q_desc.dtype
-        item, hk, unit = _program_item(ITEMS, n_items, nheads_k, HEAD_MAJOR)
+        item, hk, unit = _program_item(ITEMS, n_items, nheads_k, gl.load(ORDER) != 0)
         if unit >= 0:
             krow, seg_end, own_lo, n_own, read_lo, n_blocks, r0, r1, ws_row, nz = _walk(
                 ITEMS, CU, n_items, item, unit, BLOCK_M, BLOCK_N)
@@ -321,17 +321,18 @@ def supported(o, q) -> bool:
 
 def run_dkdv(q, k, v, dout, lse2, delta, dk, dv, wsk, wsv, table, cu_seqlens, nheads_k, rep, qk_scale, sm_scale,
              block_m: int = BLOCK_M, block_n: int = BLOCK_N, stages: int = 2, consumer_regs: int = 240,
-             maxnreg: int = 168, head_major: bool = HEAD_MAJOR):
+             maxnreg: int = 168, head_major=False):
     """dK/dV: ``gluon_dkdv.run``'s arguments without dQ. The item table must be built for ``BLOCK_N``-key blocks.
-    head_major: the programs kv head major (``gluon_dkdv._program_item``; ``HEAD_MAJOR`` says why not by default)."""
+    head_major: the programs kv head major (``gluon_dkdv._program_item``), a bool or the device flag
+    ``schedule.head_major_flag`` makes (``HEAD_MAJOR_MIN_PROMPT`` says why not by default)."""
     if (block_m, block_n) != (BLOCK_M, BLOCK_N) or q.shape[2] != 256:
         raise ValueError(f"gluon_split256: expected d = 256 and {BLOCK_M} x {BLOCK_N} tiles, got d = {q.shape[2]}, "
                          f"{block_m} x {block_n}")
     args = dkdv_args(q, k, v, dout, lse2, delta, dk, dv, wsk, wsv, table, cu_seqlens, nheads_k, qk_scale, sm_scale,
-                     None, block_m, block_n)
+                     None, block_m, block_n, head_major=head_major)
     return dkdv_split_kernel[(table.shape[1] * nheads_k,)](
         *args, REP=rep, DIM=q.shape[2], BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
-        CONSUMER_REGS=consumer_regs, HEAD_MAJOR=head_major, num_warps=4, maxnreg=maxnreg)
+        CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)
 
 
 def dq_args(q, k, v, dout, dq, lse, delta, meta, tiles, qk_scale, sm_scale, block_m, block_n):
@@ -364,14 +365,13 @@ def dq_signature(dim: int, block_m: int, block_n: int, dtype: str = "bf16") -> d
 
 
 def compile_for_sm90(kernel: str = "dkdv", dim: int = 256, stages: int = 2, rep: int = 2, dtype: str = "bf16",
-                     consumer_regs: int = 240, maxnreg: int = 168, head_major: bool = HEAD_MAJOR):
+                     consumer_regs: int = 240, maxnreg: int = 168):
     """Compile ``kernel`` ("dkdv" or "dq") for sm_90 without a GPU (the CPU tests' check that it lowers)."""
     const = dict(REP=rep, DIM=dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=stages, CONSUMER_REGS=consumer_regs,
                  num_warps=4)
     if kernel == "dkdv":
-        const["HEAD_MAJOR"] = head_major
         return _compile(dkdv_split_kernel, dkdv_signature(dim, BLOCK_M, BLOCK_N, dtype), const, 4, maxnreg)
     return _compile(dq_split_kernel, dq_signature(dim, BLOCK_M, BLOCK_N, dtype), const, 4, maxnreg)
 
 
-__all__ = ["AVAILABLE", "BLOCK_M", "BLOCK_N", "HEAD_MAJOR", "compile_for_sm90", "run_dkdv", "run_dq", "supported"]
+__all__ = ["AVAILABLE", "BLOCK_M", "BLOCK_N", "HEAD_MAJOR_MIN_PROMPT", "compile_for_sm90", "run_dkdv", "run_dq", "supported"]

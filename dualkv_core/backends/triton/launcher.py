@@ -270,6 +270,11 @@ class Backward:
             n = self.dq.numel()
             scale_cast_kernel[(triton.cdiv(n, 4096),)](self.dq_acc, self.dq, n, o.scale, BLOCK=4096, num_warps=4)
 
+    def _head_major(self, min_prompt: int | None) -> torch.Tensor:
+        """The Gluon dK/dV's program-order flag: ``DUALKV_TRITON_BWD_HEAD_MAJOR`` where set, else the kernel's
+        choice for this layout's longest prompt (``min_prompt``; on the device, no synchronisation)."""
+        return schedule.head_major_flag(self.args[8], configs.bwd_head_major(), min_prompt)
+
     def _dkdv_rows(self, cfg: KernelConfig, table, wsk, wsv):
         """The one-loop dK/dV over query rows (the packed layout on descriptors, no window)."""
         q, k, v, _, _, dout, _, lse, meta = self.args
@@ -284,11 +289,11 @@ class Backward:
                   o.qk_scale, o.scale)
         if self.gluon_ws:
             gluon_dkdv_ws.run(*common, self.dq_acc, cfg.block_m, cfg.block_n,
-                              head_major=configs.bwd_head_major(gluon_dkdv_ws.HEAD_MAJOR))
+                              head_major=self._head_major(gluon_dkdv_ws.HEAD_MAJOR_MIN_PROMPT))
             return
         if self.gluon_split:
             gluon_split256.run_dkdv(*common, cfg.block_m, cfg.block_n,
-                                    head_major=configs.bwd_head_major(gluon_split256.HEAD_MAJOR))
+                                    head_major=self._head_major(gluon_split256.HEAD_MAJOR_MIN_PROMPT))
             return
         if configs.gluon_dkdv_enabled() and gluon_dkdv.supported(o, q):
             gluon_dkdv.run(*common, dq_acc=self.dq_acc if self.atomic else None, block_m=cfg.block_m,

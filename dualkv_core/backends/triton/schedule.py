@@ -11,6 +11,7 @@ the blocks nobody reads as context segment by segment instead: ``key_items(by_se
   split) with the reader query rows of that split. Context key blocks whose readers are many are
   split over several programs (``nsplit``), each writing an fp32 partial that ``reduce`` sums in a
   fixed order: deterministic, and the prompt-block programs stay as short as the others.
+- ``head_major_flag``: the dK/dV kernels' program order, chosen from the longest prompt.
 - ``balanced_split_rows``: the split size for a dK/dV kernel that adds dQ itself. There, splitting
   costs time: the programs of a prompt's key blocks that walk the same reader rows together add into
   the same dQ tiles while those are in L2, and splits break that up. So a prompt block's readers are
@@ -141,6 +142,17 @@ def balanced_split_rows(meta, block_n: int, programs_per_item: int, n_sm: int) -
     readers = (meta.ctx_reader_end - meta.ctx_reader_start).long()
     read = (_cdiv(meta.ctx_key_len.long(), block_n) * readers).sum()
     return (own + read) * programs_per_item // max(2 * n_sm, 1)
+
+
+def head_major_flag(meta, head_major: bool | None, min_prompt: int | None) -> torch.Tensor:
+    """The program-order flag of the warp-specialised dK/dV kernels, a (1,) int32 tensor on the metadata's
+    device (non-zero: kv head major). ``head_major`` True / False sets it; None leaves it to the layout:
+    kv head major where the longest prompt (context region) has at least ``min_prompt`` keys, item-major
+    where ``min_prompt`` is None or the layout has no prompt. Computed on the device: no synchronisation."""
+    dev = meta.ctx_key_len.device
+    if head_major is not None or min_prompt is None or meta.ctx_key_len.numel() == 0:
+        return torch.full((1,), int(bool(head_major)), dtype=torch.int32, device=dev)
+    return (meta.ctx_key_len.amax() >= min_prompt).to(torch.int32).reshape(1)
 
 
 def key_items(meta, total_q: int, n_ctx_rows: int, separate: bool, block_n: int,
