@@ -354,16 +354,18 @@ bool tile_order_by_readers() {
   return choice != "0";
 }
 
-// DUALKV_CUDA_BWD_ITEM_ORDER: how the dK/dV kernels number their (key tile, kv head) items. 0 (unset): a
-// tile's kv heads side by side; 1: kv head major, every tile of head 0, then of head 1, ..., so the
-// programs in flight serve one kv head's query heads (their dQ adds and Q / dO reads share L2; the
-// Triton backend's order since it took its d = 128 backward at (16, 64K, 2K) from 588-618 to 323 ms on
-// an H100). Not a kernel form: the CPU emulation takes it too.
+// DUALKV_CUDA_BWD_ITEM_ORDER: how the dK/dV kernels number their (key tile, kv head) items. 1 (unset): kv
+// head major, every tile of head 0, then of head 1, ..., so the programs in flight serve one kv head's
+// query heads (their dQ adds and Q / dO reads share L2); 0: a tile's kv heads side by side. On an H100
+// the d = 128 backward took 0.71-0.97x the time of 0 in all six configs of the kernel table, two sets of
+// rounds, (16, 64K, 2K) 336-337 ms against 420-474
+// (benchmarks/results/raw/cuda_bwd_item_order_h100_s38.log). Not a kernel form: the CPU emulation takes
+// it too.
 bool bwd_items_by_kv_head() {
   const std::string choice = env_value("DUALKV_CUDA_BWD_ITEM_ORDER");
   DKV_CHECK(choice.empty() || choice == "0" || choice == "1", kOps,
             ": DUALKV_CUDA_BWD_ITEM_ORDER: expected one of 0, 1 (or unset), got '", choice, "'");
-  return choice == "1";
+  return choice != "0";
 }
 
 QueryTiles query_tiles(const Tensor& seg_len, const Tensor& seg_ctx_len, int block, bool by_readers) {

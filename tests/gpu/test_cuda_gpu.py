@@ -332,6 +332,25 @@ def test_tile_order_changes_no_result(cuda_backend, head_dim, monkeypatch):
         assert torch.equal(runs[None][name], runs["0"][name]), name
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 96])
+def test_bwd_item_order_changes_no_result(cuda_backend, head_dim, monkeypatch):
+    """The dK/dV items' order (DUALKV_CUDA_BWD_ITEM_ORDER: kv head major by default, a key tile's kv heads
+    side by side with 0): each item sums its own tile, so the deterministic backward is bitwise equal in
+    both orders; the default backward (fp32 atomics) matches the reference in both."""
+    case = ([700, 129], [[300, 1, 250, 513], [90, 260]], 8, 2, head_dim, None, None)
+    runs = {}
+    for order in (None, "0"):
+        if order is None:
+            monkeypatch.delenv("DUALKV_CUDA_BWD_ITEM_ORDER", raising=False)
+        else:
+            monkeypatch.setenv("DUALKV_CUDA_BWD_ITEM_ORDER", order)
+        runs[order] = _run_packed(case, torch.bfloat16, deterministic=True)
+        _check_against_reference(case, torch.bfloat16, _run_packed(case, torch.bfloat16, deterministic=False))
+    _check_against_reference(case, torch.bfloat16, runs[None])
+    for name in ("out", "lse", "dq", "dk", "dv"):
+        assert torch.equal(runs[None][name], runs["0"][name]), name
+
+
 @pytest.mark.parametrize("tma", [None, "0"], ids=["default", "cp-async"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
