@@ -359,8 +359,9 @@ bool tile_order_by_readers() {
 // query heads (their dQ adds and Q / dO reads share L2); 0: a tile's kv heads side by side. On an H100
 // the d = 128 backward took 0.71-0.97x the time of 0 in all six configs of the kernel table, two sets of
 // rounds, (16, 64K, 2K) 336-337 ms against 420-474
-// (benchmarks/results/raw/cuda_bwd_item_order_h100_s38.log). Not a kernel form: the CPU emulation takes
-// it too.
+// (benchmarks/results/raw/cuda_bwd_item_order_h100_s38.log); on an H200 0.96-0.97x at P >= 16K with 2K
+// responses, 1.03x at (28, 4K, 2K) and (8, 16K, 512) (raw/cuda_bwd_item_order_h200_s38.log). Not a kernel
+// form: the CPU emulation takes it too.
 bool bwd_items_by_kv_head() {
   const std::string choice = env_value("DUALKV_CUDA_BWD_ITEM_ORDER");
   DKV_CHECK(choice.empty() || choice == "0" || choice == "1", kOps,
