@@ -18,14 +18,21 @@ __all__ = ["dualkv_attention", "flash_attn_dualkv_varlen_func"]
 
 
 @torch.compiler.assume_constant_result
-def _backend_name(backend: str, is_cuda: bool, head_dim: int, low_precision: bool) -> str:
-    """Resolved per (backend, device kind, head dim, fp16 / bf16 or not); constant under torch.compile."""
+def _backend_name(backend: str, is_cuda: bool, head_dim: int, low_precision: bool, longest_prompt: int | None) -> str:
+    """Resolved per (backend, device kind, head dim, fp16 / bf16 or not, longest prompt if known); constant
+    under torch.compile."""
     dtype = torch.bfloat16 if low_precision else torch.float32
-    return resolve_backend(backend, "cuda" if is_cuda else "cpu", head_dim=head_dim, dtype=dtype)
+    return resolve_backend(backend, "cuda" if is_cuda else "cpu", head_dim=head_dim, dtype=dtype,
+                           longest_prompt=longest_prompt)
 
 
-def _run(q, k, v, k_ctx, v_ctx, meta, scale, window, softcap, deterministic, backend):
-    name = _backend_name(backend, q.is_cuda, int(q.shape[-1]), q.dtype in (torch.float16, torch.bfloat16))
+def _run(q, k, v, k_ctx, v_ctx, meta, scale, window, softcap, deterministic, backend, longest_prompt=None):
+    """``longest_prompt``: the host's count of the longest prompt's keys, for ``auto``; left out under
+    torch.compile, where reading it would make a graph per prompt length."""
+    if torch.compiler.is_compiling():
+        longest_prompt = None
+    name = _backend_name(backend, q.is_cuda, int(q.shape[-1]), q.dtype in (torch.float16, torch.bfloat16),
+                         longest_prompt)
     if not torch.compiler.is_compiling():
         for part in dict.fromkeys(split_backend(name)):
             get_backend(part).check_supported(q, k, v, window, softcap)
@@ -62,9 +69,11 @@ def dualkv_attention(
         return_lse: also return lse (nheads, T) float32 (not differentiable).
         backend: "auto" (on CUDA tensors Triton when available; in fp16 / bf16, where the built
             CUDA extension runs the Hopper wgmma kernels, what measured faster: at head dims 64, 128,
-            192 and 512 the CUDA backend (its warp-specialised forward at 64 / 128); at 256 its
-            forward with Triton's backward ("cuda+triton"); at 512 on an sm_90 GPU whose wgmma
-            backward is switched off, Triton's forward with the CUDA backward; the CUDA
+            192 and 512 the CUDA backend (its warp-specialised forward at 64 / 128), at 128 from
+            prompts of 16K keys its forward with Triton's backward ("cuda+triton"; not under
+            torch.compile, which keeps one choice per head dim); at 256 that pair; at 512 on an
+            sm_90 GPU whose wgmma backward is switched off, Triton's forward with the CUDA
+            backward; the CUDA
             backward adds the prompt's gradients (and on sm_90 at head dim 128 dQ) with fp32
             atomics by default, as the Triton backward adds dQ on sm_90 at head dim 128, so those
             gradients are bit-identical run to run only with ``deterministic=True``; on CPU the
@@ -82,7 +91,9 @@ def dualkv_attention(
         b0 [ x  x  x  .  .  x  .  ]
     """
     scale, window, softcap = check_attention_inputs(q, k, v, layout, softmax_scale, window, softcap)
-    out, lse = _run(q, k, v, None, None, AttnMeta.from_layout(layout), scale, window, softcap, deterministic, backend)
+    longest = None if torch.compiler.is_compiling() else layout.max_ctx_len
+    out, lse = _run(q, k, v, None, None, AttnMeta.from_layout(layout), scale, window, softcap, deterministic, backend,
+                    longest)
     return (out, lse) if return_lse else out
 
 
@@ -146,5 +157,6 @@ def flash_attn_dualkv_varlen_func(
         ctx_reader_start=torch.zeros(1, **i32),
         ctx_reader_end=torch.full((1,), q.shape[0], **i32),
     )
-    out, _ = _run(q, k_decoded, v_decoded, k_context, v_context, meta, scale, window, softcap, deterministic, backend)
+    out, _ = _run(q, k_decoded, v_decoded, k_context, v_context, meta, scale, window, softcap, deterministic, backend,
+                  int(context_seqlen))
     return out

@@ -133,9 +133,9 @@ def test_backend_cuda_on_cpu_says_not_built():
 
 def test_auto_follows_the_measured_table_per_head_dim(monkeypatch):
     """On CUDA tensors "auto" takes, in fp16 / bf16 where the CUDA extension runs the wgmma kernels,
-    the CUDA backend at head dims 512, 192, 128 and 64, and at 256 its forward with Triton's Gluon
-    backward (the CUDA backend alone where that cannot run); the usual order everywhere else; it never
-    starts a build."""
+    the CUDA backend at head dims 512, 192, 128 and 64, and at 256 (and at 128 from 16K-key prompts) its
+    forward with Triton's Gluon backward (the CUDA backend alone where that cannot run); the usual order
+    everywhere else; it never starts a build."""
     from dualkv.core import backends
     from dualkv.core.backends import resolve_backend
 
@@ -154,6 +154,11 @@ def test_auto_follows_the_measured_table_per_head_dim(monkeypatch):
     monkeypatch.delenv("DUALKV_TRITON_GLUON_BWD")
     assert resolve_backend("auto", "cuda", head_dim=256, dtype=torch.float32) == usual
     assert resolve_backend("auto", "cuda", head_dim=128, dtype=torch.bfloat16) == "cuda"
+    # d = 128 by prompt length: the CUDA backend below 16K keys, its forward with Triton's backward from there
+    long_pair = "cuda+triton" if backends._triton_gluon_backward() and usual == "triton" else "cuda"
+    assert resolve_backend("auto", "cuda", head_dim=128, dtype=torch.bfloat16, longest_prompt=16383) == "cuda"
+    assert resolve_backend("auto", "cuda", head_dim=128, dtype=torch.bfloat16, longest_prompt=16384) == long_pair
+    assert resolve_backend("auto", "cuda", head_dim=64, dtype=torch.bfloat16, longest_prompt=1 << 17) == "cuda"
     assert resolve_backend("auto", "cuda", head_dim=64, dtype=torch.bfloat16) == "cuda"
     assert resolve_backend("auto", "cuda", head_dim=512, dtype=torch.bfloat16) == "cuda"
     assert resolve_backend("auto", "cuda", head_dim=192, dtype=torch.bfloat16) == "cuda"
@@ -161,9 +166,27 @@ def test_auto_follows_the_measured_table_per_head_dim(monkeypatch):
     assert resolve_backend("auto", "cpu", head_dim=256, dtype=torch.bfloat16) == "reference"
     assert resolve_backend("triton" if usual == "triton" else "reference", "cuda", head_dim=256,
                            dtype=torch.bfloat16) != "cuda"  # an explicit choice is kept
-    assert asked == [256, 256, 256, 128, 64, 512, 192]
+    assert asked == [256, 256, 256, 128, 128, 128, 64, 64, 512, 192]
     monkeypatch.setattr(cuda, "runs_wgmma", lambda head_dim, device=None: False)
     assert resolve_backend("auto", "cuda", head_dim=256, dtype=torch.bfloat16) == usual
+
+
+def test_auto_is_told_the_longest_prompt(monkeypatch):
+    """Both public functions tell ``resolve_backend`` the longest prompt's keys (the layout's, or
+    ``context_seqlen``), so "auto" can follow the table by prompt length."""
+    from dualkv.core import flash_attn_dualkv_varlen_func, interface
+
+    seen = []
+    real = interface.resolve_backend
+    monkeypatch.setattr(interface, "resolve_backend", lambda *a, **kw: seen.append(kw["longest_prompt"]) or real(*a, **kw))
+    layout = PackedLayout.from_lengths([7, 12], [[3, 2], [4]])
+    q = torch.randn(layout.total_tokens, 2, 16)
+    k = torch.randn(layout.total_tokens, 1, 16)
+    dualkv_attention(q, k, k.clone(), layout)
+    cu = torch.tensor([0, 3, 5], dtype=torch.int32)
+    kc = torch.randn(9, 1, 16)
+    flash_attn_dualkv_varlen_func(q[:5], kc, kc.clone(), k[:5], k[:5].clone(), cu, cu, 3, 9, 3)
+    assert seen == [12, 9]
 
 
 def test_auto_pairs_triton_forward_with_cuda_backward_at_512_on_sm90(monkeypatch):

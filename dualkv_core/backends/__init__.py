@@ -55,6 +55,17 @@ AUTO_ORDER_CUDA = ("triton",)
 # reference, 95.3 / 223.1 against 104.0 / 243.6 and 99.0 / 227.7 (attention_h200_s34_d256_auto_validated.md).
 # Where Triton's Gluon backward cannot run (its ``tl`` backward is the slower one), the CUDA backend alone.
 AUTO_WGMMA_CHOICE = {512: "cuda", 256: "cuda+triton", 192: "cuda", 128: "cuda", 64: "cuda"}
+# Where "auto" follows the table by prompt length as well, when the caller says the longest prompt (a host
+# int: ``PackedLayout.max_ctx_len``, ``context_seqlen``): {head dim: (from this many keys, choice)}. At
+# d = 128 the CUDA forward with Triton's backward from 16K-key prompts: with the CUDA dK/dV items kv head
+# major (the default since 2026-12-05), forward+backward 118.0 / 169.6 / 447.0 / 22.2 / 1323.3 ms against the
+# CUDA backend's 119.3 / 170.6 / 459.7 / 22.7 / 1361.0 at (28, 16K, 2K), (16, 32K, 2K), (16, 64K, 2K),
+# (8, 16K, 512), (16, 128K, 2K) on an H200 (benchmarks/results/attention_h200_s38_new_defaults.md), 113.4 /
+# 162.8 / 443.3 / 24.0 / 1309.2 against 115.6 / 164.5 / 452.5 / 24.2 / 1343.1 on an H100
+# (attention_h100_s38_cuda_head_major_validated.md); below it the CUDA backend, 34.3 / 68.2 ms against 35.1 /
+# 69.8 at (28, 4K, 2K) and (32, 8K, 2K) on the H200, 34.7 / 66.4 against 35.6 / 67.8 on the H100. Without a
+# prompt length (or under torch.compile, which would otherwise guard on it) the AUTO_WGMMA_CHOICE above.
+AUTO_LONG_PROMPT = {128: (16384, "cuda+triton")}
 # Where "auto" pairs Triton's forward with the CUDA backward on an sm_90 GPU when the extension is
 # already built but its wgmma kernels do not run (DUALKV_CUDA_WGMMA_BWD=0): d = 512 (Gemma-4's global
 # layers), where the mma.sync backward took 0.89 / 0.89x Triton's backward time and Triton's forward
@@ -122,11 +133,12 @@ def available_backends() -> list[str]:
 
 
 def resolve_backend(name: str, where: torch.Tensor | torch.device | str, head_dim: int | None = None,
-                    dtype: torch.dtype | None = None) -> str:
+                    dtype: torch.dtype | None = None, longest_prompt: int | None = None) -> str:
     """``auto``: the fastest available kernel backend for CUDA tensors, else the reference.
 
     ``where`` is a tensor (its device, head dim and dtype count) or a device; ``head_dim`` / ``dtype``
-    (taken from a tensor when not given) let ``auto`` follow the measured table per shape class.
+    (taken from a tensor when not given) and ``longest_prompt`` (keys of the layout's longest prompt, if
+    known) let ``auto`` follow the measured table per shape class.
     """
     is_cuda = where.is_cuda if isinstance(where, torch.Tensor) else torch.device(where).type == "cuda"
     if isinstance(where, torch.Tensor):
@@ -141,6 +153,9 @@ def resolve_backend(name: str, where: torch.Tensor | torch.device | str, head_di
     if is_cuda:
         half = dtype in (torch.float16, torch.bfloat16)
         choice = AUTO_WGMMA_CHOICE.get(head_dim)
+        from_keys, long_choice = AUTO_LONG_PROMPT.get(head_dim, (None, None))
+        if from_keys is not None and longest_prompt is not None and longest_prompt >= from_keys:
+            choice = long_choice
         if choice and split_backend(choice)[1] == "triton" and not _triton_gluon_backward():
             choice = "cuda"
         if choice and half and _cuda_says("runs_wgmma", head_dim):
