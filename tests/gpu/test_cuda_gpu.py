@@ -414,6 +414,27 @@ def test_auto_takes_cuda_where_it_measured_faster(cuda_backend, monkeypatch):
             assert resolve_backend("auto", torch.empty(4, 2, d, device="cuda", dtype=torch.bfloat16)) == "triton"
 
 
+def test_auto_at_128_follows_the_prompt_length(cuda_backend):
+    """backend="auto" at head dim 128 on sm_90 with Triton's Gluon backward: the CUDA backend below 16K-key
+    prompts, its forward with Triton's backward from 16K (``AUTO_LONG_PROMPT``); the profiler shows the
+    CUDA warp-specialised forward and Triton's fused dK/dV kernel (bare name) ran, not the CUDA backward,
+    and the result matches the reference."""
+    from dualkv.core import backends
+    from dualkv.core.backends import resolve_backend
+
+    if torch.cuda.get_device_capability()[0] != 9 or not backends._triton_gluon_backward():
+        pytest.skip("the pair needs sm_90 and Triton's Gluon backward")
+    q = torch.empty(4, 2, 128, device="cuda", dtype=torch.bfloat16)
+    assert resolve_backend("auto", q, longest_prompt=16383) == "cuda"
+    assert resolve_backend("auto", q, longest_prompt=16384) == "cuda+triton"
+    case = ([16384, 300], [[64, 1, 129], [70]], 4, 2, 128, None, None)
+    r, kernels = _kernels_of(case, torch.bfloat16, backend="auto")
+    assert any("dkv_fwd_sm90_kernel<dkv::Bf16, 128, true, true>" in n for n in kernels), sorted(kernels)
+    assert any(n.startswith("dkdv_dq_ws_kernel") for n in kernels), sorted(kernels)
+    assert not any("dkv_dkdv_sm90" in n for n in kernels), sorted(kernels)
+    _check_against_reference(case, torch.bfloat16, r)
+
+
 def test_auto_at_512(cuda_backend, monkeypatch):
     """backend="auto" at head dim 512 on sm_90: the CUDA backend with its wgmma forward and split
     backward kernels; with DUALKV_CUDA_WGMMA_BWD=0 (the mma.sync backward) Triton's forward with that
