@@ -173,7 +173,8 @@ def test_auto_follows_the_measured_table_per_head_dim(monkeypatch):
 
 def test_auto_is_told_the_longest_prompt(monkeypatch):
     """Both public functions tell ``resolve_backend`` the longest prompt's keys (the layout's, or
-    ``context_seqlen``), so "auto" can follow the table by prompt length."""
+    ``context_seqlen``), so "auto" can follow the table by prompt length; not with a window or softcap,
+    which that table did not measure."""
     from dualkv.core import flash_attn_dualkv_varlen_func, interface
 
     seen = []
@@ -186,7 +187,9 @@ def test_auto_is_told_the_longest_prompt(monkeypatch):
     cu = torch.tensor([0, 3, 5], dtype=torch.int32)
     kc = torch.randn(9, 1, 16)
     flash_attn_dualkv_varlen_func(q[:5], kc, kc.clone(), k[:5], k[:5].clone(), cu, cu, 3, 9, 3)
-    assert seen == [12, 9]
+    dualkv_attention(q, k, k.clone(), layout, window=4)  # the table by prompt length has no window
+    dualkv_attention(q, k, k.clone(), layout, softcap=30.0)
+    assert seen == [12, 9, None, None]
 
 
 def test_auto_pairs_triton_forward_with_cuda_backward_at_512_on_sm90(monkeypatch):

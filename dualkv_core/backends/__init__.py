@@ -64,7 +64,8 @@ AUTO_WGMMA_CHOICE = {512: "cuda", 256: "cuda+triton", 192: "cuda", 128: "cuda", 
 # 162.8 / 443.3 / 24.0 / 1309.2 against 115.6 / 164.5 / 452.5 / 24.2 / 1343.1 on an H100
 # (attention_h100_s38_cuda_head_major_validated.md); below it the CUDA backend, 34.3 / 68.2 ms against 35.1 /
 # 69.8 at (28, 4K, 2K) and (32, 8K, 2K) on the H200, 34.7 / 66.4 against 35.6 / 67.8 on the H100. Without a
-# prompt length (or under torch.compile, which would otherwise guard on it) the AUTO_WGMMA_CHOICE above.
+# prompt length (under torch.compile, which would otherwise guard on it, or with a window or softcap, which the
+# table did not measure) the AUTO_WGMMA_CHOICE above.
 AUTO_LONG_PROMPT = {128: (16384, "cuda+triton")}
 # Where "auto" pairs Triton's forward with the CUDA backward on an sm_90 GPU when the extension is
 # already built but its wgmma kernels do not run (DUALKV_CUDA_WGMMA_BWD=0): d = 512 (Gemma-4's global
