@@ -18,22 +18,23 @@ __all__ = ["dualkv_attention", "flash_attn_dualkv_varlen_func"]
 
 
 @torch.compiler.assume_constant_result
-def _backend_name(backend: str, is_cuda: bool, head_dim: int, low_precision: bool, longest_prompt: int | None) -> str:
-    """Resolved per (backend, device kind, head dim, fp16 / bf16 or not, longest prompt if known); constant
-    under torch.compile."""
+def _backend_name(backend: str, is_cuda: bool, head_dim: int, low_precision: bool, longest_prompt: int | None,
+                  plain_packed: bool) -> str:
+    """Resolved per (backend, device kind, head dim, fp16 / bf16 or not, longest prompt if known, packed
+    layout without window or softcap); constant under torch.compile."""
     dtype = torch.bfloat16 if low_precision else torch.float32
     return resolve_backend(backend, "cuda" if is_cuda else "cpu", head_dim=head_dim, dtype=dtype,
-                           longest_prompt=longest_prompt)
+                           longest_prompt=longest_prompt, plain_packed=plain_packed)
 
 
 def _run(q, k, v, k_ctx, v_ctx, meta, scale, window, softcap, deterministic, backend, longest_prompt=None):
     """``longest_prompt``: the host's count of the longest prompt's keys, for ``auto``; left out under
-    torch.compile, where reading it would make a graph per prompt length, and with a window or softcap,
-    where the table that chooses by it was not measured (Triton's Gluon backward does not run there)."""
-    if torch.compiler.is_compiling() or window is not None or softcap is not None:
+    torch.compile, where reading it would make a graph per prompt length."""
+    if torch.compiler.is_compiling():
         longest_prompt = None
+    plain_packed = k_ctx is None and window is None and softcap is None
     name = _backend_name(backend, q.is_cuda, int(q.shape[-1]), q.dtype in (torch.float16, torch.bfloat16),
-                         longest_prompt)
+                         longest_prompt, plain_packed)
     if not torch.compiler.is_compiling():
         for part in dict.fromkeys(split_backend(name)):
             get_backend(part).check_supported(q, k, v, window, softcap)
@@ -71,13 +72,14 @@ def dualkv_attention(
         backend: "auto" (on CUDA tensors Triton when available; in fp16 / bf16, where the built
             CUDA extension runs the Hopper wgmma kernels, what measured faster: at head dims 64, 128,
             192 and 512 the CUDA backend (its warp-specialised forward at 64 / 128), at 128 from
-            prompts of 16K keys its forward with Triton's backward ("cuda+triton"; not with a
-            window or softcap, nor under torch.compile, which keeps one choice per head dim); at
-            256 that pair; at 512 on an sm_90 GPU whose wgmma backward is switched off, Triton's
-            forward with the CUDA backward; the CUDA backward adds the prompt's gradients (and on
-            sm_90 at head dim 128 dQ) with fp32 atomics by default, as the Triton backward adds dQ on sm_90 at head dim 128, so those
-            gradients are bit-identical run to run only with ``deterministic=True``; on CPU the
-            reference),
+            prompts of 16K keys its forward with Triton's backward ("cuda+triton"; not under
+            torch.compile, which keeps one choice per head dim); at 256 that pair; with a window or
+            softcap, where Triton's fast backward does not run, the CUDA backend instead of the pair;
+            at 512 on an sm_90 GPU whose wgmma backward is switched off, Triton's forward with the
+            CUDA backward; the CUDA backward adds the prompt's gradients (and on sm_90 at head dim
+            128 dQ) with fp32 atomics by default, as the Triton backward adds dQ on sm_90 at head
+            dim 128, so those gradients are bit-identical run to run only with
+            ``deterministic=True``; on CPU the reference),
             "reference", "triton", "cuda", or a forward+backward pair such as "triton+cuda".
 
     Returns out (T, nheads, headdim), or (out, lse).

@@ -158,6 +158,10 @@ def test_auto_follows_the_measured_table_per_head_dim(monkeypatch):
     long_pair = "cuda+triton" if backends._triton_gluon_backward() and usual == "triton" else "cuda"
     assert resolve_backend("auto", "cuda", head_dim=128, dtype=torch.bfloat16, longest_prompt=16383) == "cuda"
     assert resolve_backend("auto", "cuda", head_dim=128, dtype=torch.bfloat16, longest_prompt=16384) == long_pair
+    # a window, softcap or separate context (not plain_packed): Triton's fast backward does not run, the CUDA backend
+    assert resolve_backend("auto", "cuda", head_dim=128, dtype=torch.bfloat16, longest_prompt=16384,
+                           plain_packed=False) == "cuda"
+    assert resolve_backend("auto", "cuda", head_dim=256, dtype=torch.bfloat16, plain_packed=False) == "cuda"
     assert resolve_backend("auto", "cuda", head_dim=64, dtype=torch.bfloat16, longest_prompt=1 << 17) == "cuda"
     assert resolve_backend("auto", "cuda", head_dim=64, dtype=torch.bfloat16) == "cuda"
     assert resolve_backend("auto", "cuda", head_dim=512, dtype=torch.bfloat16) == "cuda"
@@ -166,20 +170,21 @@ def test_auto_follows_the_measured_table_per_head_dim(monkeypatch):
     assert resolve_backend("auto", "cpu", head_dim=256, dtype=torch.bfloat16) == "reference"
     assert resolve_backend("triton" if usual == "triton" else "reference", "cuda", head_dim=256,
                            dtype=torch.bfloat16) != "cuda"  # an explicit choice is kept
-    assert asked == [256, 256, 256, 128, 128, 128, 64, 64, 512, 192]
+    assert asked == [256, 256, 256, 128, 128, 128, 128, 256, 64, 64, 512, 192]
     monkeypatch.setattr(cuda, "runs_wgmma", lambda head_dim, device=None: False)
     assert resolve_backend("auto", "cuda", head_dim=256, dtype=torch.bfloat16) == usual
 
 
 def test_auto_is_told_the_longest_prompt(monkeypatch):
     """Both public functions tell ``resolve_backend`` the longest prompt's keys (the layout's, or
-    ``context_seqlen``), so "auto" can follow the table by prompt length; not with a window or softcap,
-    which that table did not measure."""
+    ``context_seqlen``), so "auto" can follow the table by prompt length, and whether the call is the
+    packed layout without a window or softcap (where Triton's Gluon backward runs)."""
     from dualkv.core import flash_attn_dualkv_varlen_func, interface
 
     seen = []
     real = interface.resolve_backend
-    monkeypatch.setattr(interface, "resolve_backend", lambda *a, **kw: seen.append(kw["longest_prompt"]) or real(*a, **kw))
+    monkeypatch.setattr(interface, "resolve_backend",
+                        lambda *a, **kw: seen.append((kw["longest_prompt"], kw["plain_packed"])) or real(*a, **kw))
     layout = PackedLayout.from_lengths([7, 12], [[3, 2], [4]])
     q = torch.randn(layout.total_tokens, 2, 16)
     k = torch.randn(layout.total_tokens, 1, 16)
@@ -187,9 +192,10 @@ def test_auto_is_told_the_longest_prompt(monkeypatch):
     cu = torch.tensor([0, 3, 5], dtype=torch.int32)
     kc = torch.randn(9, 1, 16)
     flash_attn_dualkv_varlen_func(q[:5], kc, kc.clone(), k[:5], k[:5].clone(), cu, cu, 3, 9, 3)
-    dualkv_attention(q, k, k.clone(), layout, window=4)  # the table by prompt length has no window
+    dualkv_attention(q, k, k.clone(), layout, window=4)
     dualkv_attention(q, k, k.clone(), layout, softcap=30.0)
-    assert seen == [12, 9, None, None]
+    assert [kw[0] for kw in seen] == [12, 9, 12, 12]
+    assert [kw[1] for kw in seen] == [True, False, False, False]  # only the first: packed, no window / softcap
 
 
 def test_auto_pairs_triton_forward_with_cuda_backward_at_512_on_sm90(monkeypatch):

@@ -64,8 +64,8 @@ AUTO_WGMMA_CHOICE = {512: "cuda", 256: "cuda+triton", 192: "cuda", 128: "cuda", 
 # 162.8 / 443.3 / 24.0 / 1309.2 against 115.6 / 164.5 / 452.5 / 24.2 / 1343.1 on an H100
 # (attention_h100_s38_cuda_head_major_validated.md); below it the CUDA backend, 34.3 / 68.2 ms against 35.1 /
 # 69.8 at (28, 4K, 2K) and (32, 8K, 2K) on the H200, 34.7 / 66.4 against 35.6 / 67.8 on the H100. Without a
-# prompt length (under torch.compile, which would otherwise guard on it, or with a window or softcap, which the
-# table did not measure) the AUTO_WGMMA_CHOICE above.
+# prompt length (under torch.compile, which would otherwise guard on it) the AUTO_WGMMA_CHOICE above; with a
+# window, a softcap or a separate context (resolve_backend's plain_packed) the CUDA backend.
 AUTO_LONG_PROMPT = {128: (16384, "cuda+triton")}
 # Where "auto" pairs Triton's forward with the CUDA backward on an sm_90 GPU when the extension is
 # already built but its wgmma kernels do not run (DUALKV_CUDA_WGMMA_BWD=0): d = 512 (Gemma-4's global
@@ -134,12 +134,16 @@ def available_backends() -> list[str]:
 
 
 def resolve_backend(name: str, where: torch.Tensor | torch.device | str, head_dim: int | None = None,
-                    dtype: torch.dtype | None = None, longest_prompt: int | None = None) -> str:
+                    dtype: torch.dtype | None = None, longest_prompt: int | None = None,
+                    plain_packed: bool = True) -> str:
     """``auto``: the fastest available kernel backend for CUDA tensors, else the reference.
 
     ``where`` is a tensor (its device, head dim and dtype count) or a device; ``head_dim`` / ``dtype``
     (taken from a tensor when not given) and ``longest_prompt`` (keys of the layout's longest prompt, if
-    known) let ``auto`` follow the measured table per shape class.
+    known) let ``auto`` follow the measured table per shape class. ``plain_packed``: the call is the packed
+    layout without a window or softcap, where Triton's Gluon backward runs; otherwise a choice that pairs
+    the CUDA forward with Triton's backward takes the CUDA backend instead (Triton's backward there is
+    its slower ``tl`` kernels, which the table did not measure against it).
     """
     is_cuda = where.is_cuda if isinstance(where, torch.Tensor) else torch.device(where).type == "cuda"
     if isinstance(where, torch.Tensor):
@@ -157,7 +161,7 @@ def resolve_backend(name: str, where: torch.Tensor | torch.device | str, head_di
         from_keys, long_choice = AUTO_LONG_PROMPT.get(head_dim, (None, None))
         if from_keys is not None and longest_prompt is not None and longest_prompt >= from_keys:
             choice = long_choice
-        if choice and split_backend(choice)[1] == "triton" and not _triton_gluon_backward():
+        if choice and split_backend(choice)[1] == "triton" and not (plain_packed and _triton_gluon_backward()):
             choice = "cuda"
         if choice and half and _cuda_says("runs_wgmma", head_dim):
             # that answered for the CUDA backend; the other half of a pair must be available too

@@ -376,9 +376,10 @@ def test_wgmma_split_backward_matches_reference(cuda_backend, case, dtype, deter
 
 def test_auto_takes_cuda_where_it_measured_faster(cuda_backend, monkeypatch):
     """backend="auto" on sm_90 with the wgmma kernels: the CUDA backend at head dims 192, 128 and 64, and
-    at 256 its forward with Triton's (Gluon) backward where that can run (bf16; the profiler shows which
-    kernels ran: the in-turn forward at 256 / 192 and the warp-specialised one at 128 and 64, all loading
-    by bulk tensor copies, as the dK/dV kernels at 128 and 64 do; the result matches the reference); with
+    at 256 its forward with Triton's (Gluon) backward where that can run, the packed layout without a
+    window or softcap (with a window: the CUDA backend) (bf16; the profiler shows which kernels ran: the
+    in-turn forward at 256 / 192 and the warp-specialised one at 128 and 64, all loading by bulk tensor
+    copies, as the dK/dV kernels at 128 and 64 do; the result matches the reference); with
     DUALKV_CUDA_WGMMA_BWD=0 (no wgmma backward) Triton."""
     from dualkv.core import backends
     from dualkv.core.backends import resolve_backend
@@ -390,8 +391,10 @@ def test_auto_takes_cuda_where_it_measured_faster(cuda_backend, monkeypatch):
         want = "cuda+triton" if d == 256 and pair_at_256 else "cuda"
         assert (resolve_backend("auto", torch.empty(4, 2, d, device="cuda", dtype=torch.bfloat16)) == want) == hopper
     if hopper:
-        for d in dims:
-            case = next(c for c in GRID if c[4] == d)
+        plain_256 = ([200], [[100, 77]], 4, 2, 256, None, None)
+        for case in [next(c for c in GRID if c[4] == d) for d in dims] + [plain_256]:
+            d = case[4]
+            pair = d == 256 and pair_at_256 and case[5] is None and case[6] is None
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 r = _run_packed(case, torch.bfloat16, deterministic=False, backend="auto")
             kernels = sorted({e.name for e in prof.events() if "kernel" in e.name})
@@ -403,7 +406,7 @@ def test_auto_takes_cuda_where_it_measured_faster(cuda_backend, monkeypatch):
             bwd = ("dkv_dq_sm90_split_kernel" if d > 128
                    else f"dkv_dkdv_sm90_ws_kernel<dkv::Bf16, {d}, true, false, true, false>")
             assert (cuda_fwd, triton_fwd) == (True, False), kernels
-            if d == 256 and pair_at_256:  # Triton's backward: its kernels carry bare names
+            if pair:  # Triton's backward: its kernels carry bare names
                 assert any(n.startswith(("dkdv", "dq_")) for n in kernels), kernels
                 assert not any(bwd in n for n in kernels), kernels
             else:
