@@ -314,36 +314,21 @@ def test_reader_chunks_match_reference(cuda_backend, case, rows, monkeypatch):
     assert rows != "300" or S > len(leaders) > 2 * len(case[0]), ends
 
 
+@pytest.mark.parametrize("variable", ["DUALKV_CUDA_TILE_ORDER", "DUALKV_CUDA_BWD_ITEM_ORDER"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256, 96])
-def test_tile_order_changes_no_result(cuda_backend, head_dim, monkeypatch):
-    """The query tiles' launch order (DUALKV_CUDA_TILE_ORDER: a context's readers first by default, the
-    layout's own order with 0) moves no result: each tile is computed on its own, so the forward and
-    the deterministic backward (dQ kernel) are bitwise equal, and both match the reference."""
+def test_launch_order_changes_no_result(cuda_backend, head_dim, variable, monkeypatch):
+    """The order of the work moves no result: the query tiles' launch order (DUALKV_CUDA_TILE_ORDER: a
+    context's readers first by default, the layout's own order with 0) and the dK/dV items' order
+    (DUALKV_CUDA_BWD_ITEM_ORDER: kv head major by default, a key tile's kv heads side by side with 0).
+    Each tile and item is computed on its own, so the forward and the deterministic backward are bitwise
+    equal in both orders; the default backward (fp32 atomics) matches the reference in both."""
     case = ([700, 129], [[300, 1, 250, 513], [90, 260]], 8, 2, head_dim, None, None)
     runs = {}
     for order in (None, "0"):
         if order is None:
-            monkeypatch.delenv("DUALKV_CUDA_TILE_ORDER", raising=False)
+            monkeypatch.delenv(variable, raising=False)
         else:
-            monkeypatch.setenv("DUALKV_CUDA_TILE_ORDER", order)
-        runs[order] = _run_packed(case, torch.bfloat16, deterministic=True)
-    _check_against_reference(case, torch.bfloat16, runs[None])
-    for name in ("out", "lse", "dq", "dk", "dv"):
-        assert torch.equal(runs[None][name], runs["0"][name]), name
-
-
-@pytest.mark.parametrize("head_dim", [64, 128, 256, 96])
-def test_bwd_item_order_changes_no_result(cuda_backend, head_dim, monkeypatch):
-    """The dK/dV items' order (DUALKV_CUDA_BWD_ITEM_ORDER: kv head major by default, a key tile's kv heads
-    side by side with 0): each item sums its own tile, so the deterministic backward is bitwise equal in
-    both orders; the default backward (fp32 atomics) matches the reference in both."""
-    case = ([700, 129], [[300, 1, 250, 513], [90, 260]], 8, 2, head_dim, None, None)
-    runs = {}
-    for order in (None, "0"):
-        if order is None:
-            monkeypatch.delenv("DUALKV_CUDA_BWD_ITEM_ORDER", raising=False)
-        else:
-            monkeypatch.setenv("DUALKV_CUDA_BWD_ITEM_ORDER", order)
+            monkeypatch.setenv(variable, order)
         runs[order] = _run_packed(case, torch.bfloat16, deterministic=True)
         _check_against_reference(case, torch.bfloat16, _run_packed(case, torch.bfloat16, deterministic=False))
     _check_against_reference(case, torch.bfloat16, runs[None])
