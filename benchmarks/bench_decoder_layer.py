@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from benchmarks.harness import Timer, _free, _is_oom, _short, _sync, parse_size
 from benchmarks.peers import FA2Piece, FlexPacked, _FA2Varlen
-from benchmarks.report import ResultWriter, environment
+from benchmarks.report import ResultWriter, environment, shown_command
 from dualkv.core import PackedLayout, dualkv_attention
 from dualkv.core.backends import BACKEND_CHOICES
 from dualkv.models.fused import FUSED_MODES, liger_runs_on, set_fused_ops
@@ -439,7 +439,7 @@ def main(argv=None) -> Path:
             print(f"P={point.P:<7d} mb={point.mb:<3d} {v:16s} {ms}", flush=True)
     writer.flush()
     rows = [r for r in writer.rows if "T" in r]
-    md = [f"# {writer.stem}", "", f"- {meta['card']['name']}, {meta['date']}: `{meta['command']}`",
+    md = [f"# {writer.stem}", "", f"- {meta['card']['name']}, {meta['date']}: `{shown_command(meta)}`",
           f"- torch {meta['versions']['torch']}, Triton {meta['versions']['triton']}, preset {args.preset}, "
           f"commit {meta['git_commit']}",
           "- the layer: " + ("torch.compile(dynamic=False) of the whole layer in every variant (warm-up untimed)"

@@ -34,7 +34,7 @@ if __package__ in (None, ""):
 import torch
 
 from benchmarks.harness import AttnConfig, _random_qkv, _sync, restored_env
-from benchmarks.report import ResultWriter, environment, pyplot, save_figure
+from benchmarks.report import ResultWriter, environment, pyplot, save_figure, shown_command
 from dualkv.core import dualkv_attention
 from dualkv.core.backends import BACKEND_CHOICES
 
@@ -163,7 +163,7 @@ def main(argv=None) -> Path:
     rows = run(args.backends, args.config, device, args.calls, args.layers, writer)
     writer.flush()
     md = writer.dir / f"{stem}.md"
-    md.write_text(f"# {stem}\n\n- {meta['card']['name']}, {meta['date']}: `{meta['command']}`  \n"
+    md.write_text(f"# {stem}\n\n- {meta['card']['name']}, {meta['date']}: `{shown_command(meta)}`  \n"
                   f"  torch {meta['versions'].get('torch')}, dualkv {meta['versions'].get('dualkv')} "
                   f"(commit {meta.get('git_commit')})\n- layout {args.config.label} (H={args.config.H}, "
                   f"H_kv={args.config.H_kv}, d={args.config.d}), {args.calls} calls a row, mean wall time, one "

@@ -30,7 +30,7 @@ if __package__ in (None, ""):
 import torch
 
 from benchmarks.harness import Timer, _free, _is_oom, _sync
-from benchmarks.report import ResultWriter, environment, pyplot, save_figure
+from benchmarks.report import ResultWriter, environment, pyplot, save_figure, shown_command
 from dualkv.core.logprobs import LOGPROB_IMPLS, linear_logprobs
 
 MODULE = "benchmarks.bench_logprobs"
@@ -107,7 +107,7 @@ def write_report(writer: ResultWriter) -> Path:
     writer.flush()
     v = meta["versions"]
     lines = [f"# {writer.stem}", "",
-             f"- {meta['card']['name']}, {meta['date']}: `{meta['command']}`  ",
+             f"- {meta['card']['name']}, {meta['date']}: `{shown_command(meta)}`  ",
              f"  torch {v.get('torch')}, Triton {v.get('triton')}, dualkv {v.get('dualkv')} (commit {meta.get('git_commit')})",
              f"- {meta['dtype']} hidden states and LM-head weight (random, seed {meta['seed']}); log-probs and entropies; "
              "forward+backward of sum(a * logprob) + sum(b * entropy); medians of event-timed repeats", "",

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from benchmarks.harness import _is_oom, fmt_size, parse_size
-from benchmarks.report import ResultWriter, environment
+from benchmarks.report import ResultWriter, environment, shown_command
 from dualkv.core import PackedLayout
 from dualkv.models.fused import FUSED_MODES, liger_runs_on, set_fused_ops
 
@@ -340,7 +340,7 @@ def write_report(writer) -> Path:
     v = meta["versions"]
     r_range = meta["response_lengths"]
     layers = "" if meta.get("layers") is None else f" (first {meta['layers']} layers)"
-    head = (f"# {writer.stem}\n\n- {meta['card']['name']}, {meta['date']}: `{meta['command']}`  \n"
+    head = (f"# {writer.stem}\n\n- {meta['card']['name']}, {meta['date']}: `{shown_command(meta)}`  \n"
             f"  torch {v.get('torch')}, CUDA {v.get('cuda')}, Triton {v.get('triton')}, dualkv {v.get('dualkv')} "
             f"(commit {meta.get('git_commit')})\n- model {meta['preset']}"
             f"{layers}, bf16 weights, random init, "

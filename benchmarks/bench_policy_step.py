@@ -60,7 +60,7 @@ import torch.distributed as dist
 from benchmarks.bench_memory_scaling import parse_range
 from benchmarks.gpu_monitor import GpuMonitor
 from benchmarks.harness import _is_oom, fmt_size, parse_size
-from benchmarks.report import ResultWriter, environment
+from benchmarks.report import ResultWriter, environment, shown_command
 from dualkv.core.backends import BACKEND_CHOICES
 from dualkv.core.logprobs import LOGPROB_IMPLS
 from dualkv.models.fused import FUSED_MODES, liger_runs_on, set_fused_ops
@@ -234,7 +234,7 @@ def profile_step(trainer, step: int, path: Path, meta: dict, top: int = 40) -> s
     key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     path.parent.mkdir(parents=True, exist_ok=True)
     card = meta.get("card", {}).get("name", "?")
-    head = f"{card}, {meta.get('date')}: `{meta.get('command')}`; one step (#{step}) under torch.profiler\n\n"
+    head = f"{card}, {meta.get('date')}: `{shown_command(meta)}`; one step (#{step}) under torch.profiler\n\n"
     tables = [("by op", prof.key_averages()),
               ("by op and input shapes", prof.key_averages(group_by_input_shape=True))]
     text = head + "\n".join(f"## {title}\n\n{avg.table(sort_by=key, row_limit=top, max_name_column_width=80)}\n"
@@ -527,7 +527,7 @@ def write_report(writer) -> Path:
     writer.flush()
     v = meta["versions"]
     md = writer.dir / f"{writer.stem}.md"
-    md.write_text(f"# {writer.stem}\n\n- {meta['card']['name']}, {meta['date']}: `{meta['command']}`  \n"
+    md.write_text(f"# {writer.stem}\n\n- {meta['card']['name']}, {meta['date']}: `{shown_command(meta)}`  \n"
                   f"  torch {v.get('torch')}, CUDA {v.get('cuda')}, Triton {v.get('triton')}, dualkv {v.get('dualkv')} "
                   f"(commit {meta.get('git_commit')})\n- model {meta['preset']} (random weights), GRPO kl_beta "
                   f"{meta['kl_beta']}, AdamW ({meta.get('optimizer_impl', 'foreach')}), activation checkpointing {'on' if meta['activation_checkpointing'] else 'off'}"

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from benchmarks.bench_memory_scaling import first_layers, parse_range
 from benchmarks.harness import fmt_size, parse_size
-from benchmarks.report import ResultWriter, environment
+from benchmarks.report import ResultWriter, environment, shown_command
 
 MODULE = "benchmarks.check_sp"
 COLUMNS = ["preset", "layers", "sp", "tokens", "P", "N", "status", "max_logprob_diff", "grad_rel_err",
@@ -233,7 +233,7 @@ def main(argv=None) -> tuple[Path | None, bool]:
         return None, passed
     writer.flush()
     md = writer.dir / f"{writer.stem}.md"
-    lines = [f"# {writer.stem}", "", f"- {meta['card']['name']} x {world}, {meta['date']}: `{meta['command']}`",
+    lines = [f"# {writer.stem}", "", f"- {meta['card']['name']} x {world}, {meta['date']}: `{shown_command(meta)}`",
              f"- torch {meta['versions'].get('torch')}, Triton {meta['versions'].get('triton')}, commit "
              f"{meta.get('git_commit')}; bf16, random weights, the first --layers {args.layers} decoder layers (a hybrid "
              f"keeps up to its first layer of each attention type: the layers column); one prompt of "

@@ -53,8 +53,23 @@ def _git_commit() -> str | None:
         return None
 
 
+ENV_PREFIX = "DUALKV_"  # the package's own switches: a run is reproduced only with the same settings
+
+
+def run_settings() -> dict[str, str]:
+    """The ``DUALKV_*`` environment variables set for this run (kernel choices, schedules), sorted."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIX)}
+
+
+def shown_command(meta: dict) -> str:
+    """The command as a shell line, the run's ``DUALKV_*`` settings (``meta["env"]``) in front."""
+    env = meta.get("env") or {}
+    return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()), str(meta.get("command"))])
+
+
 def environment(device: torch.device, module: str, argv: list[str] | None = None) -> dict:
-    """Card, date, library versions and the exact command (``python -m <module> <args>``)."""
+    """Card, date, library versions, the exact command (``python -m <module> <args>``) and the
+    ``DUALKV_*`` environment variables it ran under (``env``)."""
     argv = sys.argv[1:] if argv is None else argv
     versions = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
     try:
@@ -79,7 +94,8 @@ def environment(device: torch.device, module: str, argv: list[str] | None = None
         card = dict(name=f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)")
     return dict(
         card=card, date=datetime.now(timezone.utc).isoformat(timespec="seconds"), versions=versions,
-        git_commit=_git_commit(), command=shlex.join(["python", "-m", module, *argv]), host=platform.node(),
+        git_commit=_git_commit(), command=shlex.join(["python", "-m", module, *argv]), env=run_settings(),
+        host=platform.node(),
     )
 
 
@@ -277,7 +293,7 @@ def write_markdown(path: Path, results: list[dict], rows: list[dict] | None = No
     for res in results:
         m = res["meta"]
         v = m.get("versions", {})
-        lines.append(f"- {_card_name(m)}, {m.get('date')}: `{m.get('command')}`  ")
+        lines.append(f"- {_card_name(m)}, {m.get('date')}: `{shown_command(m)}`  ")
         lines.append(f"  torch {v.get('torch')}, CUDA {v.get('cuda')}, cuDNN {v.get('cudnn')}, Triton {v.get('triton')}, "
                      f"dualkv {v.get('dualkv')} (commit {m.get('git_commit')})")
     lines += ["", "Useful TFLOP/s = 3.5 * 4*d*H*(attended pairs of the packed layout) / time for forward+backward "

@@ -230,9 +230,13 @@ def _fake_rows():
     return [ok, oom, skip]
 
 
-def test_writer_tables_and_plots(tmp_path):
+def test_writer_tables_and_plots(tmp_path, monkeypatch):
+    for name in report.run_settings():
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("DUALKV_CUDA_BWD_ITEM_ORDER", "0")  # a setting the run depends on: recorded and shown
     meta = report.environment(CPU, "benchmarks.bench_attention", ["--preset", "quick"])
     assert meta["command"] == "python -m benchmarks.bench_attention --preset quick"
+    assert meta["env"] == {"DUALKV_CUDA_BWD_ITEM_ORDER": "0"}
     assert meta["versions"]["torch"] == torch.__version__ and meta["date"] and meta["card"]["name"]
     writer = report.ResultWriter(tmp_path, "fake", meta)
     for row in _fake_rows():
@@ -243,6 +247,7 @@ def test_writer_tables_and_plots(tmp_path):
     assert data["meta"]["command"] == meta["command"] and len(data["rows"]) == 3
     md = (tmp_path / "fake.md").read_text()
     assert "| 28, 4K, 2K |" in md and "35.0 (400)" in md and "OOM" in md and "skipped" in md
+    assert "`DUALKV_CUDA_BWD_ITEM_ORDER=0 python -m benchmarks.bench_attention --preset quick`" in md
     csv_text = (tmp_path / "fake.csv").read_text().splitlines()
     assert csv_text[0].startswith("config,label") and csv_text[0].endswith("card,date,command") and len(csv_text) == 4
 
