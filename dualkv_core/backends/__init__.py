@@ -58,7 +58,7 @@ AUTO_WGMMA_CHOICE = {512: "cuda", 256: "cuda+triton", 192: "cuda", 128: "cuda", 
 # Where "auto" follows the table by prompt length as well, when the caller says the longest prompt (a host
 # int: ``PackedLayout.max_ctx_len``, ``context_seqlen``): {head dim: (from this many keys, choice)}. At
 # d = 128 the CUDA forward with Triton's backward from 16K-key prompts: with the CUDA dK/dV items kv head
-# major (the default since 2026-12-05), forward+backward 118.0 / 169.6 / 447.0 / 22.2 / 1323.3 ms against the
+# major (the default since 2026-12-05), forward+backward 118.0 / 169.5 / 447.0 / 22.2 / 1323.3 ms against the
 # CUDA backend's 119.3 / 170.6 / 459.7 / 22.7 / 1361.0 at (28, 16K, 2K), (16, 32K, 2K), (16, 64K, 2K),
 # (8, 16K, 512), (16, 128K, 2K) on an H200 (benchmarks/results/attention_h200_s38_new_defaults.md), 113.4 /
 # 162.8 / 443.3 / 24.0 / 1309.2 against 115.6 / 164.5 / 452.5 / 24.2 / 1343.1 on an H100
