@@ -312,7 +312,8 @@ class _DualKV(Provider):
 _CUDA_BWD = "DUALKV_CUDA_WGMMA_BWD"
 DUALKV_VARIANTS: list[tuple[str, str, dict[str, str], str]] = [
     ("dualkv-auto", "auto", {},
-     'What ``backend="auto"`` takes for the config (per head dim and dtype: see dualkv.core.backends).'),
+     'What ``backend="auto"`` takes for the config (per head dim, dtype and, at d = 128, the longest '
+     'prompt: see dualkv.core.backends).'),
     ("dualkv-triton", "triton", {}, "The Triton backend's defaults."),
     ("dualkv-triton-no-ws", "triton", {"DUALKV_TRITON_WS": "0"},
      "Triton's forward and dQ without the warp-specialised loop (the multi-loop kernels, whose unmasked "
