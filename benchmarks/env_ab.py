@@ -19,12 +19,11 @@ unless ``--heads`` / ``--head-dim`` say otherwise.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 
 import torch
 
-from benchmarks.harness import parse_size, restored_env
+from benchmarks.harness import parse_size, restored_env, set_env
 from dualkv.core import PackedLayout, dualkv_attention
 from dualkv.core.backends import BACKEND_CHOICES
 
@@ -49,10 +48,7 @@ UNSET = "unset"  # a value that removes the variable
 
 def set_value(var: str, value: str) -> None:
     """``var`` = ``value``, or removed for ``UNSET``."""
-    if value == UNSET:
-        os.environ.pop(var, None)
-    else:
-        os.environ[var] = value
+    set_env(var, None if value == UNSET else value)
 
 
 def time_values(fn, var: str, values: list[str], rounds: int, calls: int) -> dict[str, list[float]]:

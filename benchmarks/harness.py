@@ -59,6 +59,14 @@ FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
+def set_env(name: str, value: str | None) -> None:
+    """Environment variable ``name`` = ``value``, or removed for None."""
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
 @contextlib.contextmanager
 def restored_env(*names: str):
     """Environment variables ``names`` as they were on entry, again on exit (a benchmark that switches
@@ -68,10 +76,7 @@ def restored_env(*names: str):
         yield
     finally:
         for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+            set_env(name, value)
 
 
 # ----------------------------------------------------------------------------------------- configs
@@ -299,10 +304,7 @@ class _DualKV(Provider):
 
     def forward(self, q, k, v):
         for key in KERNEL_CHOICE_VARS:
-            if key in self.env:
-                os.environ[key] = self.env[key]
-            else:
-                os.environ.pop(key, None)
+            set_env(key, self.env.get(key))
         return dualkv_attention(q, k, v, self.layout, softmax_scale=self.scale, backend=self.backend)
 
 
