@@ -28,10 +28,8 @@ def _backend_name(backend: str, is_cuda: bool, head_dim: int, low_precision: boo
 
 
 def _run(q, k, v, k_ctx, v_ctx, meta, scale, window, softcap, deterministic, backend, longest_prompt=None):
-    """``longest_prompt``: the host's count of the longest prompt's keys, for ``auto``; left out under
-    torch.compile, where reading it would make a graph per prompt length."""
-    if torch.compiler.is_compiling():
-        longest_prompt = None
+    """``longest_prompt``: the host's count of the longest prompt's keys, for ``auto``; the callers leave it
+    out under torch.compile, where reading it would make a graph per prompt length."""
     plain_packed = k_ctx is None and window is None and softcap is None
     name = _backend_name(backend, q.is_cuda, int(q.shape[-1]), q.dtype in (torch.float16, torch.bfloat16),
                          longest_prompt, plain_packed)
@@ -159,6 +157,7 @@ def flash_attn_dualkv_varlen_func(
         ctx_reader_start=torch.zeros(1, **i32),
         ctx_reader_end=torch.full((1,), q.shape[0], **i32),
     )
+    longest = None if torch.compiler.is_compiling() else int(context_seqlen)
     out, _ = _run(q, k_decoded, v_decoded, k_context, v_context, meta, scale, window, softcap, deterministic, backend,
-                  int(context_seqlen))
+                  longest)
     return out
