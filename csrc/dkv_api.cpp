@@ -496,6 +496,22 @@ int use_sm90_forward(const Tensor& q, int head_dim) {
   return head_dim == 512 && choice == 2 ? 1 : choice;
 }
 
+// DUALKV_CUDA_FWD_BLOCK_N: the key tiles of the TMA forward (form 3) at head dim 128, 128 rows (unset,
+// the default) or 176 (FwdSm90::kWideN: per-tile costs paid for more keys, two K / V buffers instead of
+// three). Other head dims keep their tiles whatever it says; asked for 176 at head dim 128 where another
+// forward runs (DUALKV_CUDA_WGMMA=0, 1 or 2, tensor maps the driver cannot build, a GPU that is not
+// sm_90) it is an error naming it. Returns whether the 176-key tiles run.
+bool fwd_wide_keys(int head_dim, int form) {
+  const std::string value = env_value("DUALKV_CUDA_FWD_BLOCK_N");
+  DKV_CHECK(value.empty() || value == "128" || value == "176", kOps,
+            ": DUALKV_CUDA_FWD_BLOCK_N: expected 128 or 176 (or unset), got '", value, "'");
+  if (value != "176" || head_dim != 128) return false;
+  DKV_CHECK(form == 3, kOps,
+            ": DUALKV_CUDA_FWD_BLOCK_N=176: expected the forward with bulk tensor copies (DUALKV_CUDA_WGMMA=3, "
+            "the default on sm_90 with tensor maps), but form ", form, " runs (0: mma.sync)");
+  return true;
+}
+
 // The wgmma backward kernels (dkv_bwd_sm90.cuh: dQ and dK/dV), head dims 64 / 128 / 192 / 256 (at 192 /
 // 256 with the warpgroups' roles split, in one schedule), on the same devices. DUALKV_CUDA_WGMMA_BWD
 // picks the backward's schedule at 64 / 128: 1 the products of a tile one after the other (1.5x the
@@ -641,11 +657,13 @@ std::tuple<Tensor, Tensor> fwd(const Tensor& q, const Tensor& k, const Tensor& v
     // kernel's query and key tiles.
     TmaMaps maps{!env_value("DUALKV_CUDA_WGMMA").empty(), "DUALKV_CUDA_WGMMA=3"};
     maps.box(p.tma_q, q, "q", block_m);
-    maps.keys(p, k, v, k_ctx, v_ctx, sm90_fwd_block_n(args.head_dim));
+    maps.keys(p, k, v, k_ctx, v_ctx, sm90_fwd_block_n(args.head_dim, env_value("DUALKV_CUDA_FWD_BLOCK_N") == "176"));
     if (!maps.built) form = args.head_dim <= 128 ? 2 : 1;
   }
+  const bool wide = fwd_wide_keys(args.head_dim, form);
   if (form) {
-    check_launch(bf16 ? run_fwd_sm90<Bf16>(p, st, form) : run_fwd_sm90<Fp16>(p, st, form), "forward kernel (sm90 wgmma)");
+    check_launch(bf16 ? run_fwd_sm90<Bf16>(p, st, form, wide) : run_fwd_sm90<Fp16>(p, st, form, wide),
+                 "forward kernel (sm90 wgmma)");
   } else {
     check_launch(bf16 ? dispatch_fwd<Bf16>(p, st) : dispatch_fwd<Fp16>(p, st), "forward kernel");
   }

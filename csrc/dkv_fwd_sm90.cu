@@ -16,10 +16,10 @@
 
 namespace dkv {
 
-template <class E, int D, bool kWs, bool kTma = false>
+template <class E, int D, bool kWs, bool kTma = false, bool kWideN = false>
 cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
-  using K = FwdSm90<D, kWs, kTma>;
-  return launch_tiles<K, &dkv_fwd_sm90_kernel<E, D, kWs, kTma>>(p, stream);
+  using K = FwdSm90<D, kWs, kTma, kWideN>;
+  return launch_tiles<K, &dkv_fwd_sm90_kernel<E, D, kWs, kTma, kWideN>>(p, stream);
 }
 
 bool sm90_forward_supports(int head_dim) {
@@ -27,10 +27,10 @@ bool sm90_forward_supports(int head_dim) {
 }
 static_assert(FwdSm90<64>::kBlockM == kSm90BlockM && FwdSm90<256>::kBlockM == kSm90BlockM, "the binding's tile rows");
 int sm90_fwd_block_m(int head_dim) { return head_dim == 512 ? FwdSm90<512>::kBlockM : kSm90BlockM; }
-int sm90_fwd_block_n(int head_dim) {
+int sm90_fwd_block_n(int head_dim, bool wide) {
   switch (head_dim) {
     case 64: return FwdSm90<64>::kBlockN;
-    case 128: return FwdSm90<128>::kBlockN;
+    case 128: return wide ? FwdSm90<128, true, true, true>::kBlockN : FwdSm90<128>::kBlockN;
     case 192: return FwdSm90<192>::kBlockN;
     case 256: return FwdSm90<256>::kBlockN;
     default: return FwdSm90<512>::kBlockN;
@@ -147,11 +147,12 @@ cudaError_t run_fwd_sm90_variant(const FwdParams& p, cudaStream_t stream) {
 }
 
 template <class E>
-cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream, int form) {
-  if (form == 3) {  // the binding checked the head dim and built the tensor maps
+cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream, int form, bool wide) {
+  if (form == 3) {  // the binding checked the head dim and built the tensor maps (wide: 176-row key boxes)
     switch (p.head_dim) {
       case 64: return launch_fwd_sm90<E, 64, true, true>(p, stream);
-      case 128: return launch_fwd_sm90<E, 128, true, true>(p, stream);
+      case 128:
+        return wide ? launch_fwd_sm90<E, 128, true, true, true>(p, stream) : launch_fwd_sm90<E, 128, true, true>(p, stream);
       case 192: return launch_fwd_sm90<E, 192, false, true>(p, stream);  // in turn, bulk tensor copies
       case 256: return launch_fwd_sm90<E, 256, false, true>(p, stream);
       case 512: return launch_fwd_sm90<E, 512, false, true>(p, stream);
@@ -161,7 +162,7 @@ cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream, int form) {
   return form == 2 ? run_fwd_sm90_variant<E, true>(p, stream) : run_fwd_sm90_variant<E, false>(p, stream);
 }
 
-template cudaError_t run_fwd_sm90<Fp16>(const FwdParams&, cudaStream_t, int);
-template cudaError_t run_fwd_sm90<Bf16>(const FwdParams&, cudaStream_t, int);
+template cudaError_t run_fwd_sm90<Fp16>(const FwdParams&, cudaStream_t, int, bool);
+template cudaError_t run_fwd_sm90<Bf16>(const FwdParams&, cudaStream_t, int, bool);
 
 }  // namespace dkv

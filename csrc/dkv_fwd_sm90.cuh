@@ -51,23 +51,34 @@ namespace dkv {
 // its own, so both hold the same S (fp32 addition commutes) and run the same online softmax, then
 // O[:, their half] += P V[:, their half]. The tensor work per warpgroup is the same as a whole-head
 // warpgroup's on half the rows; one more block barrier a key tile.
-template <int kHeadDim_, bool kWs_ = false, bool kTma_ = false>
+//
+// kWideN (DUALKV_CUDA_FWD_BLOCK_N=176; the TMA warp-specialised form at d = 128 only): key tiles of 176
+// rows instead of 128 (S an m64n176 product, 88 accumulator registers a thread), so that every
+// per-tile cost (the barriers, the ping-pong hand-over, the row maxima's shuffles, the rescale check)
+// is paid for 1.375x the keys. K and V then have two buffers each (three would need 296 KB), and the
+// producer keeps 24 registers so that each consumer has 240. A prompt's last tile is partial more
+// often (P = 4096 is 23 full tiles and one of 48 keys).
+template <int kHeadDim_, bool kWs_ = false, bool kTma_ = false, bool kWideN_ = false>
 struct FwdSm90 {
   static constexpr int kHeadDim = kHeadDim_, kWarpGroups = 2;
+  static constexpr bool kWideN = kWideN_;
+  static_assert(!kWideN || (kHeadDim_ == 128 && kWs_ && kTma_), "176-key tiles: the TMA warp-specialised form at d = 128");
   static constexpr bool kSplitK = kHeadDim == 512;
   static constexpr int kBlockM = kSplitK ? 64 : 64 * kWarpGroups;
   static constexpr bool kWs = kWs_, kTma = kTma_;
   static_assert(!kSplitK || !kWs, "the d = 512 forward: the in-turn form");
   static_assert(!kTma || (kWs ? kHeadDim <= 128 : kHeadDim >= 192),
                 "the TMA forward: warp-specialised at head dims 64 / 128, in turn at 192 / 256 / 512");
-  static constexpr int kTmaBoxRows = 128;  // (kTma, kWs) rows of every box: a Q tile and a K / V tile alike
   static constexpr int kThreads = 128 * (kWarpGroups + (kWs ? 1 : 0));
-  static constexpr int kBlockN = kHeadDim <= 128 ? 128 : kSplitK ? 32 : 64;
+  static constexpr int kBlockN = kWideN ? 176 : kHeadDim <= 128 ? 128 : kSplitK ? 32 : 64;
   static constexpr int kParts = kHeadDim / 64;             // 64-column swizzled sub-tiles per row
   static constexpr int kMyParts = kSplitK ? kParts / 2 : kParts;  // O's parts a warpgroup holds
   static constexpr int kQTile = kBlockM * kHeadDim;        // elements
   static constexpr int kKvTile = kBlockN * kHeadDim;
-  static constexpr int kStages = kHeadDim >= 256 ? 2 : 3;  // buffers of K and of V
+  static constexpr int kStages = kHeadDim >= 256 || kWideN ? 2 : 3;  // buffers of K and of V
+  // (kWs) the consumers' registers a thread; the producer warpgroup keeps the rest of the block's allocation.
+  static constexpr int kConsumerRegs = kWideN ? sm90::kTmaConsumerRegs : sm90::kConsumerRegs;
+  static constexpr int kProducerRegs = kWideN ? sm90::kTmaProducerRegs : sm90::kProducerRegs;
   // (kSplitK) the two warpgroups' partial S, fp32.
   static constexpr int kExchangeBytes = kSplitK ? 2 * 64 * kBlockN * 4 : 0;
   // Tiles, (kSplitK) the exchange, then (kWs) the full and empty mbarriers of each K and each V stage or
@@ -76,12 +87,13 @@ struct FwdSm90 {
       (kQTile + 2 * kStages * kKvTile) * 2 + kExchangeBytes + (kWs ? 32 * kStages : kTma ? 8 * kStages : 0) + 1024;
   static_assert(kHeadDim % 64 == 0 && kParts >= 1 && (kParts <= 4 || kSplitK), "head dim: 64, 128, 192, 256 or 512");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one H100 / H200 block");
-  static_assert(!kTma || !kWs || (kBlockM == kTmaBoxRows && kBlockN == kTmaBoxRows), "(kTma, kWs) Q, K and V tiles of one box height");
+  static_assert(!kTma || !kWs || (kBlockM <= 256 && kBlockN <= 256), "(kTma, kWs) a box is at most 256 rows: one per Q, K or V part");
 };
 
-template <class E, int D, bool kWs, bool kTma = false>
-DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs, kTma>::kThreads)) dkv_fwd_sm90_kernel(const DKV_GRID_CONSTANT FwdParams p) {
-  using K = FwdSm90<D, kWs, kTma>;
+template <class E, int D, bool kWs, bool kTma = false, bool kWideN = false>
+DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs, kTma, kWideN>::kThreads))
+    dkv_fwd_sm90_kernel(const DKV_GRID_CONSTANT FwdParams p) {
+  using K = FwdSm90<D, kWs, kTma, kWideN>;
   constexpr int kParts = K::kParts, kMyParts = K::kMyParts, kBlockM = K::kBlockM, kBlockN = K::kBlockN;
   constexpr bool kSplitK = K::kSplitK;
   const QueryTile qt = query_tile<kBlockM>(p, p.q_tile_prefix, p.q_seg_order);
@@ -151,18 +163,18 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs, kTma>::kThreads)) dkv_fwd_sm9
       if (t >= kStages) sm90::mbar_wait(&empty[t % kStages], (t / kStages - 1) & 1);
     };
     if (tid < 0) {  // the producer warpgroup
-      sm90::setmaxnreg_dec<sm90::kProducerRegs>();
+      sm90::setmaxnreg_dec<K::kProducerRegs>();
       if constexpr (kTma) {  // one thread, bulk tensor copies
         if (thread_idx() != 0) return;
         for (int t = 0; t < n_tiles; ++t) {
           const KvTile kt = walk.tile<kBlockN>(t);
           wait_empty(empty_k, t);
           sm90::mbar_arrive_expect_tx(&full_k[t % kStages], (K::kKvTile + (t == 0 ? K::kQTile : 0)) * 2);
-          if (t == 0) sm90::tma_load_tile<kParts>(sQ, p.tma_q, h, row0 + q0, K::kTmaBoxRows, &full_k[0]);
-          sm90::tma_load_tile<kParts>(sK(t), kt.ctx ? p.tma_k_ctx : p.tma_k, hk, kt.row, K::kTmaBoxRows, &full_k[t % kStages]);
+          if (t == 0) sm90::tma_load_tile<kParts>(sQ, p.tma_q, h, row0 + q0, kBlockM, &full_k[0]);
+          sm90::tma_load_tile<kParts>(sK(t), kt.ctx ? p.tma_k_ctx : p.tma_k, hk, kt.row, kBlockN, &full_k[t % kStages]);
           wait_empty(empty_v, t);
           sm90::mbar_arrive_expect_tx(&full_v[t % kStages], K::kKvTile * 2);
-          sm90::tma_load_tile<kParts>(sV(t), kt.ctx ? p.tma_v_ctx : p.tma_v, hk, kt.row, K::kTmaBoxRows, &full_v[t % kStages]);
+          sm90::tma_load_tile<kParts>(sV(t), kt.ctx ? p.tma_v_ctx : p.tma_v, hk, kt.row, kBlockN, &full_v[t % kStages]);
         }
       } else {  // Q with K_0, then K_t and V_t, each once its buffer is free
         const int lt = thread_idx();
@@ -196,7 +208,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs, kTma>::kThreads)) dkv_fwd_sm9
       }
       return;
     }
-    sm90::setmaxnreg_inc<sm90::kConsumerRegs>();
+    sm90::setmaxnreg_inc<K::kConsumerRegs>();
   } else if constexpr (kTma) {
     sm90::init_copy_barriers(full_k, kStages);
     block_sync();

@@ -21,12 +21,13 @@ cudaError_t run_fwd(const FwdParams& p, cudaStream_t stream);
 // Forward on Hopper warpgroup MMA (fp16 / bf16, head dims 64 / 128 / 192 / 256 / 512; blocks of 128 query
 // rows, 64 at 512).
 // form: 1 in turn, 2 warp-specialised, 3 with bulk tensor copies (p.tma_* filled): warp-specialised at
-// head dims 64 / 128, in turn at 192 / 256 / 512.
+// head dims 64 / 128, in turn at 192 / 256 / 512. wide (form 3 at head dim 128 only): 176-key tiles.
 template <class E>
-cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream, int form);
+cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream, int form, bool wide = false);
 bool sm90_forward_supports(int head_dim);
 int sm90_fwd_block_m(int head_dim);  // query rows of the wgmma forward's tiles: 128, or 64 at head dim 512
-int sm90_fwd_block_n(int head_dim);  // its key tiles' rows: 128 up to head dim 128, 64 at 192 / 256, 32 at 512
+// its key tiles' rows: 128 up to head dim 128 (176 when wide), 64 at 192 / 256, 32 at 512
+int sm90_fwd_block_n(int head_dim, bool wide = false);
 // (form 3) Fills `d` for a (rows, heads, cols) tensor of 16-bit elements (strides in elements, rows and
 // heads 16-byte aligned): a 3-D view (cols, heads, rows) read in boxes of 64 columns x box_rows rows,
 // 128B-swizzled. Returns 0, a driver error code, or -1 when the driver has no cuTensorMapEncodeTiled.

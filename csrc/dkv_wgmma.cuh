@@ -548,6 +548,45 @@ DKV_DEV void wgmma_m64n128k16_ss(float (&d)[64], uint64_t desc_a, uint64_t desc_
 #endif
 }
 
+// The 88 accumulator registers of an m64n176 fp32 tile.
+#define DKV_WGMMA_D88(d) \
+  DKV_WGMMA_D64(d), \
+      "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
+      "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), \
+      "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87])
+
+#define DKV_WGMMA_DREGS88 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, " \
+  "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, " \
+  "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, " \
+  "%66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87}"
+
+// d (64 x 176) = A (64 x 16, descriptor, K-major) * B (16 x 176, descriptor, K-major: 176 rows of N,
+// 8-row atoms 1024 bytes apart) + (accumulate ? d : 0): S of the forward's 176-key tiles
+// (DUALKV_CUDA_FWD_BLOCK_N=176). Same accumulator layout, 22 column blocks.
+template <class E>
+DKV_DEV void wgmma_m64n176k16_ss(float (&d)[88], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
+#if DKV_HAS_WGMMA
+  if constexpr (E::kIsBf16)
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %90, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n176k16.f32.bf16.bf16 " DKV_WGMMA_DREGS88 ", %88, %89, p, 1, 1, 0, 0;\n}\n"
+        : DKV_WGMMA_D88(d)
+        : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)));
+  else
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %90, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n176k16.f32.f16.f16 " DKV_WGMMA_DREGS88 ", %88, %89, p, 1, 1, 0, 0;\n}\n"
+        : DKV_WGMMA_D88(d)
+        : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)));
+#elif defined(DKV_EMULATE)
+  dkv_emu::wgmma(d, 176, nullptr, desc_a, desc_b, accumulate, false, E::kIsBf16);
+#else
+  (void)d, (void)desc_a, (void)desc_b, (void)accumulate;
+  __trap();  // wgmma needs sm_90a
+#endif
+}
+
 // d (64 x 128) = A (64 x 16, registers, as in m64n64k16_rs) * B (16 x 128, descriptor) + (accumulate ? d : 0);
 // kTransB = 1: B MN-major, two 64-column atoms (smem_desc_sw128_mn). One instruction where two
 // m64n64 would read the A fragment twice.
@@ -590,18 +629,21 @@ DKV_DEV void wgmma_rs_mn_parts(float (&acc)[kParts][32], const uint32_t (&a)[4],
     wgmma_m64n64k16_rs<E, 1>(acc[kParts - 1], a, desc_advance(desc_b, (kParts - 1) * part_bytes), true);
 }
 
-// S (64 x kN) = A B^T with B K-major (kN = 16, 32, 64 or 128): one wgmma per call.
+// S (64 x kN) = A B^T with B K-major (kN = 16, 32, 64, 128 or 176): one wgmma per call.
 template <class E, int kN>
 DKV_DEV void wgmma_ss_k_major(float (&d)[kN / 2], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
-  static_assert(kN == 16 || kN == 32 || kN == 64 || kN == 128, "wgmma_ss_k_major: N is 16, 32, 64 or 128");
+  static_assert(kN == 16 || kN == 32 || kN == 64 || kN == 128 || kN == 176,
+                "wgmma_ss_k_major: N is 16, 32, 64, 128 or 176");
   if constexpr (kN == 16)
     wgmma_m64n16k16_ss<E>(d, desc_a, desc_b, accumulate);
   else if constexpr (kN == 32)
     wgmma_m64n32k16_ss<E>(d, desc_a, desc_b, accumulate);
   else if constexpr (kN == 64)
     wgmma_m64n64k16_ss<E, 0>(d, desc_a, desc_b, accumulate);
-  else
+  else if constexpr (kN == 128)
     wgmma_m64n128k16_ss<E>(d, desc_a, desc_b, accumulate);
+  else
+    wgmma_m64n176k16_ss<E>(d, desc_a, desc_b, accumulate);
 }
 
 // Make a descriptor opaque to the compiler at this point, so that the descriptors derived from it in

@@ -8,7 +8,7 @@ per CUDA thread): keep the shapes tiny.
     python csrc/emulation/emulate.py            # the default case list, and the reader chunks
     python csrc/emulation/emulate.py --quick    # two cases
     python csrc/emulation/emulate.py --wgmma    # the wgmma building blocks (csrc/dkv_wgmma.cuh) only
-    python csrc/emulation/emulate.py --sm90     # the wgmma forward (DUALKV_CUDA_WGMMA=1, 2, 3)
+    python csrc/emulation/emulate.py --sm90     # the wgmma forward (DUALKV_CUDA_WGMMA=1, 2, 3; 176-key tiles)
     python csrc/emulation/emulate.py --sm90-bwd # the wgmma dQ and dK/dV kernels (DUALKV_CUDA_WGMMA_BWD=1 .. 6, 8)
 """
 
@@ -245,6 +245,32 @@ def check_tma_fallback(backward: bool) -> bool:
         if backward:
             ok = expect_error({"DUALKV_CUDA_BWD_TMA": "1"}, f"DUALKV_CUDA_BWD_TMA=1 (bulk tensor copies): q: {why}",
                               "DUALKV_CUDA_BWD_TMA=1 without tensor maps", d=128, **small) and ok
+        return ok
+    finally:
+        _restore_env(saved)
+
+
+def check_wide_key_tiles(backward: bool) -> bool:
+    """DUALKV_CUDA_FWD_BLOCK_N=176: the TMA forward's 176-key tiles at d = 128 (two K / V buffers: the
+    longer walks wrap them several times) match the reference on the d = 128 cases and a long prompt
+    read by ragged responses; other head dims keep their tiles; an unknown value, or 176 where another
+    forward runs, is an error naming the variable."""
+    names = ("DUALKV_CUDA_WGMMA", "DUALKV_CUDA_FWD_BLOCK_N")
+    saved = {n: os.environ.get(n) for n in names}
+    try:
+        os.environ["DUALKV_CUDA_WGMMA"] = "3"
+        os.environ["DUALKV_CUDA_FWD_BLOCK_N"] = "176"
+        print("DUALKV_CUDA_WGMMA=3 DUALKV_CUDA_FWD_BLOCK_N=176", flush=True)
+        cases = [c for c in SM90_CASES if c["d"] == 128]
+        cases.append(dict(d=128, dtype=torch.float16, prompts=[700, 176], responses=[[180, 3, 176], [177]], H=2, Hkv=1))
+        cases.append(dict(d=64, dtype=torch.bfloat16, prompts=[70], responses=[[33, 9]], H=2, Hkv=1))
+        ok = all([run_case(**c, backward=backward) for c in cases])
+        small = dict(d=128, dtype=torch.bfloat16, prompts=[20], responses=[[9]], H=1, Hkv=1, backward=False)
+        ok = expect_error({"DUALKV_CUDA_FWD_BLOCK_N": "64"},
+                          "DUALKV_CUDA_FWD_BLOCK_N: expected 128 or 176 (or unset), got '64'",
+                          "DUALKV_CUDA_FWD_BLOCK_N=64", **small) and ok
+        ok = expect_error({"DUALKV_CUDA_WGMMA": "2"}, "DUALKV_CUDA_FWD_BLOCK_N=176: expected the forward with bulk tensor copies",
+                          "DUALKV_CUDA_FWD_BLOCK_N=176 with DUALKV_CUDA_WGMMA=2", **small) and ok
         return ok
     finally:
         _restore_env(saved)
@@ -499,6 +525,7 @@ def main():
             print(f"DUALKV_CUDA_WGMMA={mode}", flush=True)
             ok = all([run_case(**c, backward=not args.forward_only) for c in SM90_CASES]) and ok
         ok = check_tma_head_dim() and ok
+        ok = check_wide_key_tiles(backward=not args.forward_only) and ok
         ok = check_device_defaults(backward=not args.forward_only) and ok
         ok = check_tma_fallback(backward=not args.forward_only) and ok
         print("ALL OK" if ok else "FAILURES")
