@@ -450,7 +450,7 @@ def test_auto_at_512(cuda_backend, monkeypatch):
             r = _run_packed(case, torch.bfloat16, deterministic=False, backend="auto")
         kernels = sorted({e.name for e in prof.events() if "kernel" in e.name})
         triton_fwd = any(n.startswith("fwd_kernel") for n in kernels)  # Triton names its kernels bare
-        cuda_fwd = any("dkv_fwd_sm90_kernel<dkv::Bf16, 512, false, true>" in n for n in kernels)  # bulk tensor copies
+        cuda_fwd = any("dkv_fwd_sm90_kernel<dkv::Bf16, 512, false, true, false>" in n for n in kernels)  # bulk tensor copies
         assert (triton_fwd, cuda_fwd) == (not wgmma_bwd, wgmma_bwd), kernels
         bwd = "dkv_dkdv_sm90_split_kernel<dkv::Bf16, 512, true>" if wgmma_bwd else "dkv::dkv_dkdv_kernel"
         assert any(bwd in n for n in kernels), kernels
