@@ -90,19 +90,6 @@ struct FwdSm90 {
   static_assert(!kTma || !kWs || (kBlockM <= 256 && kBlockN <= 256), "(kTma, kWs) a box is at most 256 rows: one per Q, K or V part");
 };
 
-// S (64 x kN) = Q K^T over the first kN keys of a K tile (kN = kBlockN, or fewer for a partial tile of
-// the 176-key form), this warpgroup's rows of Q at desc_q, the tile at desc_k.
-template <class E, class K, int kN>
-DKV_DEV void fwd_sm90_qk(float (&s)[K::kBlockN / 2], uint64_t desc_q, uint64_t desc_k) {
-  static_assert(kN <= K::kBlockN, "fwd_sm90_qk: at most the tile's keys");
-#pragma unroll
-  for (int k = 0; k < K::kMyParts * 4; ++k) {  // part k / 4, 32 bytes per k16 step inside it
-    const uint64_t da = sm90::desc_advance(desc_q, (k / 4) * K::kBlockM * 128 + (k % 4) * 32);
-    const uint64_t db = sm90::desc_advance(desc_k, (k / 4) * K::kBlockN * 128 + (k % 4) * 32);
-    sm90::wgmma_ss_k_major<E, kN>(*reinterpret_cast<float(*)[kN / 2]>(s), da, db, k > 0);
-  }
-}
-
 template <class E, int D, bool kWs, bool kTma = false, bool kWideN = false>
 DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs, kTma, kWideN>::kThreads))
     dkv_fwd_sm90_kernel(const DKV_GRID_CONSTANT FwdParams p) {
@@ -251,17 +238,14 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs, kTma, kWideN>::kThreads))
   const uint64_t desc_v =
       sm90::smem_desc_sw128_mn(reinterpret_cast<const char*>(sV(0)) + my_cols * kBlockN * 128, kBlockN * 128);
   constexpr uint32_t kKvTileBytes = K::kKvTile * 2;
-  // (kWideN) A tile with at most 128 or 64 valid keys (a region's last) takes an m64n128 or m64n64 product
-  // for S: a prompt of 4096 keys ends in a tile of 48. The columns left out hold stale values, which the
-  // softmax masks (a partial tile always takes the masked path) to zero probabilities for P V.
   auto issue_qk = [&](float (&s)[kBlockN / 2], int t) {
     const uint64_t dk = sm90::desc_advance(desc_k, (t % kStages) * kKvTileBytes);
-    if constexpr (K::kWideN) {
-      const int valid = walk.tile<kBlockN>(t).valid;
-      if (valid <= 64) return fwd_sm90_qk<E, K, 64>(s, desc_q, dk);
-      if (valid <= 128) return fwd_sm90_qk<E, K, 128>(s, desc_q, dk);
+#pragma unroll
+    for (int k = 0; k < kMyParts * 4; ++k) {  // part k / 4, 32 bytes per k16 step inside it
+      const uint64_t da = sm90::desc_advance(desc_q, (k / 4) * kBlockM * 128 + (k % 4) * 32);
+      const uint64_t db = sm90::desc_advance(dk, (k / 4) * kBlockN * 128 + (k % 4) * 32);
+      sm90::wgmma_ss_k_major<E, kBlockN>(s, da, db, k > 0);
     }
-    fwd_sm90_qk<E, K, kBlockN>(s, desc_q, dk);
   };
   float o[kMyParts][32];
   uint32_t pa[kBlockN / 16][4] = {};
