@@ -496,20 +496,33 @@ int use_sm90_forward(const Tensor& q, int head_dim) {
   return head_dim == 512 && choice == 2 ? 1 : choice;
 }
 
-// DUALKV_CUDA_FWD_BLOCK_N: the key tiles of the TMA forward (form 3) at head dim 128, 128 rows (unset,
-// the default) or 176 (FwdSm90::kWideN: per-tile costs paid for more keys, two K / V buffers instead of
-// three). Other head dims keep their tiles whatever it says; asked for 176 at head dim 128 where another
-// forward runs (DUALKV_CUDA_WGMMA=0, 1 or 2, tensor maps the driver cannot build, a GPU that is not
-// sm_90) it is an error naming it. Returns whether the 176-key tiles run.
-bool fwd_wide_keys(int head_dim, int form) {
+// DUALKV_CUDA_FWD_BLOCK_N: the key tiles of the TMA forward (form 3) at head dim 128, 176 rows (unset, the
+// default since 2026-12-05; FwdSm90::kWideN: per-tile costs paid for more keys, two K / V buffers
+// instead of three) or 128. On an H100 (benchmarks/results/raw/cuda_fwd_block_n_h100_s39.log, two
+// machines, interleaved rounds) 176 took 0.93-0.97x the forward time of 128 at prompts of 32K-128K keys,
+// 0.96-0.98x at (8, 16K, 512), level at 8K / 16K and 1.00-1.04x at (28, 4K, 2K), where 4096 keys end in
+// a tile of 48. Other head dims keep their tiles whatever it says. Returns whether the 176-key tiles are
+// wanted (the maps' box height); fwd_wide_keys says whether they run.
+bool fwd_wants_wide_keys(int head_dim) {
   const std::string value = env_value("DUALKV_CUDA_FWD_BLOCK_N");
   DKV_CHECK(value.empty() || value == "128" || value == "176", kOps,
             ": DUALKV_CUDA_FWD_BLOCK_N: expected 128 or 176 (or unset), got '", value, "'");
-  if (value != "176" || head_dim != 128) return false;
-  DKV_CHECK(form == 3, kOps,
+  bool by_default = true;
+#ifdef DKV_EMULATE
+  by_default = env_value("DUALKV_EMULATE_DEVICE_DEFAULTS") == "1";  // as kernel_choice's defaults
+#endif
+  return head_dim == 128 && (value == "176" || (value.empty() && by_default));
+}
+
+// Asked for (=176) where another forward runs at head dim 128 (DUALKV_CUDA_WGMMA=0, 1 or 2, tensor maps
+// the driver cannot build, a GPU that is not sm_90) it is an error naming it; by default that forward
+// keeps its 128-key tiles.
+bool fwd_wide_keys(int head_dim, int form) {
+  if (!fwd_wants_wide_keys(head_dim)) return false;
+  DKV_CHECK(form == 3 || env_value("DUALKV_CUDA_FWD_BLOCK_N").empty(), kOps,
             ": DUALKV_CUDA_FWD_BLOCK_N=176: expected the forward with bulk tensor copies (DUALKV_CUDA_WGMMA=3, "
             "the default on sm_90 with tensor maps), but form ", form, " runs (0: mma.sync)");
-  return true;
+  return form == 3;
 }
 
 // The wgmma backward kernels (dkv_bwd_sm90.cuh: dQ and dK/dV), head dims 64 / 128 / 192 / 256 (at 192 /
@@ -657,7 +670,7 @@ std::tuple<Tensor, Tensor> fwd(const Tensor& q, const Tensor& k, const Tensor& v
     // kernel's query and key tiles.
     TmaMaps maps{!env_value("DUALKV_CUDA_WGMMA").empty(), "DUALKV_CUDA_WGMMA=3"};
     maps.box(p.tma_q, q, "q", block_m);
-    maps.keys(p, k, v, k_ctx, v_ctx, sm90_fwd_block_n(args.head_dim, env_value("DUALKV_CUDA_FWD_BLOCK_N") == "176"));
+    maps.keys(p, k, v, k_ctx, v_ctx, sm90_fwd_block_n(args.head_dim, fwd_wants_wide_keys(args.head_dim)));
     if (!maps.built) form = args.head_dim <= 128 ? 2 : 1;
   }
   const bool wide = fwd_wide_keys(args.head_dim, form);

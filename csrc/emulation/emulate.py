@@ -251,10 +251,11 @@ def check_tma_fallback(backward: bool) -> bool:
 
 
 def check_wide_key_tiles(backward: bool) -> bool:
-    """DUALKV_CUDA_FWD_BLOCK_N=176: the TMA forward's 176-key tiles at d = 128 (two K / V buffers: the
-    longer walks wrap them several times) match the reference on the d = 128 cases and a long prompt
-    read by ragged responses; other head dims keep their tiles; an unknown value, or 176 where another
-    forward runs, is an error naming the variable."""
+    """DUALKV_CUDA_FWD_BLOCK_N=176 (the device's default at d = 128; the emulation's default is 128, as
+    for the kernel-choice variables): the TMA forward's 176-key tiles (two K / V buffers: the longer
+    walks wrap them several times) match the reference on the d = 128 cases and a long prompt read by
+    ragged responses, as =128 does; other head dims keep their tiles; an unknown value, or 176 where
+    another forward runs, is an error naming the variable."""
     names = ("DUALKV_CUDA_WGMMA", "DUALKV_CUDA_FWD_BLOCK_N")
     saved = {n: os.environ.get(n) for n in names}
     try:
@@ -265,6 +266,10 @@ def check_wide_key_tiles(backward: bool) -> bool:
         cases.append(dict(d=128, dtype=torch.float16, prompts=[700, 176], responses=[[180, 3, 176], [177]], H=2, Hkv=1))
         cases.append(dict(d=64, dtype=torch.bfloat16, prompts=[70], responses=[[33, 9]], H=2, Hkv=1))
         ok = all([run_case(**c, backward=backward) for c in cases])
+        os.environ["DUALKV_CUDA_FWD_BLOCK_N"] = "128"  # the 128-key tiles asked for
+        print("DUALKV_CUDA_WGMMA=3 DUALKV_CUDA_FWD_BLOCK_N=128", flush=True)
+        ok = run_case(**cases[1], backward=backward) and ok
+        os.environ["DUALKV_CUDA_FWD_BLOCK_N"] = "176"
         small = dict(d=128, dtype=torch.bfloat16, prompts=[20], responses=[[9]], H=1, Hkv=1, backward=False)
         ok = expect_error({"DUALKV_CUDA_FWD_BLOCK_N": "64"},
                           "DUALKV_CUDA_FWD_BLOCK_N: expected 128 or 176 (or unset), got '64'",

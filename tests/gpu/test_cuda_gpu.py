@@ -205,27 +205,27 @@ def _choose_forward(monkeypatch, mode: str | None) -> None:
     _choose_hopper_kernels(monkeypatch, "DUALKV_CUDA_WGMMA", mode, "the wgmma forward")
 
 
-@pytest.mark.parametrize("mode", [None, "1", "2", "3", "3w"], ids=["default", "in-turn", "warp-specialised", "tma", "tma-176"])
+@pytest.mark.parametrize("mode", [None, "1", "2", "3", "3/128"], ids=["default", "in-turn", "warp-specialised", "tma", "tma-128"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", [c for c in GRID if c[4] in (64, 128, 192, 256, 512)], ids=lambda c: _ids(c))
 def test_wgmma_forward_matches_reference(cuda_backend, case, dtype, mode, monkeypatch):
     """The Hopper wgmma forward (csrc/dkv_fwd_sm90.cuh; d = 64 / 128 / 192 / 256 / 512, the default on
     sm_90) in its forms: in-turn with cp.async (DUALKV_CUDA_WGMMA=1; the one form at 512, which =2 runs
     too), warp-specialised with cp.async (=2) and with bulk tensor copies (=3, the default: the
-    warp-specialised form at 64 / 128, the in-turn one at 192 / 256 / 512) and =3 with 176-key tiles
-    (DUALKV_CUDA_FWD_BLOCK_N=176: at d = 128 only, the other head dims keep theirs), on the grid:
-    out / lse / gradients (through the default backward) against the fp32 reference, and the profiler
-    shows that the form asked for ran."""
+    warp-specialised form at 64 / 128, the in-turn one at 192 / 256 / 512; at d = 128 with 176-key
+    tiles, and with 128-key ones under DUALKV_CUDA_FWD_BLOCK_N=128; the other head dims keep theirs),
+    on the grid: out / lse / gradients (through the default backward) against the fp32 reference, and
+    the profiler shows that the form asked for ran."""
     _choose_forward(monkeypatch, mode and mode[0])
-    if mode == "3w":
-        monkeypatch.setenv("DUALKV_CUDA_FWD_BLOCK_N", "176")
+    if mode == "3/128":
+        monkeypatch.setenv("DUALKV_CUDA_FWD_BLOCK_N", "128")
     else:
         monkeypatch.delenv("DUALKV_CUDA_FWD_BLOCK_N", raising=False)
     r, kernels = _kernels_of(case, dtype)
     _check_against_reference(case, dtype, r)
-    tma = mode in (None, "3", "3w")
+    tma = mode in (None, "3", "3/128")
     ws = case[4] != 512 and (mode == "2" or (tma and case[4] <= 128))
-    wide = mode == "3w" and case[4] == 128
+    wide = mode in (None, "3") and case[4] == 128
     flags = f"{str(ws).lower()}, {str(tma).lower()}, {str(wide).lower()}"
     form = f"dkv_fwd_sm90_kernel<dkv::{'Bf16' if dtype == torch.bfloat16 else 'Fp16'}, {case[4]}, {flags}>"
     assert any(form in name for name in kernels), f"{form} did not run: {sorted(kernels)}"
@@ -389,7 +389,8 @@ def test_auto_takes_cuda_where_it_measured_faster(cuda_backend, monkeypatch):
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 r = _run_packed(case, torch.bfloat16, deterministic=False, backend="auto")
             kernels = sorted({e.name for e in prof.events() if "kernel" in e.name})
-            flags = "true, true, false" if d <= 128 else "false, true, false"  # warp-specialised at 64 / 128, in turn at 192 / 256
+            # warp-specialised at 64 / 128 (176-key tiles at 128), in turn at 192 / 256
+            flags = {64: "true, true, false", 128: "true, true, true"}.get(d, "false, true, false")
             cuda_fwd = any(f"dkv_fwd_sm90_kernel<dkv::Bf16, {d}, {flags}>" in n for n in kernels)
             triton_fwd = any(n.startswith("fwd_kernel") for n in kernels)  # Triton names its kernels bare
             # a kernel only the chosen backward runs: the split dQ kernel above 128, else the ws dK/dV
@@ -423,7 +424,7 @@ def test_auto_at_128_follows_the_prompt_length(cuda_backend):
     assert resolve_backend("auto", q, longest_prompt=16384) == "cuda+triton"
     case = ([16384, 300], [[64, 1, 129], [70]], 4, 2, 128, None, None)
     r, kernels = _kernels_of(case, torch.bfloat16, backend="auto")
-    assert any("dkv_fwd_sm90_kernel<dkv::Bf16, 128, true, true, false>" in n for n in kernels), sorted(kernels)
+    assert any("dkv_fwd_sm90_kernel<dkv::Bf16, 128, true, true, true>" in n for n in kernels), sorted(kernels)
     assert any(n.startswith("dkdv_dq_ws_kernel") for n in kernels), sorted(kernels)
     assert not any("dkv_dkdv_sm90" in n for n in kernels), sorted(kernels)
     _check_against_reference(case, torch.bfloat16, r)
@@ -592,7 +593,7 @@ def _sanitizer():
 # included) and the mma.sync kernels; all but the first differ from
 # the defaults only on an sm_90 GPU.
 SANITIZER_PATHS = {"default": {}, "hopper-opt-in": {"DUALKV_CUDA_WGMMA": "1", "DUALKV_CUDA_WGMMA_BWD": "2"},
-                   "ws-forward": {"DUALKV_CUDA_WGMMA": "2"}, "forward-176": {"DUALKV_CUDA_FWD_BLOCK_N": "176"},
+                   "ws-forward": {"DUALKV_CUDA_WGMMA": "2"}, "forward-128": {"DUALKV_CUDA_FWD_BLOCK_N": "128"},
                    "fused-dq": {"DUALKV_CUDA_WGMMA_BWD": "3"}, "ws-dkdv": {"DUALKV_CUDA_WGMMA_BWD": "4"},
                    "ws-both": {"DUALKV_CUDA_WGMMA_BWD": "5"}, "ws-fused-dq": {"DUALKV_CUDA_WGMMA_BWD": "6", "DUALKV_CUDA_BWD_TMA": "0"},
                    "ws-split": {"DUALKV_CUDA_WGMMA_BWD": "8", "DUALKV_CUDA_BWD_TMA": "0"},
