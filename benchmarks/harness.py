@@ -270,9 +270,9 @@ def get_provider(name: str) -> type[Provider]:
     return PROVIDERS[name]
 
 
-KERNEL_CHOICE_VARS = ("DUALKV_CUDA_WGMMA", "DUALKV_CUDA_WGMMA_BWD", "DUALKV_CUDA_BWD_TMA", "DUALKV_TRITON_WS",
-                      "DUALKV_TRITON_GLUON_FWD", "DUALKV_TRITON_GLUON_BWD", "DUALKV_TRITON_GLUON_DKDV",
-                      "DUALKV_TRITON_ATOMIC_DQ")
+KERNEL_CHOICE_VARS = ("DUALKV_CUDA_WGMMA", "DUALKV_CUDA_FWD_BLOCK_N", "DUALKV_CUDA_WGMMA_BWD", "DUALKV_CUDA_BWD_TMA",
+                      "DUALKV_TRITON_WS", "DUALKV_TRITON_GLUON_FWD", "DUALKV_TRITON_GLUON_BWD",
+                      "DUALKV_TRITON_GLUON_DKDV", "DUALKV_TRITON_ATOMIC_DQ")
 
 
 class _DualKV(Provider):
@@ -343,6 +343,9 @@ DUALKV_VARIANTS: list[tuple[str, str, dict[str, str], str]] = [
     ("dualkv-cuda-tma-fwd", "cuda", {"DUALKV_CUDA_WGMMA": "3"},
      "The wgmma forward with one thread issuing bulk tensor copies (TMA; the default: the "
      "warp-specialised form at d = 64 / 128, the in-turn form at 192 / 256 / 512)."),
+    ("dualkv-cuda-fwd-128", "cuda", {"DUALKV_CUDA_FWD_BLOCK_N": "128"},
+     "The default forward at d = 128 on 128-key tiles, K and V in rings of 3 (the default before the "
+     "176-key tiles; other head dims are unchanged)."),
     ("dualkv-cuda-tma-bwd", "cuda", {"DUALKV_CUDA_BWD_TMA": "1"},
      "The default schedules with the warp-specialised dK/dV kernel's loads as bulk tensor copies from "
      "one producer thread (the default; schedules 6 / 8, d = 64 / 128)."),

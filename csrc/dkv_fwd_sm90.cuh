@@ -4,7 +4,7 @@
 // both share every K / V tile. A head
 // dim of D is D / 64 column "parts" (64-column swizzled sub-tiles):
 //
-//   S (64 x kBlockN keys) = Q K^T   wgmma SS, D / 16 k16 steps; kBlockN = 128 for D <= 128, else 64
+//   S (64 x kBlockN keys) = Q K^T   wgmma SS, D / 16 k16 steps; kBlockN = 128 for D <= 128 (176: kWideN), else 64
 //   P = online softmax of S         in the accumulator registers (rows 16 w + l/4 and + 8 of warp w)
 //   O (64 x D) += P V               wgmma RS, P re-packed as the register operand, V an MN-major
 //                                   operand, one m64n128 product per two 64-column parts and k16 step
