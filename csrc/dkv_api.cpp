@@ -498,7 +498,7 @@ int use_sm90_forward(const Tensor& q, int head_dim) {
 
 // DUALKV_CUDA_FWD_BLOCK_N: the key tiles of the TMA forward (form 3) at head dim 128, 176 rows (unset, the
 // default since 2026-12-05; FwdSm90::kWideN: per-tile costs paid for more keys, two K / V buffers
-// instead of three) or 128. On an H100 (benchmarks/results/raw/cuda_fwd_block_n_h100_s39.log, two
+// instead of three) or 128. On an H100 (benchmarks/results/raw/cuda_fwd_block_n_h100_s39.log, three
 // machines, interleaved rounds) 176 took 0.93-0.97x the forward time of 128 at prompts of 32K-128K keys,
 // 0.96-0.98x at (8, 16K, 512), level at 8K / 16K and 1.00-1.04x at (28, 4K, 2K), where 4096 keys end in
 // a tile of 48. Other head dims keep their tiles whatever it says. Returns whether the 176-key tiles are
