@@ -502,7 +502,7 @@ int use_sm90_forward(const Tensor& q, int head_dim) {
 // machines, interleaved rounds) 176 took 0.93-0.97x the forward time of 128 at prompts of 32K-128K keys,
 // 0.96-0.98x at (8, 16K, 512), level at 8K / 16K and 1.00-1.04x at (28, 4K, 2K), where 4096 keys end in
 // a tile of 48. Other head dims keep their tiles whatever it says. Returns whether the 176-key tiles are
-// wanted (the maps' box height); fwd_wide_keys says whether they run.
+// wanted (the maps' box height); fwd_wide_keys says, from that answer, whether they run.
 bool fwd_wants_wide_keys(int head_dim) {
   const std::string value = env_value("DUALKV_CUDA_FWD_BLOCK_N");
   DKV_CHECK(value.empty() || value == "128" || value == "176", kOps,
@@ -517,8 +517,8 @@ bool fwd_wants_wide_keys(int head_dim) {
 // Asked for (=176) where another forward runs at head dim 128 (DUALKV_CUDA_WGMMA=0, 1 or 2, tensor maps
 // the driver cannot build, a GPU that is not sm_90) it is an error naming it; by default that forward
 // keeps its 128-key tiles.
-bool fwd_wide_keys(int head_dim, int form) {
-  if (!fwd_wants_wide_keys(head_dim)) return false;
+bool fwd_wide_keys(bool wanted, int form) {
+  if (!wanted) return false;
   DKV_CHECK(form == 3 || env_value("DUALKV_CUDA_FWD_BLOCK_N").empty(), kOps,
             ": DUALKV_CUDA_FWD_BLOCK_N=176: expected the forward with bulk tensor copies (DUALKV_CUDA_WGMMA=3, "
             "the default on sm_90 with tensor maps), but form ", form, " runs (0: mma.sync)");
@@ -664,16 +664,17 @@ std::tuple<Tensor, Tensor> fwd(const Tensor& q, const Tensor& k, const Tensor& v
   p.grid_tiles = grid_tiles_bound(args.total_q, args.layout.num_segments, block_m);
   const cudaStream_t st = current_stream();
   int form = sm90;
+  const bool wide_wanted = fwd_wants_wide_keys(args.head_dim);  // read once: the maps and the launch follow it
   if (form == 3) {
     // Asked for (DUALKV_CUDA_WGMMA=3), a map the driver cannot build is an error naming it; by default
     // the forward then runs its cp.async form instead (2 at head dims 64 / 128, else 1). Boxes are the
     // kernel's query and key tiles.
     TmaMaps maps{!env_value("DUALKV_CUDA_WGMMA").empty(), "DUALKV_CUDA_WGMMA=3"};
     maps.box(p.tma_q, q, "q", block_m);
-    maps.keys(p, k, v, k_ctx, v_ctx, sm90_fwd_block_n(args.head_dim, fwd_wants_wide_keys(args.head_dim)));
+    maps.keys(p, k, v, k_ctx, v_ctx, sm90_fwd_block_n(args.head_dim, wide_wanted));
     if (!maps.built) form = args.head_dim <= 128 ? 2 : 1;
   }
-  const bool wide = fwd_wide_keys(args.head_dim, form);
+  const bool wide = fwd_wide_keys(wide_wanted, form);
   if (form) {
     check_launch(bf16 ? run_fwd_sm90<Bf16>(p, st, form, wide) : run_fwd_sm90<Fp16>(p, st, form, wide),
                  "forward kernel (sm90 wgmma)");
