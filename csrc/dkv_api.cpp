@@ -525,6 +525,22 @@ bool fwd_wide_keys(bool wanted, int form) {
   return form == 3;
 }
 
+// DUALKV_CUDA_FWD_PERSISTENT: "1" runs the TMA forward (form 3) at head dims 64 / 128 persistent, one
+// block per SM taking query tiles from a counter (FwdSm90::kPersist: a block's barriers are set up once,
+// and its rings load the next tile's first keys while this one finishes); "0" or unset, one block per
+// query tile and head. Asked for where another forward runs, it is an error naming it.
+bool fwd_persistent(int form, int head_dim) {
+  const std::string value = env_value("DUALKV_CUDA_FWD_PERSISTENT");
+  DKV_CHECK(value.empty() || value == "0" || value == "1", kOps,
+            ": DUALKV_CUDA_FWD_PERSISTENT: expected 0 or 1 (or unset), got '", value, "'");
+  if (value != "1") return false;
+  DKV_CHECK(form == 3 && head_dim <= 128, kOps,
+            ": DUALKV_CUDA_FWD_PERSISTENT=1: expected the forward with bulk tensor copies at head dim 64 or 128 "
+            "(DUALKV_CUDA_WGMMA=3, the default on sm_90 with tensor maps), but form ", form, " runs at head dim ",
+            head_dim, " (0: mma.sync)");
+  return true;
+}
+
 // The wgmma backward kernels (dkv_bwd_sm90.cuh: dQ and dK/dV), head dims 64 / 128 / 192 / 256 (at 192 /
 // 256 with the warpgroups' roles split, in one schedule), on the same devices. DUALKV_CUDA_WGMMA_BWD
 // picks the backward's schedule at 64 / 128: 1 the products of a tile one after the other (1.5x the
@@ -675,6 +691,11 @@ std::tuple<Tensor, Tensor> fwd(const Tensor& q, const Tensor& k, const Tensor& v
     if (!maps.built) form = args.head_dim <= 128 ? 2 : 1;
   }
   const bool wide = fwd_wide_keys(wide_wanted, form);
+  Tensor work_counter;
+  if (fwd_persistent(form, args.head_dim)) {
+    work_counter = at::zeros({1}, q.options().dtype(at::kInt));
+    p.work_counter = work_counter.data_ptr<int>();
+  }
   if (form) {
     check_launch(bf16 ? run_fwd_sm90<Bf16>(p, st, form, wide) : run_fwd_sm90<Fp16>(p, st, form, wide),
                  "forward kernel (sm90 wgmma)");

@@ -102,13 +102,13 @@ struct QueryTile {
   int s, row0, n, ctx_len, ctx_row0, q0, m_valid, h, hk;
 };
 
+// Query tile `item` (of tile_prefix's order) of head h; s = -1 past the device-side tile count.
 template <int kBlockM>
-DKV_DEV QueryTile query_tile(const AttnArgs& args, const int* tile_prefix, const int* seg_order) {
+DKV_DEV QueryTile query_tile_at(const AttnArgs& args, const int* tile_prefix, const int* seg_order, int item, int h) {
   const LayoutRef& layout = args.layout;
   QueryTile qt{-1, 0, 0, 0, 0, 0, 0, 0, 0};
   const int S = layout.num_segments;
-  const int item = block_idx_x();
-  qt.h = block_idx_y();
+  qt.h = h;
   qt.hk = qt.h / (args.nheads / args.nheads_kv);
   if (item >= tile_prefix[S]) return qt;
   const int rank = find_bucket(tile_prefix, S, item);
@@ -121,6 +121,21 @@ DKV_DEV QueryTile query_tile(const AttnArgs& args, const int* tile_prefix, const
   qt.q0 = t * kBlockM;
   qt.m_valid = imin(kBlockM, qt.n - qt.q0);
   return qt;
+}
+
+template <int kBlockM>
+DKV_DEV QueryTile query_tile(const AttnArgs& args, const int* tile_prefix, const int* seg_order) {
+  return query_tile_at<kBlockM>(args, tile_prefix, seg_order, block_idx_x(), block_idx_y());
+}
+
+// Work item w of a persistent kernel (a counter hands them out in order): the query tiles of head 0 in
+// tile_prefix's order, then head 1's, ..., the order in which the grid of per-tile blocks is launched
+// (query_tile), so that the blocks running at once read the same prompt keys. s = -1 past the last.
+template <int kBlockM>
+DKV_DEV QueryTile query_tile_of_work(const AttnArgs& args, const int* tile_prefix, const int* seg_order, int w) {
+  const int tiles = tile_prefix[args.layout.num_segments];
+  if (tiles <= 0 || w >= tiles * args.nheads) return QueryTile{-1, 0, 0, 0, 0, 0, 0, 0, 0};
+  return query_tile_at<kBlockM>(args, tile_prefix, seg_order, w % tiles, w / tiles);
 }
 
 template <class E, class K>

@@ -63,6 +63,7 @@ struct FwdParams : AttnArgs {
   const int* q_tile_prefix = nullptr;  // (S+1,) prefix of ceil(len_s / kBlockM), segments in q_seg_order
   const int* q_seg_order = nullptr;    // (S,) rank -> segment, or null: the segments' own order
   int grid_tiles = 0;                // upper bound of the number of query tiles
+  int* work_counter = nullptr;       // (DUALKV_CUDA_FWD_PERSISTENT) the persistent forward's tile counter (zeroed)
 };
 
 // Row pitch (floats) of BwdParams::dq_accum: 64 columns and 8 of padding; a warpgroup's staged rows

@@ -8,7 +8,7 @@ per CUDA thread): keep the shapes tiny.
     python csrc/emulation/emulate.py            # the default case list, and the reader chunks
     python csrc/emulation/emulate.py --quick    # two cases
     python csrc/emulation/emulate.py --wgmma    # the wgmma building blocks (csrc/dkv_wgmma.cuh) only
-    python csrc/emulation/emulate.py --sm90     # the wgmma forward (DUALKV_CUDA_WGMMA=1, 2, 3; 176-key tiles)
+    python csrc/emulation/emulate.py --sm90     # the wgmma forward (DUALKV_CUDA_WGMMA=1, 2, 3; 176-key tiles; persistent)
     python csrc/emulation/emulate.py --sm90-bwd # the wgmma dQ and dK/dV kernels (DUALKV_CUDA_WGMMA_BWD=1 .. 6, 8)
 """
 
@@ -281,6 +281,37 @@ def check_wide_key_tiles(backward: bool) -> bool:
         _restore_env(saved)
 
 
+def check_persistent_forward(backward: bool) -> bool:
+    """DUALKV_CUDA_FWD_PERSISTENT=1: the TMA forward at d = 64 / 128 on persistent blocks (three in the
+    emulation) that take every query tile of every head from the counter, one after another, their K / V
+    rings and the consumers' turns running on from one tile to the next, on 128- and 176-key tiles,
+    matches the reference; an unknown value, or 1 where another forward runs, is an error naming it."""
+    names = ("DUALKV_CUDA_WGMMA", "DUALKV_CUDA_FWD_BLOCK_N", "DUALKV_CUDA_FWD_PERSISTENT")
+    saved = {n: os.environ.get(n) for n in names}
+    try:
+        os.environ["DUALKV_CUDA_WGMMA"] = "3"
+        os.environ["DUALKV_CUDA_FWD_PERSISTENT"] = "1"
+        long_walks = dict(d=128, dtype=torch.float16, prompts=[700, 176], responses=[[180, 3, 176], [177]], H=2, Hkv=1)
+        ok = True
+        for block_n in ("128", "176"):
+            os.environ["DUALKV_CUDA_FWD_BLOCK_N"] = block_n
+            print(f"DUALKV_CUDA_WGMMA=3 DUALKV_CUDA_FWD_PERSISTENT=1 DUALKV_CUDA_FWD_BLOCK_N={block_n}", flush=True)
+            cases = [c for c in SM90_CASES if c["d"] in ((64, 128) if block_n == "128" else (128,))] + [long_walks]
+            ok = all([run_case(**c, backward=backward) for c in cases]) and ok
+        small = dict(d=128, dtype=torch.bfloat16, prompts=[20], responses=[[9]], H=1, Hkv=1, backward=False)
+        ok = expect_error({"DUALKV_CUDA_FWD_PERSISTENT": "2"},
+                          "DUALKV_CUDA_FWD_PERSISTENT: expected 0 or 1 (or unset), got '2'",
+                          "DUALKV_CUDA_FWD_PERSISTENT=2", **small) and ok
+        os.environ["DUALKV_CUDA_FWD_BLOCK_N"] = "128"
+        ok = expect_error({"DUALKV_CUDA_WGMMA": "2"}, "DUALKV_CUDA_FWD_PERSISTENT=1: expected the forward with bulk tensor copies",
+                          "DUALKV_CUDA_FWD_PERSISTENT=1 with DUALKV_CUDA_WGMMA=2", **small) and ok
+        ok = expect_error({}, "but form 3 runs at head dim 256", "DUALKV_CUDA_FWD_PERSISTENT=1 at d = 256",
+                          **{**small, "d": 256}) and ok
+        return ok
+    finally:
+        _restore_env(saved)
+
+
 def check_device_defaults(backward: bool) -> bool:
     """Every head dim with the kernel-choice variables unset and the device's defaults
     (DUALKV_EMULATE_DEVICE_DEFAULTS=1: the forms an sm_90 GPU takes, e.g. the TMA forward and dK/dV
@@ -531,6 +562,7 @@ def main():
             ok = all([run_case(**c, backward=not args.forward_only) for c in SM90_CASES]) and ok
         ok = check_tma_head_dim() and ok
         ok = check_wide_key_tiles(backward=not args.forward_only) and ok
+        ok = check_persistent_forward(backward=not args.forward_only) and ok
         ok = check_device_defaults(backward=not args.forward_only) and ok
         ok = check_tma_fallback(backward=not args.forward_only) and ok
         print("ALL OK" if ok else "FAILURES")

@@ -205,7 +205,8 @@ def _choose_forward(monkeypatch, mode: str | None) -> None:
     _choose_hopper_kernels(monkeypatch, "DUALKV_CUDA_WGMMA", mode, "the wgmma forward")
 
 
-@pytest.mark.parametrize("mode", [None, "1", "2", "3", "3/128"], ids=["default", "in-turn", "warp-specialised", "tma", "tma-128"])
+@pytest.mark.parametrize("mode", [None, "1", "2", "3", "3/128", "3p", "3p/128"],
+                         ids=["default", "in-turn", "warp-specialised", "tma", "tma-128", "persistent", "persistent-128"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", [c for c in GRID if c[4] in (64, 128, 192, 256, 512)], ids=lambda c: _ids(c))
 def test_wgmma_forward_matches_reference(cuda_backend, case, dtype, mode, monkeypatch):
@@ -217,16 +218,21 @@ def test_wgmma_forward_matches_reference(cuda_backend, case, dtype, mode, monkey
     on the grid: out / lse / gradients (through the default backward) against the fp32 reference, and
     the profiler shows that the form asked for ran."""
     _choose_forward(monkeypatch, mode and mode[0])
-    if mode == "3/128":
+    if mode and mode.endswith("/128"):
         monkeypatch.setenv("DUALKV_CUDA_FWD_BLOCK_N", "128")
     else:
         monkeypatch.delenv("DUALKV_CUDA_FWD_BLOCK_N", raising=False)
+    persistent = mode is not None and mode.startswith("3p") and case[4] <= 128
+    if persistent:
+        monkeypatch.setenv("DUALKV_CUDA_FWD_PERSISTENT", "1")
+    else:
+        monkeypatch.delenv("DUALKV_CUDA_FWD_PERSISTENT", raising=False)
     r, kernels = _kernels_of(case, dtype)
     _check_against_reference(case, dtype, r)
-    tma = mode in (None, "3", "3/128")
+    tma = mode is None or mode.startswith("3")
     ws = case[4] != 512 and (mode == "2" or (tma and case[4] <= 128))
-    wide = mode in (None, "3") and case[4] == 128
-    flags = f"{str(ws).lower()}, {str(tma).lower()}, {str(wide).lower()}"
+    wide = mode in (None, "3", "3p") and case[4] == 128
+    flags = ", ".join(str(f).lower() for f in (ws, tma, wide, persistent))
     form = f"dkv_fwd_sm90_kernel<dkv::{'Bf16' if dtype == torch.bfloat16 else 'Fp16'}, {case[4]}, {flags}>"
     assert any(form in name for name in kernels), f"{form} did not run: {sorted(kernels)}"
 
@@ -390,7 +396,7 @@ def test_auto_takes_cuda_where_it_measured_faster(cuda_backend, monkeypatch):
                 r = _run_packed(case, torch.bfloat16, deterministic=False, backend="auto")
             kernels = sorted({e.name for e in prof.events() if "kernel" in e.name})
             # warp-specialised at 64 / 128 (176-key tiles at 128), in turn at 192 / 256
-            flags = {64: "true, true, false", 128: "true, true, true"}.get(d, "false, true, false")
+            flags = {64: "true, true, false, false", 128: "true, true, true, false"}.get(d, "false, true, false, false")
             cuda_fwd = any(f"dkv_fwd_sm90_kernel<dkv::Bf16, {d}, {flags}>" in n for n in kernels)
             triton_fwd = any(n.startswith("fwd_kernel") for n in kernels)  # Triton names its kernels bare
             # a kernel only the chosen backward runs: the split dQ kernel above 128, else the ws dK/dV
@@ -424,7 +430,7 @@ def test_auto_at_128_follows_the_prompt_length(cuda_backend):
     assert resolve_backend("auto", q, longest_prompt=16384) == "cuda+triton"
     case = ([16384, 300], [[64, 1, 129], [70]], 4, 2, 128, None, None)
     r, kernels = _kernels_of(case, torch.bfloat16, backend="auto")
-    assert any("dkv_fwd_sm90_kernel<dkv::Bf16, 128, true, true, true>" in n for n in kernels), sorted(kernels)
+    assert any("dkv_fwd_sm90_kernel<dkv::Bf16, 128, true, true, true, false>" in n for n in kernels), sorted(kernels)
     assert any(n.startswith("dkdv_dq_ws_kernel") for n in kernels), sorted(kernels)
     assert not any("dkv_dkdv_sm90" in n for n in kernels), sorted(kernels)
     _check_against_reference(case, torch.bfloat16, r)
@@ -451,7 +457,7 @@ def test_auto_at_512(cuda_backend, monkeypatch):
             r = _run_packed(case, torch.bfloat16, deterministic=False, backend="auto")
         kernels = sorted({e.name for e in prof.events() if "kernel" in e.name})
         triton_fwd = any(n.startswith("fwd_kernel") for n in kernels)  # Triton names its kernels bare
-        cuda_fwd = any("dkv_fwd_sm90_kernel<dkv::Bf16, 512, false, true, false>" in n for n in kernels)  # bulk tensor copies
+        cuda_fwd = any("dkv_fwd_sm90_kernel<dkv::Bf16, 512, false, true, false, false>" in n for n in kernels)  # bulk tensor copies
         assert (triton_fwd, cuda_fwd) == (not wgmma_bwd, wgmma_bwd), kernels
         bwd = "dkv_dkdv_sm90_split_kernel<dkv::Bf16, 512, true>" if wgmma_bwd else "dkv::dkv_dkdv_kernel"
         assert any(bwd in n for n in kernels), kernels
@@ -589,11 +595,13 @@ def _sanitizer():
 # warp-specialised dK/dV kernels that also accumulate dQ; the warp-specialised dK/dV kernel with the
 # in-turn dQ kernel; both warp-specialised; the default schedules' dK/dV kernels with cp.async, where
 # the default has bulk tensor copies; the fused-dQ kernel with dQ deferred a tile, whose consumers
-# exchange dS through mbarriers; every backward kernel's cp.async form, the split ones at d = 256
+# exchange dS through mbarriers; the persistent TMA forward, whose rings run on across query tiles;
+# every backward kernel's cp.async form, the split ones at d = 256
 # included) and the mma.sync kernels; all but the first differ from
 # the defaults only on an sm_90 GPU.
 SANITIZER_PATHS = {"default": {}, "hopper-opt-in": {"DUALKV_CUDA_WGMMA": "1", "DUALKV_CUDA_WGMMA_BWD": "2"},
                    "ws-forward": {"DUALKV_CUDA_WGMMA": "2"}, "forward-128": {"DUALKV_CUDA_FWD_BLOCK_N": "128"},
+                   "persistent-forward": {"DUALKV_CUDA_FWD_PERSISTENT": "1"},
                    "fused-dq": {"DUALKV_CUDA_WGMMA_BWD": "3"}, "ws-dkdv": {"DUALKV_CUDA_WGMMA_BWD": "4"},
                    "ws-both": {"DUALKV_CUDA_WGMMA_BWD": "5"}, "ws-fused-dq": {"DUALKV_CUDA_WGMMA_BWD": "6", "DUALKV_CUDA_BWD_TMA": "0"},
                    "ws-split": {"DUALKV_CUDA_WGMMA_BWD": "8", "DUALKV_CUDA_BWD_TMA": "0"},
@@ -614,6 +622,7 @@ def test_compute_sanitizer_small_case(cuda_backend, tool, paths, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("DUALKV_CUDA_WGMMA", None)
     env.pop("DUALKV_CUDA_WGMMA_BWD", None)
+    env.pop("DUALKV_CUDA_FWD_PERSISTENT", None)
     env.update(SANITIZER_PATHS[paths])
     base = [sanitizer, "--tool", tool, "--error-exitcode", "3"]
     cmd = [*base, "--kernel-name", "kns=dkv_", sys.executable, str(script)]
