@@ -136,8 +136,8 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs, kTma, kWideN, kPersist>::kThr
   float* mine = s_exchange + wg * 64 * kBlockN + (tid & 127);
   const float* theirs = s_exchange + (wg ^ 1) * 64 * kBlockN + (tid & 127);
 
-  // The query tile of work item `item` of this block; s = -1 once there is none. Per-tile blocks have one,
-  // (query_tile); (kPersist) the producer thread takes item `item` from the counter and hands it over
+  // The query tile of work item `item` of this block; s = -1 once there is none. A per-tile block has one
+  // (query_tile); with kPersist the producer thread takes item `item` from the counter and hands it over
   // through slot item % 2, which both consumers free once they have read it.
   auto tile_of = [&](int item) -> QueryTile {
     if constexpr (kPersist) {
@@ -299,7 +299,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs, kTma, kWideN, kPersist>::kThr
       }
     }
 
-    // Descriptors are built once and advanced by byte offsets (sm90::desc_advance). This warpgroup's 64
+    // Descriptors are built once a query tile and advanced by byte offsets (sm90::desc_advance). This warpgroup's 64
     // query rows start 64 rows (8 KB) into every 128-row part of Q; (kSplitK) its columns start kMyParts
     // parts into Q, K and V.
     const uint32_t my_cols = kSplitK ? wg * kMyParts : 0;  // the first part of this warpgroup's columns
