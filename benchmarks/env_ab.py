@@ -72,6 +72,37 @@ def time_values(fn, var: str, values: list[str], rounds: int, calls: int) -> dic
     return times
 
 
+def make_case(spec: str, heads: tuple[int, int], d: int, seed: int, backend: str, forward: bool):
+    """(name, fn, tensors) of one layout: ``fn`` runs the forward (``forward``) or the backward of bf16
+    inputs of that layout; drop ``tensors`` to free them."""
+    H, Hkv = heads
+    name, P, rs = parse_layout(spec, seed)
+    layout = PackedLayout.from_lengths([P], [rs], device="cuda")
+    T = layout.total_tokens
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v, dout = (torch.randn(T, h, d, device="cuda", dtype=torch.bfloat16, generator=gen) for h in (H, Hkv, Hkv, H))
+    for t in (q, k, v):
+        t.requires_grad_()
+    if forward:
+        def fn():
+            with torch.no_grad():
+                dualkv_attention(q, k, v, layout, backend=backend)
+    else:
+        out = dualkv_attention(q, k, v, layout, backend=backend)
+
+        def fn():
+            torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    return name, fn, [q, k, v, dout]
+
+
+def parse_heads(text: str) -> tuple[int, int]:
+    try:
+        H, Hkv = (int(x) for x in text.split(","))
+    except ValueError:
+        raise SystemExit(f"--heads: expected 'H,H_kv' (two whole numbers), got {text!r}") from None
+    return H, Hkv
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--var", required=True, help="the environment variable, e.g. DUALKV_CUDA_BWD_CHUNK_ROWS")
@@ -86,12 +117,12 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     values = [v.strip() for v in args.values.split(",") if v.strip()]
-    try:
-        H, Hkv = (int(x) for x in args.heads.split(","))
-    except ValueError:
-        raise SystemExit(f"--heads: expected 'H,H_kv' (two whole numbers), got {args.heads!r}") from None
+    H, Hkv = parse_heads(args.heads)
     if not values:
         raise SystemExit("--values: expected at least one value")
+    if args.var == "DUALKV_CUDA_LIBRARY" and len(values) > 1:
+        raise SystemExit("--var DUALKV_CUDA_LIBRARY: a process loads one library; time several builds with "
+                         "python -m benchmarks.build_ab")
     if not torch.cuda.is_available():
         raise SystemExit("env_ab: needs a CUDA device")
     d = args.head_dim
@@ -100,31 +131,14 @@ def main(argv=None) -> None:
     for spec in args.layouts.split(";"):
         if not spec.strip():
             continue
-        name, P, rs = parse_layout(spec, args.seed)
-        layout = PackedLayout.from_lengths([P], [rs], device="cuda")
-        T = layout.total_tokens
-        gen = torch.Generator(device="cuda").manual_seed(args.seed)
-        q, k, v, dout = (torch.randn(T, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
-                         for h in (H, Hkv, Hkv, H))
-        for t in (q, k, v):
-            t.requires_grad_()
-        if args.forward:
-            def fn():
-                with torch.no_grad():
-                    dualkv_attention(q, k, v, layout, backend=args.backend)
-        else:
-            out = dualkv_attention(q, k, v, layout, backend=args.backend)
-
-            def fn():
-                torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+        name, fn, tensors = make_case(spec, (H, Hkv), d, args.seed, args.backend, args.forward)
         times = time_values(fn, args.var, values, args.rounds, args.calls)
         base = statistics.median(times[values[0]])
         cells = [f"{v}: {statistics.median(times[v]):8.2f} (min {min(times[v]):8.2f}) {statistics.median(times[v]) / base:5.3f}"
                  for v in values]
         print(f"{name:18s} | " + " | ".join(cells), flush=True)
-        del q, k, v, dout
+        del fn, tensors
         torch.cuda.empty_cache()
-
 
 if __name__ == "__main__":
     main()

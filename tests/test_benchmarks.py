@@ -566,6 +566,46 @@ def test_env_ab_layouts_and_cpu_refusal(monkeypatch):
             env_ab.main(["--var", "X", "--values", "0,1", "--layouts", "2,64,8"])
 
 
+def test_env_ab_refuses_several_libraries():
+    from benchmarks import env_ab
+
+    with pytest.raises(SystemExit, match="a process loads one library; .*benchmarks.build_ab"):
+        env_ab.main(["--var", "DUALKV_CUDA_LIBRARY", "--values", "/a.so,/b.so", "--layouts", "2,64,8"])
+
+
+def test_build_ab_arguments_order_and_summary(tmp_path):
+    """build_ab: --libs checked before anything runs; the processes alternate (reversed every other
+    round); a build's time is the median of its processes' medians; the plot is written."""
+    from benchmarks import build_ab
+
+    a, b = tmp_path / "a.so", tmp_path / "b.so"
+    a.write_bytes(b"x")
+    b.write_bytes(b"y")
+    assert build_ab.parse_libs(f"base={a}, new={b}") == {"base": str(a.resolve()), "new": str(b.resolve())}
+    for text, match in ((f"base={a}", "at least two builds"), (f"base={a},base={b}", "'base' is given twice"),
+                        (f"base={a},{b}", "expected 'name=path'"), (f"base={a},new={tmp_path / 'c.so'}", "new=.*c.so: no such file")):
+        with pytest.raises(SystemExit, match=match):
+            build_ab.parse_libs(text)
+    with pytest.raises(SystemExit, match="--backend: .*'cuda' or a pair with it; got 'triton'"):
+        build_ab.main(["--libs", f"base={a},new={b}", "--layouts", "2,64,8", "--backend", "triton"])
+    with pytest.raises(SystemExit, match="--processes: expected a whole number >= 1, got 0"):
+        build_ab.main(["--libs", f"base={a},new={b}", "--layouts", "2,64,8", "--processes", "0"])
+    with pytest.raises(SystemExit, match="--layouts: expected at least one layout"):
+        build_ab.main(["--libs", f"base={a},new={b}", "--layouts", " ; "])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="needs a CUDA device"):
+            build_ab.main(["--libs", f"base={a},new={b}", "--layouts", "2,64,8"])
+
+    assert build_ab.process_order(["a", "b"], 3) == ["a", "b", "b", "a", "a", "b"]
+    samples = {"a": {"(x)": [[1.0, 2.0, 3.0], [4.0, 4.0, 4.0], [1.0, 1.0, 9.0]]},
+               "b": {"(x)": [[3.0, 3.0, 3.0], [2.0, 2.0, 2.0], [8.0, 8.0, 8.0]]}}
+    (row,) = build_ab.summarise(samples, ["a", "b"])
+    assert row["a_processes"] == [2.0, 4.0, 1.0] and row["a"] == 2.0 and row["b"] == 3.0
+    assert row["a_ratio"] == 1.0 and row["b_ratio"] == 1.5
+    assert "1.500" in build_ab.table([row], ["a", "b"])
+    assert build_ab.plot([row], ["a", "b"], tmp_path / "ab.png", "t").stat().st_size > 0
+
+
 def test_decoder_benchmark_compiled_layer_on_cpu(tmp_path):
     """--compile: every variant's layer under torch.compile; the rows and the report say so."""
     import json

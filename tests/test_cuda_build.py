@@ -236,6 +236,30 @@ def test_auto_never_builds_the_extension(monkeypatch):
     assert cuda.runs_wgmma(256, device=0) is False
 
 
+def test_library_file_override_names_the_file(monkeypatch, tmp_path):
+    """DUALKV_CUDA_LIBRARY: that file or a clear error naming the variable and the file; never the
+    installed module or a just-in-time build instead."""
+    from dualkv.core.backends import cuda
+
+    def no_build():
+        raise AssertionError("a just-in-time build started although DUALKV_CUDA_LIBRARY is set")
+
+    monkeypatch.setattr(cuda, "_static_reason", lambda: "")
+    monkeypatch.setattr(cuda, "_jit_build", no_build)
+    monkeypatch.setitem(cuda._state, "ops", None)
+    monkeypatch.setitem(cuda._state, "error", None)
+    lib = tmp_path / "_C.so"
+    monkeypatch.setenv("DUALKV_CUDA_LIBRARY", str(lib))
+    assert cuda.unavailable_reason() == f"DUALKV_CUDA_LIBRARY={lib}: no such file"
+    with pytest.raises(RuntimeError, match="DUALKV_CUDA_LIBRARY=.*_C.so: no such file"):
+        cuda.load_extension()
+    lib.write_text("not a shared library")
+    monkeypatch.setitem(cuda._state, "error", None)
+    assert cuda._ops_if_built() is None
+    with pytest.raises(RuntimeError, match="DUALKV_CUDA_LIBRARY=.*_C.so: loading it failed"):
+        cuda.load_extension()
+
+
 def test_check_supported_names_the_argument():
     from dualkv.core.backends import cuda
 

@@ -15,7 +15,8 @@ from its own kernel (no atomics, bit-identical run to run; fewer, longer work it
 Loading: the prebuilt extension ``dualkv.core._C`` (``pip install --no-build-isolation .`` on a machine
 with a CUDA toolkit and a CUDA build of torch), else a just-in-time build of csrc/ on first use,
 cached by torch in its extensions directory. CPU installs have neither: ``backend="cuda"`` then
-raises a clear "the CUDA extension is not built" error.
+raises a clear "the CUDA extension is not built" error. ``DUALKV_CUDA_LIBRARY=path/to/_C.so`` loads
+that built library file instead, and nothing else (``benchmarks.build_ab`` times two builds that way).
 
 Supported: float16 / bfloat16, head dims 64, 96, 128, 192, 256, 512, GQA/MQA, sliding window,
 softcap, compute capability 8.0+.
@@ -41,6 +42,8 @@ _JIT_NAME = "dualkv_cuda_jit"
 # Where setup.py may put the prebuilt extension (dualkv._C; dualkv.core._C for a build mapped into
 # the dualkv_core package folder).
 _MODULE_NAMES = ("dualkv.core._C", "dualkv._C")
+# A built library file to load instead of the installed module (no fallback to a just-in-time build).
+LIBRARY_VAR = "DUALKV_CUDA_LIBRARY"
 
 _lock = threading.Lock()
 _state: dict = {"ops": None, "error": None, "how": None}
@@ -77,7 +80,14 @@ def _static_reason() -> str:
     return ""
 
 
+def _library_override() -> str | None:
+    """The library file DUALKV_CUDA_LIBRARY names, or None when it is unset or empty."""
+    return os.environ.get(LIBRARY_VAR) or None
+
+
 def _prebuilt_available() -> bool:
+    if _library_override() is not None:
+        return True  # loading it says what is wrong with it
     for name in _MODULE_NAMES:
         try:
             if importlib.util.find_spec(name) is not None:
@@ -97,7 +107,17 @@ def _prebuilt_files() -> list[Path]:
 
 def _load_prebuilt() -> None:
     """Imports the prebuilt extension, or loads a built library file directly; raises ImportError if
-    neither works."""
+    neither works. With DUALKV_CUDA_LIBRARY set, that file and nothing else."""
+    override = _library_override()
+    if override is not None:
+        if not Path(override).is_file():
+            raise ImportError(f"{LIBRARY_VAR}={override}: no such file (expected a built _C library, e.g. "
+                              "dualkv_core/_C.cpython-312-x86_64-linux-gnu.so of a build)")
+        try:
+            torch.ops.load_library(override)
+        except OSError as load_err:
+            raise ImportError(f"{LIBRARY_VAR}={override}: loading it failed: {load_err}") from load_err
+        return
     err = None
     for name in _MODULE_NAMES:
         try:
@@ -118,6 +138,9 @@ def unavailable_reason() -> str:
     reason = _static_reason()
     if reason:
         return reason
+    override = _library_override()
+    if _state["ops"] is None and override is not None and not Path(override).is_file():
+        return f"{LIBRARY_VAR}={override}: no such file"
     if _state["ops"] is None and not _prebuilt_available():
         if _csrc_dir() is None:
             return _NOT_BUILT + "dualkv._C is not installed and no csrc/ source tree is found for a just-in-time build"
@@ -176,8 +199,11 @@ def _ops():
         if _state["ops"] is None:
             try:
                 _load_prebuilt()
-                _state["how"] = "prebuilt dualkv._C"
+                _state["how"] = _loaded_how()
             except ImportError as prebuilt_err:
+                if _library_override() is not None:  # the file asked for, or an error: never another build
+                    _state["error"] = f"{prebuilt_err}"
+                    raise RuntimeError(f"backend 'cuda' is not available here: {_state['error']}") from prebuilt_err
                 if _csrc_dir() is None or _cuda_toolkit() is None:
                     _state["error"] = _NOT_BUILT + f"importing dualkv._C failed ({prebuilt_err}) and no csrc/ + CUDA toolkit is found for a just-in-time build"
                     raise RuntimeError(f"backend 'cuda' is not available here: {_state['error']}") from prebuilt_err
@@ -191,8 +217,14 @@ def _ops():
     return _state["ops"]
 
 
+def _loaded_how() -> str:
+    override = _library_override()
+    return f"library file {override} ({LIBRARY_VAR})" if override else "prebuilt dualkv._C"
+
+
 def load_extension() -> str:
-    """Loads (or builds) the extension now; returns how ('prebuilt dualkv._C' or 'just-in-time build')."""
+    """Loads (or builds) the extension now; returns how ('prebuilt dualkv._C', 'just-in-time build' or
+    'library file PATH (DUALKV_CUDA_LIBRARY)')."""
     _ops()
     return _state["how"]
 
@@ -226,7 +258,7 @@ def _ops_if_built():
                     _load_prebuilt()
                 except ImportError:
                     return None
-                _state["how"] = "prebuilt dualkv._C"
+                _state["how"] = _loaded_how()
                 _state["ops"] = torch.ops.dualkv_cuda
     return _state["ops"]
 

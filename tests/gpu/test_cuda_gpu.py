@@ -190,6 +190,32 @@ def test_launch_plan_is_kept_per_layout(cuda_backend, monkeypatch):
     _check_against_reference(case, torch.bfloat16, first)
 
 
+def test_build_ab_times_library_files(cuda_backend, tmp_path):
+    """benchmarks.build_ab: each process loads the library file DUALKV_CUDA_LIBRARY names (the prebuilt
+    one, copied under two names here), and the processes' times come back per build and layout."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("dualkv.core._C")
+    if spec is None or not spec.origin:
+        pytest.skip("needs the prebuilt extension (this one was built just in time)")
+    a, b = tmp_path / "a.so", tmp_path / "b.so"
+    shutil.copyfile(spec.origin, a)
+    shutil.copyfile(spec.origin, b)
+    cmd = [sys.executable, "-m", "benchmarks.build_ab", "--libs", f"a={a},b={b}", "--forward", "--layouts",
+           "2,256,128", "--processes", "2", "--rounds", "2", "--calls", "1", "--heads", "4,2", "--out", str(tmp_path),
+           "--stem", "ab"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+
+    result = json.loads((tmp_path / "ab.json").read_text())
+    (row,) = result["rows"]
+    assert row["layout"] == "(2,256,128)" and len(row["a_processes"]) == len(row["b_processes"]) == 2
+    assert row["a"] > 0 and row["b"] > 0 and row["a_ratio"] == 1.0
+    assert result["meta"]["libs"] == {"a": str(a.resolve()), "b": str(b.resolve())}
+    assert (tmp_path / "ab.png").stat().st_size > 0
+
+
 def _choose_hopper_kernels(monkeypatch, variable: str, mode: str | None, what: str) -> None:
     """Skip unless the GPU is sm_90; set the kernel-choice variable (None: unset, the default)."""
     if torch.cuda.get_device_capability()[0] != 9:
