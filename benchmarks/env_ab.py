@@ -140,5 +140,6 @@ def main(argv=None) -> None:
         del fn, tensors
         torch.cuda.empty_cache()
 
+
 if __name__ == "__main__":
     main()
