@@ -83,25 +83,6 @@ def table(rows: list[dict], names: list[str]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], names: list[str], path: Path, title: str) -> Path:
-    from benchmarks.report import pyplot, save_figure
-
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(rows)), 3.6))
-    width = 0.8 / len(names)
-    for i, name in enumerate(names):
-        xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(rows))]
-        ax.bar(xs, [row[f"{name}_ratio"] for row in rows], width, label=name)
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks(range(len(rows)), [row["layout"] for row in rows], rotation=20, ha="right")
-    ratios = [row[f"{n}_ratio"] for row in rows for n in names]
-    ax.set_ylim(min(ratios) - 0.03, max(ratios) + 0.03)
-    ax.set_ylabel(f"time / {names[0]}'s")
-    ax.set_title(title)
-    ax.legend()
-    return save_figure(fig, path)
-
-
 def worker(args) -> None:
     """One process: time every layout with the library DUALKV_CUDA_LIBRARY names; JSON to --worker-json."""
     import torch
@@ -161,7 +142,7 @@ def main(argv=None) -> None:
     import torch
     from tqdm import tqdm
 
-    from benchmarks.report import _card_name, environment
+    from benchmarks.report import _card_name, environment, plot_ratios
 
     if not torch.cuda.is_available():
         raise SystemExit("build_ab: needs a CUDA device")
@@ -189,7 +170,7 @@ def main(argv=None) -> None:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / f"{args.stem}.json").write_text(json.dumps(dict(meta=meta, mode=mode, rows=rows, samples=samples), indent=1))
-        plot(rows, names, out / f"{args.stem}.png", f"{_card_name(meta)}: {mode}, time relative to {names[0]}")
+        plot_ratios(rows, names, out / f"{args.stem}.png", f"{_card_name(meta)}: {mode}, time relative to {names[0]}")
         print(f"wrote {out / args.stem}.json and .png")
 
 

@@ -6,7 +6,8 @@ with ``--backend triton``), so one process can time several values on the same i
 take turns for ``--rounds`` rounds (the order reversed every other round, so that clock or thermal
 drift does not favour one value); each sample is the mean of ``--calls`` calls. Printed per value:
 the median ms, the minimum, and the median relative to the first value. The value ``unset`` removes the
-variable (the package's own default).
+variable (the package's own default). ``--out DIR`` also writes ``<stem>.json`` (card, date, versions,
+command, every sample) and a bar plot of the ratios, ``<stem>.png``.
 
     python -m benchmarks.env_ab --var DUALKV_CUDA_BWD_CHUNK_ROWS --values 0,4096,8192,16384 \\
         --layouts 'dec:5K,32;dec:8K,16;dec:16K,8;8,16K,512;28,4K,2K;16,32K,2K'
@@ -19,7 +20,10 @@ unless ``--heads`` / ``--head-dim`` say otherwise.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 
@@ -72,6 +76,17 @@ def time_values(fn, var: str, values: list[str], rounds: int, calls: int) -> dic
     return times
 
 
+def ratio_row(name: str, times: dict[str, list[float]], values: list[str]) -> dict:
+    """A layout's row: each value's samples, median ms and median over the first value's."""
+    base = statistics.median(times[values[0]])
+    row = {"layout": name}
+    for v in values:
+        row[v] = statistics.median(times[v])
+        row[f"{v}_ratio"] = row[v] / base
+        row[f"{v}_samples"] = times[v]
+    return row
+
+
 def make_case(spec: str, heads: tuple[int, int], d: int, seed: int, backend: str, forward: bool):
     """(name, fn, tensors) of one layout: ``fn`` runs the forward (``forward``) or the backward of bf16
     inputs of that layout; drop ``tensors`` to free them."""
@@ -115,6 +130,8 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--calls", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="folder for <stem>.json and <stem>.png")
+    ap.add_argument("--stem", default="env_ab")
     args = ap.parse_args(argv)
     values = [v.strip() for v in args.values.split(",") if v.strip()]
     H, Hkv = parse_heads(args.heads)
@@ -128,6 +145,7 @@ def main(argv=None) -> None:
     d = args.head_dim
     print(f"{args.var}: {', '.join(values)} ({'forward' if args.forward else 'backward'}, {args.backend}, "
           f"H={H}, H_kv={Hkv}, d={d}; median ms (min) and median / the first value's)", flush=True)
+    rows = []
     for spec in args.layouts.split(";"):
         if not spec.strip():
             continue
@@ -137,8 +155,20 @@ def main(argv=None) -> None:
         cells = [f"{v}: {statistics.median(times[v]):8.2f} (min {min(times[v]):8.2f}) {statistics.median(times[v]) / base:5.3f}"
                  for v in values]
         print(f"{name:18s} | " + " | ".join(cells), flush=True)
+        rows.append(ratio_row(name, times, values))
         del fn, tensors
         torch.cuda.empty_cache()
+    if args.out and rows:
+        from benchmarks.report import _card_name, environment, plot_ratios
+
+        meta = environment(torch.device("cuda"), "benchmarks.env_ab", sys.argv[1:] if argv is None else argv)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        mode = "forward" if args.forward else "backward"
+        (out / f"{args.stem}.json").write_text(json.dumps(dict(meta=meta, var=args.var, mode=mode, rows=rows), indent=1))
+        plot_ratios(rows, values, out / f"{args.stem}.png",
+                    f"{_card_name(meta)}: {mode}, {args.var}, time relative to {values[0]}")
+        print(f"wrote {out / args.stem}.json and .png")
 
 
 if __name__ == "__main__":

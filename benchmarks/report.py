@@ -354,6 +354,25 @@ def save_figure(fig, path: Path, rect=None) -> Path:
     return Path(path)
 
 
+def plot_ratios(rows: list[dict], names: list[str], path: Path, title: str) -> Path:
+    """Bars of each name's time over the first name's per layout (``row["layout"]``, ``row[f"{name}_ratio"]``):
+    the A/B scripts' plot (``benchmarks.env_ab``, ``benchmarks.build_ab``)."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(rows)), 3.6))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(rows))]
+        ax.bar(xs, [row[f"{name}_ratio"] for row in rows], width, label=name)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(rows)), [row["layout"] for row in rows], rotation=20, ha="right")
+    ratios = [row[f"{n}_ratio"] for row in rows for n in names]
+    ax.set_ylim(min(ratios) - 0.03, max(ratios) + 0.03)
+    ax.set_ylabel(f"time / {names[0]}'s")
+    ax.set_title(title)
+    ax.legend()
+    return save_figure(fig, path)
+
+
 def plot_results(rows: list[dict], stem: Path, title: str = "") -> list[Path]:
     """``<stem>_tflops.png`` (useful TFLOP/s) and ``<stem>_ms.png`` (time, log scale) of forward+backward,
     or of the first mode the rows measured (a ``--modes fwd`` run plots the forward)."""

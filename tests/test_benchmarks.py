@@ -566,8 +566,12 @@ def test_env_ab_layouts_and_cpu_refusal(monkeypatch):
             env_ab.main(["--var", "X", "--values", "0,1", "--layouts", "2,64,8"])
 
 
-def test_env_ab_refuses_several_libraries():
+def test_env_ab_rows_and_library_refusal():
     from benchmarks import env_ab
+
+    row = env_ab.ratio_row("(x)", {"unset": [2.0, 4.0, 3.0], "1": [6.0, 6.0, 9.0]}, ["unset", "1"])
+    assert row == {"layout": "(x)", "unset": 3.0, "unset_ratio": 1.0, "unset_samples": [2.0, 4.0, 3.0],
+                   "1": 6.0, "1_ratio": 2.0, "1_samples": [6.0, 6.0, 9.0]}
 
     with pytest.raises(SystemExit, match="a process loads one library; .*benchmarks.build_ab"):
         env_ab.main(["--var", "DUALKV_CUDA_LIBRARY", "--values", "/a.so,/b.so", "--layouts", "2,64,8"])
@@ -603,7 +607,9 @@ def test_build_ab_arguments_order_and_summary(tmp_path):
     assert row["a_processes"] == [2.0, 4.0, 1.0] and row["a"] == 2.0 and row["b"] == 3.0
     assert row["a_ratio"] == 1.0 and row["b_ratio"] == 1.5
     assert "1.500" in build_ab.table([row], ["a", "b"])
-    assert build_ab.plot([row], ["a", "b"], tmp_path / "ab.png", "t").stat().st_size > 0
+    from benchmarks.report import plot_ratios
+
+    assert plot_ratios([row], ["a", "b"], tmp_path / "ab.png", "t").stat().st_size > 0
 
 
 def test_decoder_benchmark_compiled_layer_on_cpu(tmp_path):

@@ -216,6 +216,22 @@ def test_build_ab_times_library_files(cuda_backend, tmp_path):
     assert (tmp_path / "ab.png").stat().st_size > 0
 
 
+def test_env_ab_writes_rows_and_plot(cuda_backend, tmp_path):
+    """benchmarks.env_ab --out: a row per layout with every value's samples and ratio, and the plot."""
+    from benchmarks import env_ab
+
+    env_ab.main(["--var", "DUALKV_CUDA_BWD_CHUNK_ROWS", "--values", "unset,0", "--layouts", "2,256,128;dec:1K,2",
+                 "--heads", "4,2", "--rounds", "2", "--calls", "1", "--out", str(tmp_path), "--stem", "ab"])
+    import json
+
+    result = json.loads((tmp_path / "ab.json").read_text())
+    assert [row["layout"] for row in result["rows"]] == ["(2,256,128)", "dec:1K,2"]
+    for row in result["rows"]:
+        assert row["unset_ratio"] == 1.0 and row["0"] > 0 and len(row["0_samples"]) == 2
+    assert result["var"] == "DUALKV_CUDA_BWD_CHUNK_ROWS" and result["mode"] == "backward"
+    assert (tmp_path / "ab.png").stat().st_size > 0
+
+
 def _choose_hopper_kernels(monkeypatch, variable: str, mode: str | None, what: str) -> None:
     """Skip unless the GPU is sm_90; set the kernel-choice variable (None: unset, the default)."""
     if torch.cuda.get_device_capability()[0] != 9:
