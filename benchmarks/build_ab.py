@@ -87,26 +87,17 @@ def worker(args) -> None:
     """One process: time every layout with the library DUALKV_CUDA_LIBRARY names; JSON to --worker-json."""
     import torch
 
-    from benchmarks.env_ab import make_case, parse_heads
+    from benchmarks.env_ab import make_case, parse_heads, time_calls
     from dualkv.core.backends import cuda
 
     how = cuda.load_extension()
     if LIBRARY_VAR not in how:  # never time the installed build by mistake
         raise SystemExit(f"build_ab worker: the extension came from {how!r}, not from {LIBRARY_VAR}")
-    out = {}
+    heads, out = parse_heads(args.heads), {}
     for spec in (s for s in args.layouts.split(";") if s.strip()):
-        name, fn, tensors = make_case(spec, parse_heads(args.heads), args.head_dim, args.seed, args.backend, args.forward)
-        fn()
-        times = []
-        for _ in range(args.rounds):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(args.calls):
-                fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / args.calls)
-        out[name] = times
+        name, fn, tensors = make_case(spec, heads, args.head_dim, args.seed, args.backend, args.forward)
+        fn()  # warm-up
+        out[name] = [time_calls(fn, args.calls) for _ in range(args.rounds)]
         del fn, tensors
         torch.cuda.empty_cache()
     Path(args.worker_json).write_text(json.dumps(out))

@@ -55,6 +55,17 @@ def set_value(var: str, value: str) -> None:
     set_env(var, None if value == UNSET else value)
 
 
+def time_calls(fn, calls: int) -> float:
+    """ms per call of ``fn``, the mean over ``calls`` calls between two CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / calls
+
+
 def time_values(fn, var: str, values: list[str], rounds: int, calls: int) -> dict[str, list[float]]:
     """ms per call of ``fn`` under each value of ``var`` (``UNSET``: removed), ``rounds`` samples each,
     taking turns."""
@@ -66,13 +77,7 @@ def time_values(fn, var: str, values: list[str], rounds: int, calls: int) -> dic
         for rnd in range(rounds):
             for v in values if rnd % 2 == 0 else values[::-1]:
                 set_value(var, v)
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(calls):
-                    fn()
-                end.record()
-                torch.cuda.synchronize()
-                times[v].append(start.elapsed_time(end) / calls)
+                times[v].append(time_calls(fn, calls))
     return times
 
 
