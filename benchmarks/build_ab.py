@@ -129,6 +129,9 @@ def main(argv=None) -> None:
             raise SystemExit(f"--{flag}: expected a whole number >= 1, got {getattr(args, flag)}")
     if not [s for s in args.layouts.split(";") if s.strip()]:
         raise SystemExit("--layouts: expected at least one layout")
+    from benchmarks.env_ab import parse_heads
+
+    parse_heads(args.heads)  # a bad --heads is named here, not in every process
 
     import torch
     from tqdm import tqdm

@@ -596,6 +596,8 @@ def test_build_ab_arguments_order_and_summary(tmp_path):
         build_ab.main(["--libs", f"base={a},new={b}", "--layouts", "2,64,8", "--processes", "0"])
     with pytest.raises(SystemExit, match="--layouts: expected at least one layout"):
         build_ab.main(["--libs", f"base={a},new={b}", "--layouts", " ; "])
+    with pytest.raises(SystemExit, match="--heads: expected 'H,H_kv' \\(two whole numbers\\), got '32'"):
+        build_ab.main(["--libs", f"base={a},new={b}", "--layouts", "2,64,8", "--heads", "32"])
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="needs a CUDA device"):
             build_ab.main(["--libs", f"base={a},new={b}", "--layouts", "2,64,8"])
