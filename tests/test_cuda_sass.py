@@ -78,7 +78,7 @@ def test_bad_requests_name_the_argument():
 
 
 # Spill instructions (STL + LDL) allowed in the compute warpgroups' code. The forward at d = 128 keeps
-# three registers in local memory in one of its score modes (measured 2026-12-06); the others none.
+# three registers in local memory in a softcap score mode (measured 2026-12-06); the others none.
 CONSUMER_SPILL_BUDGET = {"dkdv-d128": 0, "dkdv-d64": 0, "fwd-d64": 0, "fwd-d128": 6}
 
 
