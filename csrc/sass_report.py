@@ -1,7 +1,7 @@
 """What the compiler made of a Hopper kernel, on a machine without a GPU: registers, spills, and the
 instructions of each warp role (producer / consumers), from nvcc's SASS.
 
-    python csrc/sass_report.py                         # the default sm_90a kernels (PRESETS)
+    python csrc/sass_report.py                         # the default sm_90a kernels (PRESETS), d = 64-512
     python csrc/sass_report.py --kernel dkdv-d128      # one of them
     python csrc/sass_report.py --instantiate "dkv_bwd_sm90_ws.cuh:dkv_dkdv_sm90_ws_kernel<Bf16, 128, true, false, true, true>"
     python csrc/sass_report.py --json report.json
@@ -43,6 +43,13 @@ PRESETS = {
     # the backward at d = 128 / 64: schedule 6 (dK/dV with dQ inside) with the bulk-tensor-copy producer
     "dkdv-d128": ("dkv_bwd_sm90_ws.cuh", "dkv_dkdv_sm90_ws_kernel<Bf16, 128, true, false, true>"),
     "dkdv-d64": ("dkv_bwd_sm90_ws.cuh", "dkv_dkdv_sm90_ws_kernel<Bf16, 64, true, false, true>"),
+    # d = 192 / 256 / 512: the in-turn forward and the role-split dQ / dK/dV kernels, bulk tensor copies
+    # (no setmaxnreg: one region, the whole kernel)
+    **{f"{kind}-d{d}": (header, f"{kernel}<Bf16, {d}, {args}>")
+       for d in (192, 256, 512)
+       for kind, header, kernel, args in (("fwd", "dkv_fwd_sm90.cuh", "dkv_fwd_sm90_kernel", "false, true"),
+                                          ("dq", "dkv_bwd_sm90_split.cuh", "dkv_dq_sm90_split_kernel", "true"),
+                                          ("dkdv", "dkv_bwd_sm90_split.cuh", "dkv_dkdv_sm90_split_kernel", "true"))},
 }
 
 _PARAMS = {"dkv_fwd_sm90.cuh": "FwdParams", "dkv_bwd_sm90_ws.cuh": "BwdParams", "dkv_bwd_sm90.cuh": "BwdParams",
