@@ -13,7 +13,9 @@ each ``USETMAXREG`` into regions (the code before the first is the block's commo
 region is counted: all instructions, ``HGMMA`` (wgmma), ``MUFU``, shared-memory loads by width,
 shared-memory stores, local-memory stores / loads (``STL`` / ``LDL``: spills), barriers. A region
 runs to the next ``USETMAXREG``, which is how nvcc 13 lays these kernels out (the consumers' code,
-then the producer's); a change of layout shows as a region without its ``HGMMA``.
+then the producer's); a change of layout shows as a region without its ``HGMMA``. Each local-memory
+instruction is also traced to the source line it was spilled for (``nvdisasm -g`` on the kernel's
+cubin; the kernels are built with ``-lineinfo``).
 
 Needs ``nvcc`` (PATH or ``CUDA_HOME``) and ``cuobjdump`` / ``nvdisasm``: the toolkit's, or the
 ``nvidia-cuda-cuobjdump`` and ``nvidia-cuda-nvdisasm`` wheels (installed with the ``test`` extra).
@@ -92,6 +94,8 @@ class KernelReport:
     spill_store_bytes: int | None = None
     spill_load_bytes: int | None = None
     regions: list[Region] = field(default_factory=list)
+    # every STL / LDL: (region kind, opcode, source file name, line)
+    spill_sites: list[tuple[str, str, str, int]] = field(default_factory=list)
 
     def region(self, kind: str) -> Region:
         found = [r for r in self.regions if r.kind == kind]
@@ -127,6 +131,26 @@ def parse_sass(text: str) -> dict[str, list[Region]]:
             if test(op):
                 counts[name] = counts.get(name, 0) + 1
     return out
+
+
+def parse_spill_sites(text: str) -> list[tuple[str, str, str, int]]:
+    """``nvdisasm -g`` output of one kernel -> (region kind, opcode, source file name, line) of every
+    local-memory store / load, the region cut at each setmaxnreg as in parse_sass."""
+    sites = []
+    kind, where = "start", ("?", 0)
+    for line in text.splitlines():
+        m = re.search(r'//## File "([^"]+)", line (\d+)', line)
+        if m:
+            where = (Path(m.group(1)).name, int(m.group(2)))
+            continue
+        op = _opcode(line)
+        if op is None:
+            continue
+        if op.startswith("USETMAXREG") or op.startswith("SETMAXREG"):
+            kind = "dealloc" if "DEALLOC" in op else "alloc"
+        elif _CLASSES["stl"](op) or _CLASSES["ldl"](op):
+            sites.append((kind, op, *where))
+    return sites
 
 
 def parse_ptxas(text: str) -> dict[str, tuple[int | None, int | None, int | None]]:
@@ -235,13 +259,18 @@ def report(header: str, instantiation: str, *, workdir: Path | None = None) -> K
         sass = subprocess.run([cuobjdump, "-sass", str(obj)], capture_output=True, text=True, env=env)
         if sass.returncode != 0 or "Function :" not in sass.stdout:
             raise RuntimeError(f"cuobjdump -sass failed: {(sass.stderr or sass.stdout)[-2000:]}")
+        subprocess.run([cuobjdump, "-xelf", "all", str(obj)], capture_output=True, cwd=tmp, env=env)
+        cubins = sorted(Path(tmp).glob("*.cubin"))
+        lined = subprocess.run([nvdisasm, "-g", "-c", str(cubins[0])], capture_output=True, text=True) if cubins else None
+        sites = parse_spill_sites(lined.stdout) if lined is not None and lined.returncode == 0 else []
     functions = parse_sass(sass.stdout)
     ptxas = parse_ptxas(built.stderr + built.stdout)
     if len(functions) != 1:
         raise RuntimeError(f"expected one kernel in the SASS of {instantiation}, found {sorted(functions)}")
     (name, regions), = functions.items()
     regs, stores, loads = ptxas.get(name, (None, None, None))
-    return KernelReport(name=name, registers=regs, spill_store_bytes=stores, spill_load_bytes=loads, regions=regions)
+    return KernelReport(name=name, registers=regs, spill_store_bytes=stores, spill_load_bytes=loads, regions=regions,
+                        spill_sites=sites)
 
 
 def format_report(label: str, rep: KernelReport) -> str:
@@ -253,6 +282,14 @@ def format_report(label: str, rep: KernelReport) -> str:
     for r in rep.regions:
         what = {"start": "start", "alloc": f"alloc {r.regs}", "dealloc": f"dealloc {r.regs}"}[r.kind]
         lines.append(f"  {what:<18}" + " ".join(f"{r.counts.get(c, 0):>6}" for c in cols))
+    compute = [s for s in rep.spill_sites if s[0] != "dealloc"]  # the producer's spills are by design
+    if compute:
+        lines.append("  local-memory stores / loads outside the producer, by the source line they were spilled for:")
+        tally: dict[tuple[str, str, int], list[str]] = {}
+        for kind, op, file, line in compute:
+            tally.setdefault((kind, file, line), []).append(op.split(".")[0])
+        for (kind, file, line), ops in sorted(tally.items()):
+            lines.append(f"    {kind:<8} {file}:{line}  " + ", ".join(f"{ops.count(o)} {o}" for o in sorted(set(ops))))
     return "\n".join(lines)
 
 

@@ -67,6 +67,28 @@ def test_parser_cuts_the_roles_at_setmaxnreg_and_counts_them():
         rep.region("other")
 
 
+LINED = """
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+	//## File "/src/csrc/dkv_fwd_sm90.cuh", line 106
+        /*0010*/                   STL [R1], R2 ;
+        /*0020*/                   USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xf0 ;
+	//## File "/src/csrc/dkv_tile.cuh", line 174
+        /*0030*/                   STL [R1+0x8], R3                  (*"SpillRefill"*);
+	//## File "/src/csrc/dkv_fwd_sm90.cuh", line 379
+        /*0040*/                   LDL.LU R3, [R1+0x8]               (*"SpillRefill"*);
+        /*0050*/                   USETMAXREG.DEALLOC.CTAPOOL 0x18 ;
+        /*0060*/                   STL.64 [R1], R6 ;
+"""
+
+
+def test_spill_sites_name_their_role_and_source_line():
+    sr = _sass_report()
+    assert sr.parse_spill_sites(LINED) == [("start", "STL", "dkv_fwd_sm90.cuh", 106),
+                                           ("alloc", "STL", "dkv_tile.cuh", 174),
+                                           ("alloc", "LDL.LU", "dkv_fwd_sm90.cuh", 379),
+                                           ("dealloc", "STL.64", "dkv_fwd_sm90.cuh", 379)]
+
+
 def test_bad_requests_name_the_argument():
     sr = _sass_report()
     if sr.missing_tools():
