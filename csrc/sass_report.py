@@ -220,7 +220,10 @@ def missing_tools() -> str | None:
 def _ensure_executable(path: str) -> None:
     mode = os.stat(path).st_mode
     if not mode & 0o111:  # some wheel installers drop the executable bit
-        os.chmod(path, mode | 0o755)
+        try:
+            os.chmod(path, mode | 0o755)
+        except OSError as e:
+            raise RuntimeError(f"{path} is not executable and cannot be made so ({e}): chmod +x it") from None
 
 
 def report(header: str, instantiation: str, *, workdir: Path | None = None) -> KernelReport:
