@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from pathlib import Path
 
 CSRC = Path(__file__).resolve().parent
@@ -24,6 +25,17 @@ NVCC_FLAGS = [
     "-Xptxas=-O3",
 ]
 CXX_FLAGS = ["-O3"]  # the C++ standard is left to torch.utils.cpp_extension (its headers set the minimum)
+
+
+def find_nvcc() -> str | None:
+    """nvcc from PATH, CUDA_HOME, CUDA_PATH or /usr/local/cuda; None without a CUDA toolkit."""
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if home and (Path(home) / "bin" / "nvcc").is_file():
+            return str(Path(home) / "bin" / "nvcc")
+    return None
 
 
 def parse_arch_list(value: str | None) -> list[str]:

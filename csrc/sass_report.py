@@ -7,15 +7,15 @@ instructions of each warp role (producer / consumers), from nvcc's SASS.
     python csrc/sass_report.py --json report.json
 
 Each kernel is compiled alone (one explicit instantiation in a scratch translation unit, the
-extension's nvcc flags, sm_90a), then disassembled (``cuobjdump -sass``, which needs ``nvdisasm``).
+extension's nvcc flags, sm_90a), and its cubin (``cuobjdump -xelf``) disassembled with its source
+lines (``nvdisasm -g``; the kernels are built with ``-lineinfo``).
 The warp-specialised kernels give each role its registers with ``setmaxnreg``; the SASS is cut at
 each ``USETMAXREG`` into regions (the code before the first is the block's common start), and each
 region is counted: all instructions, ``HGMMA`` (wgmma), ``MUFU``, shared-memory loads by width,
 shared-memory stores, local-memory stores / loads (``STL`` / ``LDL``: spills), barriers. A region
 runs to the next ``USETMAXREG``, which is how nvcc 13 lays these kernels out (the consumers' code,
 then the producer's); a change of layout shows as a region without its ``HGMMA``. Each local-memory
-instruction is also traced to the source line it was spilled for (``nvdisasm -g`` on the kernel's
-cubin; the kernels are built with ``-lineinfo``).
+instruction is also traced to the source line it was spilled for.
 
 Needs ``nvcc`` (PATH or ``CUDA_HOME``) and ``cuobjdump`` / ``nvdisasm``: the toolkit's, or the
 ``nvidia-cuda-cuobjdump`` and ``nvidia-cuda-nvdisasm`` wheels (installed with the ``test`` extra).
@@ -81,6 +81,8 @@ class Region:
     kind: str
     regs: int | None
     counts: dict[str, int] = field(default_factory=dict)
+    # every STL / LDL: (opcode, source file name, line)
+    spill_sites: list[tuple[str, str, int]] = field(default_factory=list)
 
     @property
     def spills(self) -> int:
@@ -94,8 +96,6 @@ class KernelReport:
     spill_store_bytes: int | None = None
     spill_load_bytes: int | None = None
     regions: list[Region] = field(default_factory=list)
-    # every STL / LDL: (region kind, opcode, source file name, line)
-    spill_sites: list[tuple[str, str, str, int]] = field(default_factory=list)
 
     def region(self, kind: str) -> Region:
         found = [r for r in self.regions if r.kind == kind]
@@ -111,13 +111,19 @@ def _opcode(line: str) -> str | None:
 
 
 def parse_sass(text: str) -> dict[str, list[Region]]:
-    """``cuobjdump -sass`` output -> for each function (mangled name) its regions, counted."""
+    """``nvdisasm -g`` (or ``cuobjdump -sass``) output -> for each function (mangled name) its regions,
+    counted, with the source line of each local-memory instruction where the text has them."""
     out: dict[str, list[Region]] = {}
     regions: list[Region] | None = None
+    where = ("?", 0)
     for line in text.splitlines():
-        m = re.search(r"Function : (\S+)", line)
+        m = re.match(r"\.text\.(\S+):\s*$", line) or re.search(r"Function : (\S+)", line)
         if m:
             regions = out.setdefault(m.group(1), [Region("start", None)])
+            continue
+        m = re.search(r'//## File "([^"]+)", line (\d+)', line)
+        if m:
+            where = (Path(m.group(1)).name, int(m.group(2)))
             continue
         op = _opcode(line) if regions is not None else None
         if op is None:
@@ -130,27 +136,9 @@ def parse_sass(text: str) -> dict[str, list[Region]]:
         for name, test in _CLASSES.items():
             if test(op):
                 counts[name] = counts.get(name, 0) + 1
+        if _CLASSES["stl"](op) or _CLASSES["ldl"](op):
+            regions[-1].spill_sites.append((op, *where))
     return out
-
-
-def parse_spill_sites(text: str) -> list[tuple[str, str, str, int]]:
-    """``nvdisasm -g`` output of one kernel -> (region kind, opcode, source file name, line) of every
-    local-memory store / load, the region cut at each setmaxnreg as in parse_sass."""
-    sites = []
-    kind, where = "start", ("?", 0)
-    for line in text.splitlines():
-        m = re.search(r'//## File "([^"]+)", line (\d+)', line)
-        if m:
-            where = (Path(m.group(1)).name, int(m.group(2)))
-            continue
-        op = _opcode(line)
-        if op is None:
-            continue
-        if op.startswith("USETMAXREG") or op.startswith("SETMAXREG"):
-            kind = "dealloc" if "DEALLOC" in op else "alloc"
-        elif _CLASSES["stl"](op) or _CLASSES["ldl"](op):
-            sites.append((kind, op, *where))
-    return sites
 
 
 def parse_ptxas(text: str) -> dict[str, tuple[int | None, int | None, int | None]]:
@@ -174,17 +162,6 @@ def parse_ptxas(text: str) -> dict[str, tuple[int | None, int | None, int | None
     return out
 
 
-def _nvcc() -> str | None:
-    found = shutil.which("nvcc")
-    if found:
-        return found
-    for var in ("CUDA_HOME", "CUDA_PATH"):
-        home = os.environ.get(var)
-        if home and (Path(home) / "bin" / "nvcc").is_file():
-            return str(Path(home) / "bin" / "nvcc")
-    return None
-
-
 def _wheel_tool(name: str) -> str | None:
     """``name`` from the nvidia-cuda-* wheels (site-packages/nvidia/cu*/bin), if installed."""
     spec = importlib.util.find_spec("nvidia")
@@ -197,7 +174,7 @@ def _wheel_tool(name: str) -> str | None:
 
 def find_tools() -> tuple[str | None, str | None, str | None]:
     """(nvcc, cuobjdump, nvdisasm): from PATH, CUDA_HOME, else the wheels; None for what is missing."""
-    nvcc = _nvcc()
+    nvcc = _build_config().find_nvcc()
     found = []
     for name in ("cuobjdump", "nvdisasm"):
         tool = shutil.which(name)
@@ -226,14 +203,19 @@ def _ensure_executable(path: str) -> None:
             raise RuntimeError(f"{path} is not executable and cannot be made so ({e}): chmod +x it") from None
 
 
-def report(header: str, instantiation: str, *, workdir: Path | None = None) -> KernelReport:
-    """Compile ``instantiation`` (a kernel template with its arguments, namespace dkv) from ``header``
-    (a file in csrc/) for sm_90a alone, and report it."""
+def _build_config():
     sys.path.insert(0, str(CSRC))
     try:
         import build_config
     finally:
         sys.path.pop(0)
+    return build_config
+
+
+def report(header: str, instantiation: str, *, workdir: Path | None = None) -> KernelReport:
+    """Compile ``instantiation`` (a kernel template with its arguments, namespace dkv) from ``header``
+    (a file in csrc/) for sm_90a alone, and report it."""
+    build_config = _build_config()
     why = missing_tools()
     if why:
         raise RuntimeError(why)
@@ -259,21 +241,20 @@ def report(header: str, instantiation: str, *, workdir: Path | None = None) -> K
             raise RuntimeError(f"nvcc failed on {instantiation}:\n{built.stderr[-4000:]}")
         env = dict(os.environ, NVDISASM_PATH=str(Path(nvdisasm).parent),
                    PATH=str(Path(nvdisasm).parent) + os.pathsep + os.environ.get("PATH", ""))
-        sass = subprocess.run([cuobjdump, "-sass", str(obj)], capture_output=True, text=True, env=env)
-        if sass.returncode != 0 or "Function :" not in sass.stdout:
-            raise RuntimeError(f"cuobjdump -sass failed: {(sass.stderr or sass.stdout)[-2000:]}")
         subprocess.run([cuobjdump, "-xelf", "all", str(obj)], capture_output=True, cwd=tmp, env=env)
         cubins = sorted(Path(tmp).glob("*.cubin"))
-        lined = subprocess.run([nvdisasm, "-g", "-c", str(cubins[0])], capture_output=True, text=True) if cubins else None
-        sites = parse_spill_sites(lined.stdout) if lined is not None and lined.returncode == 0 else []
+        if not cubins:
+            raise RuntimeError(f"cuobjdump -xelf found no cubin in the object of {instantiation}")
+        sass = subprocess.run([nvdisasm, "-g", "-c", str(cubins[0])], capture_output=True, text=True)
+        if sass.returncode != 0:
+            raise RuntimeError(f"nvdisasm -g failed: {(sass.stderr or sass.stdout)[-2000:]}")
     functions = parse_sass(sass.stdout)
     ptxas = parse_ptxas(built.stderr + built.stdout)
     if len(functions) != 1:
         raise RuntimeError(f"expected one kernel in the SASS of {instantiation}, found {sorted(functions)}")
     (name, regions), = functions.items()
     regs, stores, loads = ptxas.get(name, (None, None, None))
-    return KernelReport(name=name, registers=regs, spill_store_bytes=stores, spill_load_bytes=loads, regions=regions,
-                        spill_sites=sites)
+    return KernelReport(name=name, registers=regs, spill_store_bytes=stores, spill_load_bytes=loads, regions=regions)
 
 
 def format_report(label: str, rep: KernelReport) -> str:
@@ -285,7 +266,8 @@ def format_report(label: str, rep: KernelReport) -> str:
     for r in rep.regions:
         what = {"start": "start", "alloc": f"alloc {r.regs}", "dealloc": f"dealloc {r.regs}"}[r.kind]
         lines.append(f"  {what:<18}" + " ".join(f"{r.counts.get(c, 0):>6}" for c in cols))
-    compute = [s for s in rep.spill_sites if s[0] != "dealloc"]  # the producer's spills are by design
+    # the producer's spills are by design
+    compute = [(r.kind, *s) for r in rep.regions if r.kind != "dealloc" for s in r.spill_sites]
     if compute:
         lines.append("  local-memory stores / loads outside the producer, by the source line they were spilled for:")
         tally: dict[tuple[str, str, int], list[str]] = {}

@@ -34,13 +34,7 @@ def _build_config():
 
 
 def _nvcc() -> str | None:
-    found = shutil.which("nvcc")
-    if found:
-        return found
-    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
-        if home and (Path(home) / "bin" / "nvcc").is_file():
-            return str(Path(home) / "bin" / "nvcc")
-    return None
+    return _build_config().find_nvcc()
 
 
 def test_every_kernel_translation_unit_compiles_for_sm80_and_sm90a(tmp_path):

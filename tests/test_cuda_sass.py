@@ -68,6 +68,7 @@ def test_parser_cuts_the_roles_at_setmaxnreg_and_counts_them():
 
 
 LINED = """
+.text._ZN3dkv6kernelE:
         /*0000*/                   LDC R1, c[0x0][0x28] ;
 	//## File "/src/csrc/dkv_fwd_sm90.cuh", line 106
         /*0010*/                   STL [R1], R2 ;
@@ -83,7 +84,8 @@ LINED = """
 
 def test_spill_sites_name_their_role_and_source_line():
     sr = _sass_report()
-    assert sr.parse_spill_sites(LINED) == [("start", "STL", "dkv_fwd_sm90.cuh", 106),
+    (regions,) = sr.parse_sass(LINED).values()
+    assert [(r.kind, *site) for r in regions for site in r.spill_sites] == [("start", "STL", "dkv_fwd_sm90.cuh", 106),
                                            ("alloc", "STL", "dkv_tile.cuh", 174),
                                            ("alloc", "LDL.LU", "dkv_fwd_sm90.cuh", 379),
                                            ("dealloc", "STL.64", "dkv_fwd_sm90.cuh", 379)]
