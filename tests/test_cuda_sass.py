@@ -91,8 +91,11 @@ def test_spill_sites_name_their_role_and_source_line():
                                            ("dealloc", "STL.64", "dkv_fwd_sm90.cuh", 379)]
 
 
-def test_bad_requests_name_the_argument():
+def test_bad_requests_name_the_argument(capsys):
     sr = _sass_report()
+    with pytest.raises(SystemExit):  # argparse's error, before any tool is looked for
+        sr.main(["--instantiate", "dkv_fwd_sm90_kernel<Bf16, 128, true, true, true>"])
+    assert "--instantiate: expected HEADER:KERNEL<ARGS>, got 'dkv_fwd_sm90_kernel<" in capsys.readouterr().err
     if sr.missing_tools():
         pytest.skip(sr.missing_tools())
     with pytest.raises(ValueError, match="header: no file"):
