@@ -32,7 +32,7 @@ import torch
 
 from benchmarks import peers  # noqa: F401  (registers the peer providers)
 from benchmarks.gpu_monitor import GpuMonitor
-from benchmarks.harness import MODES, PROVIDERS, AttnConfig, Timer, base_row, run_case, validate_provider
+from benchmarks.harness import MODES, PROVIDERS, TIMINGS, AttnConfig, Timer, base_row, run_case, validate_provider
 from benchmarks.report import PROVIDER_ORDER, ResultWriter, environment
 
 MODULE = "benchmarks.bench_attention"
@@ -90,6 +90,9 @@ def parse_args(argv=None):
     ap.add_argument("--max-reps", type=int, default=30)
     ap.add_argument("--max-est-s", type=float, default=10.0, help="skip a run planned to take longer per fwd+bwd call")
     ap.add_argument("--deadline-s", type=float, default=None, help="start no new run after this many seconds")
+    ap.add_argument("--timing", choices=TIMINGS, default="host-visible",
+                    help="device: the GPU waits after each L2 flush until the host has enqueued the call, so "
+                         "events time the device's work; host-visible: the host's enqueue latency is inside")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--order", choices=("config", "provider"), default="config",
                     help="run config by config, or provider by provider (--providers order) under a deadline")
@@ -172,7 +175,7 @@ def main(argv=None) -> Path:
     extra = [AttnConfig.parse(s, **D128) for s in args.validate_configs.split(";") if s.strip()]
     only = {p.strip() for p in args.validate_providers.split(",") if p.strip()}
     failed = validate(configs + extra, requested, device, writer, bar, args.validation_shape, only) if (args.validate or args.validate_only) else {}
-    timer = Timer(device, budget_ms=args.budget_ms, max_reps=args.max_reps)
+    timer = Timer(device, budget_ms=args.budget_ms, max_reps=args.max_reps, hide_host=args.timing == "device")
     # the SM clock and power while each mode is timed (a long run at the power cap clocks lower); a mode
     # times for tens of ms, so sample every 50 ms
     gpu = None if device.type != "cuda" else device.index if device.index is not None else torch.cuda.current_device()

@@ -22,7 +22,12 @@ Bytes are the least HBM traffic of an exact fused kernel on the packed tensors (
     bytes_bwd = e * (4*T*H*d + 4*T*H_kv*d) + 4*H*T                    q, k, v, out, dout, lse in; dq, dk, dv out
 
 Timing: the median of CUDA-event-timed repeats, the L2 cache flushed (a 256 MiB buffer zeroed)
-before every repeat, after one untimed warm-up (which absorbs compilation and autotuning); the
+before every repeat, after one untimed warm-up (which absorbs compilation and autotuning). With
+``hide_host`` (``--timing device``) the GPU spins in a wait kernel between the flush and the start event
+for longer than the host takes to enqueue the call, so the events time the device's work, as a
+training loop's queue of launched work sees it, and not the host's launch latency; a call that
+synchronises with the GPU inside still shows what follows the synchronisation. The
+host's enqueue time is reported beside (``<mode>_host_ms``). The
 backward is timed alone, each repeat on a fresh (untimed) forward. The
 number of repeats follows a time budget per measurement (``budget_ms``), at least 1: a provider
 that needs seconds per call is timed once per mode, a fast one up to ``max_reps`` times. Inputs are
@@ -400,43 +405,83 @@ class Timing:
     reps: int
     times_ms: list[float]
     busy_ms: float = 0.0  # every timed call's time, the first estimate's too
+    host_ms: float = 0.0  # median host time to enqueue a timed call (CPU: the call's time)
+    host_exposed: int = 0  # timed calls whose enqueue outlasted the GPU's wait (hide_host only)
+
+
+TIMINGS = ("device", "host-visible")  # --timing: Timer(hide_host=True / False)
 
 
 class Timer:
-    """Median of event-timed repeats with an L2 flush before each (host clock on CPU)."""
+    """Median of event-timed repeats with an L2 flush before each (host clock on CPU).
 
-    def __init__(self, device: torch.device, budget_ms: float = 400.0, max_reps: int = 30, flush_mib: int = 256):
+    ``hide_host``: the GPU waits (``torch.cuda._sleep``) after the flush for 1.5x the longest enqueue
+    seen so far plus 0.5 ms (20 ms before the first call), so the host has enqueued the whole call
+    before the start event is reached; calls whose enqueue took longer than the wait are counted in
+    ``Timing.host_exposed``. Without it the host's launch latency after the flush is inside the time."""
+
+    FIRST_WAIT_MS = 20.0
+
+    def __init__(self, device: torch.device, budget_ms: float = 400.0, max_reps: int = 30, flush_mib: int = 256,
+                 hide_host: bool = False):
         self.device, self.budget_ms, self.max_reps = device, budget_ms, max_reps
         self.cuda = device.type == "cuda"
+        self.hide_host = hide_host and self.cuda
         self._flush = torch.empty(flush_mib * 2**20 // 4, dtype=torch.int32, device=device) if self.cuda else None
+        self._cycles_per_ms = self._calibrate() if self.hide_host else 0.0
 
-    def _once(self, fn: Callable, setup: Callable | None) -> float:
+    def _calibrate(self) -> float:
+        """GPU clock cycles per ms of the wait kernel (timed once; the clock under load may be lower,
+        which only lengthens the wait)."""
+        cycles = 20_000_000
+        torch.cuda._sleep(cycles // 10)  # warm-up
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        return cycles / max(start.elapsed_time(end), 1e-3)
+
+    def _once(self, fn: Callable, setup: Callable | None, wait_ms: float = 0.0) -> tuple[float, float]:
+        """(device ms, host enqueue ms) of one call."""
         arg = setup() if setup is not None else None  # untimed: enqueued before the start event
         call = (lambda: fn(arg)) if setup is not None else fn
         if not self.cuda:
             t0 = time.perf_counter()
             call()
-            return (time.perf_counter() - t0) * 1e3
+            ms = (time.perf_counter() - t0) * 1e3
+            return ms, ms
         self._flush.zero_()
+        if self.hide_host:
+            torch.cuda._sleep(int(wait_ms * self._cycles_per_ms))
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
         start.record()
         call()
         end.record()
+        host = (time.perf_counter() - t0) * 1e3
         end.synchronize()
-        return start.elapsed_time(end)
+        return start.elapsed_time(end), host
 
     def measure(self, fn: Callable, setup: Callable | None = None) -> Timing:
         """One timed call estimates the cost; then repeats up to the budget (at least one more).
 
         ``setup`` (optional) runs untimed before every call and its result is passed to ``fn``
         (the backward is timed on a fresh forward each time, never on a retained graph)."""
-        first = self._once(fn, setup)
+        waits, hosts, times = [self.FIRST_WAIT_MS], [], []
+        first, host = self._once(fn, setup, waits[0])
+        hosts.append(host)
         reps = int(max(1, min(self.max_reps - 1, self.budget_ms // max(first, 1e-3))))
-        times = [self._once(fn, setup) for _ in range(reps)]
+        for _ in range(reps):
+            waits.append(1.5 * max(hosts) + 0.5)
+            t, host = self._once(fn, setup, waits[-1])
+            times.append(t)
+            hosts.append(host)
         busy = first + sum(times)
         if reps < 3:  # too few for a median of the later calls alone: keep the estimate too
             times.append(first)
-        return Timing(statistics.median(times), len(times), times, busy)
+        exposed = sum(h > w for h, w in zip(hosts, waits)) if self.hide_host else 0
+        return Timing(statistics.median(times), len(times), times, busy, statistics.median(hosts), exposed)
 
 
 def _sync(device):
@@ -559,6 +604,9 @@ def _measure(prov: Provider, cfg: AttnConfig, device, timer: Timer, modes, seed:
         result[f"{mode}_reps"] = t.reps
         result[f"{mode}_min_ms"], result[f"{mode}_max_ms"] = min(t.times_ms), max(t.times_ms)
         result[f"{mode}_tflops"] = attention_flops(cfg, mode) / (t.median_ms * 1e-3) / 1e12
+        result[f"{mode}_host_ms"] = round(t.host_ms, 3)
+        if timer.hide_host:
+            result[f"{mode}_host_exposed"] = t.host_exposed
     return result
 
 

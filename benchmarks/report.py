@@ -287,6 +287,25 @@ def spread_lines(rows: list[dict], wide: float = 1.10) -> list[str]:
     return [line, ""]
 
 
+def timing_lines(rows: list[dict]) -> list[str]:
+    """One line saying how the times were taken (``Timer.hide_host``) and how long the host took to
+    enqueue a call; nothing for rows from before the harness recorded it."""
+    modes = ("fwd", "bwd", "fwdbwd")
+    hosts = [r[f"{m}_host_ms"] for r in rows for m in modes if r.get(f"{m}_host_ms") is not None]
+    if not hosts:
+        return []
+    exposed = [r[f"{m}_host_exposed"] for r in rows for m in modes if r.get(f"{m}_host_exposed") is not None]
+    span = f"{min(hosts):.2f}-{max(hosts):.2f} ms"
+    if exposed:
+        line = (f"Timing `device`: the GPU waited in a spin kernel after each L2 flush until the host had enqueued "
+                f"the call ({span} a call, each mode's median), so the times are the device's; "
+                f"{sum(exposed)} timed calls enqueued for longer than the wait.")
+    else:
+        line = (f"Timing `host-visible`: the start event follows the L2 flush directly, so the host's enqueue "
+                f"time after the flush ({span} a call, each mode's median) is partly inside the times.")
+    return [line, ""]
+
+
 def write_markdown(path: Path, results: list[dict], rows: list[dict] | None = None) -> Path:
     rows = merged_rows(results) if rows is None else rows
     lines = [f"# {path.stem}", ""]
@@ -298,6 +317,7 @@ def write_markdown(path: Path, results: list[dict], rows: list[dict] | None = No
                      f"dualkv {v.get('dualkv')} (commit {m.get('git_commit')})")
     lines += ["", "Useful TFLOP/s = 3.5 * 4*d*H*(attended pairs of the packed layout) / time for forward+backward "
               "(1x forward, 2.5x backward); the same FLOP count for every provider.", ""]
+    lines += timing_lines(rows)
     measured = measured_modes(rows)  # a table per measured mode (all three when nothing was measured)
     for mode in ("fwdbwd", "fwd", "bwd"):
         if mode in measured or not measured:

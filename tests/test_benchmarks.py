@@ -120,6 +120,19 @@ def test_timer_cpu_median_and_budget():
         assert t.busy_ms > sum(t.times_ms)
 
 
+def test_timer_cpu_reports_host_time_and_timing_line():
+    from benchmarks.report import timing_lines
+
+    t = Timer(CPU, budget_ms=5.0, max_reps=3).measure(lambda: sum(range(20000)))
+    assert t.host_ms > 0 and t.host_exposed == 0
+    assert not Timer(CPU, hide_host=True).hide_host  # only a GPU has a device time to separate
+    assert timing_lines([{"fwd_ms": 1.0}]) == []  # rows from before host times were recorded
+    visible = timing_lines([{"fwd_host_ms": 0.25}, {"fwd_host_ms": 0.5, "bwd_host_ms": 1.0}])[0]
+    assert visible.startswith("Timing `host-visible`") and "0.25-1.00 ms" in visible
+    device = timing_lines([{"fwd_host_ms": 0.3, "fwd_host_exposed": 0}, {"fwd_host_ms": 0.4, "fwd_host_exposed": 2}])[0]
+    assert device.startswith("Timing `device`") and "2 timed calls" in device
+
+
 # ------------------------------------------------------------------------------- cascade, on CPU
 class TorchPiece:
     """A pure-PyTorch stand-in for one FA2/cuDNN piece (same fwd/bwd contract, lse (H, S_q) fp32),
