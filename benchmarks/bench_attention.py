@@ -90,9 +90,10 @@ def parse_args(argv=None):
     ap.add_argument("--max-reps", type=int, default=30)
     ap.add_argument("--max-est-s", type=float, default=10.0, help="skip a run planned to take longer per fwd+bwd call")
     ap.add_argument("--deadline-s", type=float, default=None, help="start no new run after this many seconds")
-    ap.add_argument("--timing", choices=TIMINGS, default="host-visible",
-                    help="device: the GPU waits after each L2 flush until the host has enqueued the call, so "
-                         "events time the device's work; host-visible: the host's enqueue latency is inside")
+    ap.add_argument("--timing", choices=TIMINGS, default="device",
+                    help="device (default): the GPU waits after each L2 flush until the host has enqueued the "
+                         "call, so events time the device's work; host-visible: the host's enqueue latency after "
+                         "the flush is inside the times (the method of every run before 2026-12-06)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--order", choices=("config", "provider"), default="config",
                     help="run config by config, or provider by provider (--providers order) under a deadline")

@@ -406,7 +406,7 @@ class Timing:
     times_ms: list[float]
     busy_ms: float = 0.0  # every timed call's time, the first estimate's too
     host_ms: float = 0.0  # median host time to enqueue a timed call (CPU: the call's time)
-    host_exposed: int = 0  # timed calls whose enqueue outlasted the GPU's wait (hide_host only)
+    host_exposed: int = 0  # of the median's calls, those whose enqueue outlasted the GPU's wait (hide_host only)
 
 
 TIMINGS = ("device", "host-visible")  # --timing: Timer(hide_host=True / False)
@@ -478,10 +478,13 @@ class Timer:
             times.append(t)
             hosts.append(host)
         busy = first + sum(times)
+        counted = list(zip(hosts[1:], waits[1:]))  # the calls whose times make the median
         if reps < 3:  # too few for a median of the later calls alone: keep the estimate too
             times.append(first)
-        exposed = sum(h > w for h, w in zip(hosts, waits)) if self.hide_host else 0
-        return Timing(statistics.median(times), len(times), times, busy, statistics.median(hosts), exposed)
+            counted.append((hosts[0], waits[0]))
+        exposed = sum(h > w for h, w in counted) if self.hide_host else 0
+        return Timing(statistics.median(times), len(times), times, busy, statistics.median(h for h, _ in counted),
+                      exposed)
 
 
 def _sync(device):
