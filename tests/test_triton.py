@@ -715,3 +715,79 @@ def test_gluon_switches(monkeypatch):
     # and a CPU backward with the switch on still runs the row kernel, correctly
     _, meta, q, k, v, do = _inputs([40], [[9, 5]], 4, 2, 32)
     _check_all(q, k, v, do, meta, tma=True)
+
+
+# ------------------------------------------------------------------------ plans kept per layout
+def test_plans_are_kept_per_layout_and_change_nothing(monkeypatch):
+    """The public op's second forward+backward on the same layout computes no schedule (every layer of a
+    micro-batch reads the first one's tables), and gives the same bits as planning every call."""
+    from dualkv.core.backends.triton.plan_cache import PLANS
+
+    layout, _, q, k, v, do = _inputs([13, 5], [[6, 9], [11]], 4, 2, 16, seed=11)
+
+    def step():
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out = dualkv_attention(*leaves, layout, backend="triton")
+        return (out, *torch.autograd.grad(out, leaves, do))
+
+    PLANS.clear()
+    first = step()
+    computed = PLANS.computed
+    assert computed > 0 and len(PLANS) > 0
+    again = step()
+    assert PLANS.computed == computed  # all hits
+    monkeypatch.setenv("DUALKV_TRITON_PLAN_CACHE", "0")
+    planned_anew = step()
+    assert PLANS.computed > computed
+    for a, b, c in zip(first, again, planned_anew):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_plan_cache_keys_on_tensor_identity_version_and_arguments():
+    from dualkv.core.backends.triton.plan_cache import PLANS
+
+    layout, meta, *_ = _inputs([9], [[4, 7]], 2, 1, 16)
+    T = layout.total_tokens
+    PLANS.clear()
+    tiles = schedule.query_tiles(meta, T, 16, None)
+    assert schedule.query_tiles(meta, T, 16, None) is tiles
+    assert schedule.query_tiles(meta, T, 32, None) is not tiles  # another argument: another plan
+    assert torch.equal(schedule.query_tiles(meta, T, 16, None), schedule.query_tiles.uncached(meta, T, 16, None))
+    before = PLANS.computed
+    # the same lengths in new tensors: planned anew (the key is the tensors, not their values)
+    _, meta2, *_ = _inputs([9], [[4, 7]], 2, 1, 16)
+    schedule.query_tiles(meta2, T, 16, None)
+    assert PLANS.computed == before + 1
+    # an in-place change of a layout tensor: planned anew, from the new values
+    meta2.seg_ctx_len.add_(0)
+    schedule.query_tiles(meta2, T, 16, None)
+    assert PLANS.computed == before + 2
+    # tensor arguments key by identity too (split_rows as balanced_split_rows makes it)
+    rows = schedule.balanced_split_rows(meta, 16, 1, 4)
+    assert schedule.balanced_split_rows(meta, 16, 1, 4) is rows
+    items = schedule.key_items(meta, T, 0, False, 16, None, rows, by_segment=True)
+    assert schedule.key_items(meta, T, 0, False, 16, None, rows, by_segment=True) is items
+    assert schedule.key_items(meta, T, 0, False, 16, None, rows.clone(), by_segment=True) is not items
+    assert schedule.key_items(meta, T, 0, False, 16, None, rows, by_segment=False) is not items
+
+
+def test_plan_cache_skips_inference_tensors_bounds_its_size_and_checks_its_variable(monkeypatch):
+    from dualkv.core.backends.triton.plan_cache import ENTRIES, PLANS, PlanCache
+
+    with torch.inference_mode():
+        layout, meta, *_ = _inputs([9], [[4, 7]], 2, 1, 16)
+    T = layout.total_tokens
+    before = PLANS.computed
+    assert schedule.query_tiles(meta, T, 16, None) is not schedule.query_tiles(meta, T, 16, None)
+    assert PLANS.computed == before + 2
+    cache = PlanCache(entries=3)
+    keep = [torch.arange(i + 1) for i in range(5)]
+    for t in keep:
+        cache.get("f", [t], (), lambda: object())
+    assert len(cache) == 3 and cache.computed == 5
+    cache.get("f", [keep[-1]], (), lambda: object())  # the most recent one is still there
+    assert cache.computed == 5
+    assert ENTRIES >= 16
+    monkeypatch.setenv("DUALKV_TRITON_PLAN_CACHE", "yes")
+    with pytest.raises(ValueError, match="DUALKV_TRITON_PLAN_CACHE"):
+        schedule.query_tiles(_inputs([9], [[4, 7]], 2, 1, 16)[1], T, 16, None)

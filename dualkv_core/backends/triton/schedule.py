@@ -5,6 +5,8 @@ and ``C`` (context regions), an upper bound of the real count; the surplus entri
 invalid (-1) and their programs exit at once. Entries are ordered heaviest first, so the long
 programs start early and the short ones fill the tail (the dK/dV items that add dQ themselves order
 the blocks nobody reads as context segment by segment instead: ``key_items(by_segment=True)``).
+Each public schedule is kept per layout (``plan_cache.planned``): every layer of a micro-batch reads
+the first layer's tables.
 
 - ``query_tiles``: (2, n) int32 rows (segment, query block) for the forward and the dQ kernels.
 - ``key_items``: (ITEM_ROWS, n) int32 for the dK/dV kernel: one entry per (key block, reader
@@ -23,6 +25,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+
+from .plan_cache import planned
 
 # Rows of the key-item table.
 UNIT, BLOCK, SPLIT, NSPLIT, REGION, R0, R1, SEG0, WS_BASE = range(9)
@@ -51,6 +55,7 @@ def _expand(counts: torch.Tensor, n: int):
     return unit, local, valid
 
 
+@planned
 def query_tiles(meta, total_q: int, block_m: int, window: int | None) -> torch.Tensor:
     """(2, S + cdiv(total_q, block_m)) int32: (segment, query block), heaviest first, -1 padded."""
     cu = meta.cu_seqlens.long()
@@ -74,6 +79,7 @@ class AlignedRows(NamedTuple):
     width: int  # rows in all, a multiple of 4
 
 
+@planned
 def aligned_rows(meta, total_q: int) -> AlignedRows:
     """Per-token rows with every segment starting at a multiple of 4 (16 bytes of fp32), so that a
     kernel can read a segment's per-row statistics (LSE, delta) through a tensor descriptor, whose
@@ -125,6 +131,7 @@ def _region_splits(meta, ws_rows: int, split_rows) -> tuple[torch.Tensor, torch.
     return nsplit, torch.cumsum(used, 0) - used
 
 
+@planned
 def balanced_split_rows(meta, block_n: int, programs_per_item: int, n_sm: int) -> torch.Tensor:
     """Reader rows per split (a 0-d int64 tensor, on the device) that keep every dK/dV item within half
     of one SM's share of the whole walk: the rows walked by all items (each key block's own rows and,
@@ -144,6 +151,7 @@ def balanced_split_rows(meta, block_n: int, programs_per_item: int, n_sm: int) -
     return (own + read) * programs_per_item // max(2 * n_sm, 1)
 
 
+@planned
 def head_major_flag(meta, head_major: bool | None, min_prompt: int | None) -> torch.Tensor:
     """The program-order flag of the warp-specialised dK/dV kernels, a (1,) int32 tensor on the metadata's
     device (non-zero: kv head major). ``head_major`` True / False sets it; None leaves it to the layout:
@@ -155,6 +163,7 @@ def head_major_flag(meta, head_major: bool | None, min_prompt: int | None) -> to
     return (meta.ctx_key_len.amax() >= min_prompt).to(torch.int32).reshape(1)
 
 
+@planned
 def key_items(meta, total_q: int, n_ctx_rows: int, separate: bool, block_n: int,
               window: int | None, split_rows: int | torch.Tensor = SPLIT_ROWS, by_segment: bool = False) -> KeyItems:
     """Work items of the dK/dV kernel: (key block, reader split) of every unit, heaviest first.
