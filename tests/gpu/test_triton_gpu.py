@@ -336,6 +336,33 @@ def test_no_host_sync():
     torch.cuda.synchronize()
 
 
+def test_plans_kept_per_layout_and_stream():
+    """On a GPU the second call on a layout plans nothing; on another stream it plans anew (a plan is
+    read only on the stream that computed it), with the same results."""
+    from dualkv.core.backends.triton.plan_cache import PLANS
+
+    layout = _layout([512, 3], [4, 2], [100, 7])
+    q, k, v, do = _qkv(layout, 4, 2, 128, torch.bfloat16, 0)
+
+    def step():
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out = dualkv_attention(*leaves, layout, backend="triton")
+        return (out, *torch.autograd.grad(out, leaves, do))
+
+    first = step()
+    computed = PLANS.computed
+    again = step()
+    assert PLANS.computed == computed
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        other = step()
+    torch.cuda.current_stream().wait_stream(side)
+    assert PLANS.computed > computed
+    for a, b, c in zip(first, again, other):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
 def test_q_over_2_pow_31_elements():
     """q with more than 2^31 elements: the last response's outputs and gradients against the reference
     computed on that response and its prompt alone (64-bit offsets at the far end of the tensors)."""
