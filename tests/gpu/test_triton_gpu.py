@@ -359,8 +359,10 @@ def test_plans_kept_per_layout_and_stream():
         other = step()
     torch.cuda.current_stream().wait_stream(side)
     assert PLANS.computed > computed
-    for a, b, c in zip(first, again, other):
-        assert torch.equal(a, b) and torch.equal(a, c)
+    assert torch.equal(first[0], again[0]) and torch.equal(first[0], other[0])
+    for a, b, c in zip(first[1:], again[1:], other[1:]):  # dQ may be added with atomics: rounding order
+        torch.testing.assert_close(b, a)
+        torch.testing.assert_close(c, a)
 
 
 def test_q_over_2_pow_31_elements():
