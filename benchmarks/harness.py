@@ -416,11 +416,15 @@ class Timer:
     """Median of event-timed repeats with an L2 flush before each (host clock on CPU).
 
     ``hide_host``: the GPU waits (``torch.cuda._sleep``) after the flush for 1.5x the longest enqueue
-    seen so far plus 0.5 ms (20 ms before the first call), so the host has enqueued the whole call
-    before the start event is reached; calls whose enqueue took longer than the wait are counted in
-    ``Timing.host_exposed``. Without it the host's launch latency after the flush is inside the time."""
+    seen so far plus 0.5 ms (20 ms before the first call, at most ``MAX_WAIT_MS``), so the host has
+    enqueued the whole call before the start event is reached. A call whose start event had already
+    been reached when its enqueue ended (the GPU waited for the host after all: a long enqueue, a
+    synchronisation inside the call, a clock faster than calibrated) is counted in
+    ``Timing.host_exposed``; its time is partly the host's. Without ``hide_host`` the host's launch
+    latency after the flush is inside the time."""
 
     FIRST_WAIT_MS = 20.0
+    MAX_WAIT_MS = 50.0  # a call that synchronises inside blocks on the wait itself: its enqueue time grows with it
 
     def __init__(self, device: torch.device, budget_ms: float = 400.0, max_reps: int = 30, flush_mib: int = 256,
                  hide_host: bool = False):
@@ -432,8 +436,8 @@ class Timer:
 
     def _calibrate(self) -> float:
         """GPU clock cycles per ms of the wait kernel: the fastest of three timings (another process's
-        work on the GPU can only lengthen one, which would shorten the waits). A lower clock under
-        load later only lengthens the wait."""
+        work on the GPU can only lengthen one). A clock that differs later is caught by the exposure
+        check of ``_once``."""
         cycles = 10_000_000
         torch.cuda._sleep(cycles // 10)  # warm-up
         best = float("inf")
@@ -446,15 +450,16 @@ class Timer:
             best = min(best, start.elapsed_time(end))
         return cycles / max(best, 1e-3)
 
-    def _once(self, fn: Callable, setup: Callable | None, wait_ms: float = 0.0) -> tuple[float, float]:
-        """(device ms, host enqueue ms) of one call."""
+    def _once(self, fn: Callable, setup: Callable | None, wait_ms: float = 0.0) -> tuple[float, float, bool]:
+        """(device ms, host enqueue ms, exposed) of one call; exposed: ``hide_host`` and the GPU reached
+        the start event before the host had enqueued the whole call."""
         arg = setup() if setup is not None else None  # untimed: enqueued before the start event
         call = (lambda: fn(arg)) if setup is not None else fn
         if not self.cuda:
             t0 = time.perf_counter()
             call()
             ms = (time.perf_counter() - t0) * 1e3
-            return ms, ms
+            return ms, ms, False
         self._flush.zero_()
         if self.hide_host:
             torch.cuda._sleep(int(wait_ms * self._cycles_per_ms))
@@ -462,33 +467,35 @@ class Timer:
         t0 = time.perf_counter()
         start.record()
         call()
+        exposed = self.hide_host and start.query()
         end.record()
         host = (time.perf_counter() - t0) * 1e3
         end.synchronize()
-        return start.elapsed_time(end), host
+        return start.elapsed_time(end), host, exposed
+
+    def _wait_ms(self, hosts: list[float]) -> float:
+        return min(self.MAX_WAIT_MS, 1.5 * max(hosts) + 0.5)
 
     def measure(self, fn: Callable, setup: Callable | None = None) -> Timing:
         """One timed call estimates the cost; then repeats up to the budget (at least one more).
 
         ``setup`` (optional) runs untimed before every call and its result is passed to ``fn``
         (the backward is timed on a fresh forward each time, never on a retained graph)."""
-        waits, hosts, times = [self.FIRST_WAIT_MS], [], []
-        first, host = self._once(fn, setup, waits[0])
-        hosts.append(host)
+        first, first_host, first_exposed = self._once(fn, setup, self.FIRST_WAIT_MS)
+        hosts = [first_host]
         reps = int(max(1, min(self.max_reps - 1, self.budget_ms // max(first, 1e-3))))
+        if reps < 3 and first_exposed:  # the estimate cannot join the median: one more call instead
+            reps += 1
+        calls = []  # (ms, host ms, exposed) of the calls that make the median
         for _ in range(reps):
-            waits.append(1.5 * max(hosts) + 0.5)
-            t, host = self._once(fn, setup, waits[-1])
-            times.append(t)
-            hosts.append(host)
-        busy = first + sum(times)
-        counted = list(zip(hosts[1:], waits[1:]))  # the calls whose times make the median
-        if reps < 3:  # too few for a median of the later calls alone: keep the estimate too
-            times.append(first)
-            counted.append((hosts[0], waits[0]))
-        exposed = sum(h > w for h, w in counted) if self.hide_host else 0
-        return Timing(statistics.median(times), len(times), times, busy, statistics.median(h for h, _ in counted),
-                      exposed)
+            calls.append(self._once(fn, setup, self._wait_ms(hosts)))
+            hosts.append(calls[-1][1])
+        busy = first + sum(c[0] for c in calls)
+        if len(calls) < 3 and not first_exposed:  # too few for a median of the later calls: keep the estimate
+            calls.append((first, first_host, first_exposed))
+        times = [c[0] for c in calls]
+        return Timing(statistics.median(times), len(times), times, busy, statistics.median(c[1] for c in calls),
+                      sum(c[2] for c in calls))
 
 
 def _sync(device):

@@ -791,3 +791,36 @@ def test_plan_cache_skips_inference_tensors_bounds_its_size_and_checks_its_varia
     monkeypatch.setenv("DUALKV_TRITON_PLAN_CACHE", "yes")
     with pytest.raises(ValueError, match="DUALKV_TRITON_PLAN_CACHE"):
         schedule.query_tiles(_inputs([9], [[4, 7]], 2, 1, 16)[1], T, 16, None)
+
+
+def test_plan_cache_drops_freed_layouts_and_plans_nothing_under_inference_mode():
+    from dualkv.core.backends.triton.plan_cache import PLANS
+
+    PLANS.clear()
+    layout, meta, *_ = _inputs([9], [[4, 7]], 2, 1, 16)
+    T = layout.total_tokens
+    schedule.query_tiles(meta, T, 16, None)
+    assert len(PLANS) == 1
+    del layout, meta  # the layout's tensors freed: its entry goes at the next insertion
+    _, meta2, *_ = _inputs([9], [[4, 7]], 2, 1, 16)
+    schedule.query_tiles(meta2, T, 16, None)
+    assert len(PLANS) == 1
+    before = PLANS.computed
+    with torch.inference_mode():  # normal layout tensors, but a plan made here would be an inference tensor
+        kept = schedule.query_tiles(meta2, T, 16, None)  # read: planned before
+        made = schedule.query_tiles(meta2, T, 32, None)  # planned, not kept
+    assert PLANS.computed == before + 1 and len(PLANS) == 1
+    assert not kept.is_inference() and made.is_inference()
+    # an argument that cannot be a key (here a list) plans anew every call; 1, True and 1.0 are three keys
+    from dualkv.core.backends.triton.plan_cache import planned
+
+    calls = []
+
+    @planned
+    def plan(meta, x):
+        calls.append(x)
+        return torch.zeros(1)
+
+    for x in ([1], [1], 1, 1, True, 1.0, True):
+        plan(meta2, x)
+    assert calls == [[1], [1], 1, True, 1.0]

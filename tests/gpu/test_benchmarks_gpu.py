@@ -35,7 +35,14 @@ def test_timer_hides_host_enqueue():
 
 
 def test_timer_does_not_hide_what_follows_a_sync():
+    """A call that synchronises blocks on the wait itself, so its enqueue time grows with the wait: the
+    waits stay bounded (``MAX_WAIT_MS``), the time after the synchronisation is inside the measurement,
+    and every timed call is counted as exposed."""
     x = torch.zeros(1 << 20, device="cuda")
-    hidden = Timer(torch.device("cuda"), budget_ms=100, max_reps=4, hide_host=True).measure(
+    t0 = time.perf_counter()
+    hidden = Timer(torch.device("cuda"), budget_ms=1000, max_reps=12, hide_host=True).measure(
         _host_then_kernel(x, 40.0, sync_first=True))
+    wall = time.perf_counter() - t0
     assert hidden.median_ms > 35.0, hidden
+    assert hidden.reps >= 3 and hidden.host_exposed == hidden.reps, hidden
+    assert wall < 12 * (Timer.MAX_WAIT_MS + 40.0 + 50.0) / 1e3, wall  # the 1.5x growth is capped

@@ -336,11 +336,13 @@ def test_no_host_sync():
     torch.cuda.synchronize()
 
 
-def test_plans_kept_per_layout_and_stream():
+def test_plans_kept_per_layout_and_stream(monkeypatch):
     """On a GPU the second call on a layout plans nothing; on another stream it plans anew (a plan is
     read only on the stream that computed it), with the same results."""
     from dualkv.core.backends.triton.plan_cache import PLANS
 
+    monkeypatch.delenv("DUALKV_TRITON_PLAN_CACHE", raising=False)
+    PLANS.clear()
     layout = _layout([512, 3], [4, 2], [100, 7])
     q, k, v, do = _qkv(layout, 4, 2, 128, torch.bfloat16, 0)
 

@@ -11,9 +11,16 @@ keeps its result. The key holds:
 - the other arguments (ints, bools, None), the device and the current stream (a plan computed on one
   stream is not read on another before it is ready).
 
-Nothing is cached for tensors made under ``torch.inference_mode`` (they have no version counter), while a
-CUDA graph is being captured (a plan computed then exists only when the graph replays), or while
-``torch.compile`` traces. Plans are read-only: no caller writes into them.
+Nothing is cached for tensors made under ``torch.inference_mode`` (they have no version counter), and
+under it plans are read but not kept (a plan made there would be an inference tensor); nothing is
+cached or read while a CUDA graph is being captured (a
+plan computed then exists only when the graph replays), or while ``torch.compile`` traces. Plans are
+read-only: no caller writes into them. Entries whose layout tensors were freed are dropped at the next
+insertion.
+
+Writes that PyTorch does not count in a tensor's version (through ``.data``, NumPy or DLPack views,
+collectives such as ``dist.broadcast`` into an existing tensor, custom kernels) are not seen: after
+such a write into a layout tensor, call ``PLANS.clear()`` or build the layout anew.
 
 ``DUALKV_TRITON_PLAN_CACHE=0`` computes every call (1 or unset: keep plans).
 """
@@ -71,10 +78,15 @@ class PlanCache:
                     self._plans.move_to_end(key, last=False)
                     return plan
                 del self._plans[key]  # a tensor freed (its id reused) or changed in place
+        versions = [t._version for t in tensors]  # before computing: a change meanwhile plans anew next time
         plan = compute()
         self.computed += 1
+        if torch.is_inference_mode_enabled():  # the plan is an inference tensor: used, never kept
+            return plan
         with self._lock:
-            self._plans[key] = ([weakref.ref(t) for t in tensors], [t._version for t in tensors], plan)
+            for dead in [k for k, (refs, _, _) in self._plans.items() if any(r() is None for r in refs)]:
+                del self._plans[dead]
+            self._plans[key] = ([weakref.ref(t) for t in tensors], versions, plan)
             self._plans.move_to_end(key, last=False)
             while len(self._plans) > self.entries:
                 self._plans.popitem(last=True)
@@ -91,6 +103,9 @@ def _cacheable(tensors: list[torch.Tensor]) -> bool:
 
 PLANS = PlanCache()
 
+
+_KEY_TYPES = (int, float, bool, str, type(None))  # argument values a key holds (tensors by identity)
+TENSOR = object()  # marks a tensor argument's place in a key
 
 # the layout tensors of an ``AttnMeta`` (or a ``PackedLayout``, which has them too)
 META_FIELDS = ("cu_seqlens", "seg_ctx_start", "seg_ctx_len", "ctx_key_start", "ctx_key_len", "ctx_reader_start",
@@ -109,12 +124,11 @@ def planned(fn: Callable) -> Callable:
         for name, value in [(None, a) for a in args] + sorted(kwargs.items()):
             if isinstance(value, torch.Tensor):
                 tensors.append(value)
-                value = ("tensor", len(tensors) - 1)
-            settings.append((name, value))
-        try:
-            hash(tuple(settings))
-        except TypeError:  # an argument that cannot be a key: plan anew
-            return fn(meta, *args, **kwargs)
+                settings.append((name, TENSOR, len(tensors) - 1))
+            elif isinstance(value, _KEY_TYPES):
+                settings.append((name, type(value).__name__, value))  # 1 and True and 1.0 stay apart
+            else:  # an argument that cannot be a key: plan anew
+                return fn(meta, *args, **kwargs)
         return PLANS.get(fn.__qualname__, tensors, tuple(settings), lambda: fn(meta, *args, **kwargs))
 
     wrapper.uncached = fn
