@@ -301,7 +301,9 @@ def run_point(point: Point, variant_name: str, preset: str, device, timer: Timer
             torch.cuda.reset_peak_memory_stats(device)
             base = torch.cuda.memory_allocated(device)
         t = timer.measure(fwdbwd)
-        row.update(fwdbwd_ms=t.median_ms, fwdbwd_reps=t.reps)
+        row.update(fwdbwd_ms=t.median_ms, fwdbwd_reps=t.reps, fwdbwd_host_ms=round(t.host_ms, 3))
+        if timer.hide_host:
+            row["fwdbwd_host_exposed"] = t.host_exposed
         if device.type == "cuda":
             row["peak_extra_gib"] = (torch.cuda.max_memory_allocated(device) - base) / 2**30
     except Exception as err:
