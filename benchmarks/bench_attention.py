@@ -32,7 +32,8 @@ import torch
 
 from benchmarks import peers  # noqa: F401  (registers the peer providers)
 from benchmarks.gpu_monitor import GpuMonitor
-from benchmarks.harness import MODES, PROVIDERS, TIMINGS, AttnConfig, Timer, base_row, run_case, validate_provider
+from benchmarks.harness import (MODES, PROVIDERS, AttnConfig, Timer, add_timing_argument, base_row, run_case,
+                                validate_provider)
 from benchmarks.report import PROVIDER_ORDER, ResultWriter, environment
 
 MODULE = "benchmarks.bench_attention"
@@ -90,10 +91,7 @@ def parse_args(argv=None):
     ap.add_argument("--max-reps", type=int, default=30)
     ap.add_argument("--max-est-s", type=float, default=10.0, help="skip a run planned to take longer per fwd+bwd call")
     ap.add_argument("--deadline-s", type=float, default=None, help="start no new run after this many seconds")
-    ap.add_argument("--timing", choices=TIMINGS, default="device",
-                    help="device (default): the GPU waits after each L2 flush until the host has enqueued the "
-                         "call, so events time the device's work; host-visible: the host's enqueue latency after "
-                         "the flush is inside the times (the method of every run before 2026-12-06)")
+    add_timing_argument(ap, "device")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--order", choices=("config", "provider"), default="config",
                     help="run config by config, or provider by provider (--providers order) under a deadline")

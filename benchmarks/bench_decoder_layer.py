@@ -42,7 +42,7 @@ if __package__ in (None, ""):
 import torch
 import torch.nn.functional as F
 
-from benchmarks.harness import TIMINGS, Timer, _free, _is_oom, _short, _sync, parse_size
+from benchmarks.harness import Timer, _free, _is_oom, _short, _sync, add_timing_argument, parse_size
 from benchmarks.peers import FA2Piece, FlexPacked, _FA2Varlen
 from benchmarks.report import ResultWriter, environment, shown_command
 from dualkv.core import PackedLayout, dualkv_attention
@@ -398,9 +398,7 @@ def parse_args(argv=None):
     ap.add_argument("--stem", default=None)
     ap.add_argument("--budget-ms", type=float, default=1000.0)
     ap.add_argument("--max-reps", type=int, default=10)
-    ap.add_argument("--timing", choices=TIMINGS, default="host-visible",
-                    help="host-visible: the host's enqueue latency after each L2 flush is inside the times; "
-                         "device: the GPU waits until the call is enqueued (bench_attention's default)")
+    add_timing_argument(ap, "host-visible")
     ap.add_argument("--deadline-s", type=float, default=None)
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args(argv)

@@ -29,7 +29,7 @@ if __package__ in (None, ""):
 
 import torch
 
-from benchmarks.harness import TIMINGS, Timer, _free, _is_oom, _sync
+from benchmarks.harness import Timer, _free, _is_oom, _sync, add_timing_argument
 from benchmarks.report import ResultWriter, environment, pyplot, save_figure, shown_command
 from dualkv.core.logprobs import LOGPROB_IMPLS, linear_logprobs
 
@@ -161,9 +161,7 @@ def parse_args(argv=None):
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--budget-ms", type=float, default=400.0)
     ap.add_argument("--max-reps", type=int, default=20)
-    ap.add_argument("--timing", choices=TIMINGS, default="host-visible",
-                    help="host-visible: the host's enqueue latency after each L2 flush is inside the times; "
-                         "device: the GPU waits until the call is enqueued (bench_attention's default)")
+    add_timing_argument(ap, "host-visible")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--stem", default=None)
     ap.add_argument("--seed", type=int, default=0)

@@ -412,6 +412,15 @@ class Timing:
 TIMINGS = ("device", "host-visible")  # --timing: Timer(hide_host=True / False)
 
 
+def add_timing_argument(ap, default: str) -> None:
+    """The benchmarks' ``--timing`` option; ``Timer(..., hide_host=args.timing == "device")`` reads it."""
+    ap.add_argument("--timing", choices=TIMINGS, default=default,
+                    help="device: the GPU waits after each L2 flush until the host has enqueued the call, so "
+                         "events time the device's work (bench_attention's default); host-visible: the host's "
+                         f"enqueue latency after the flush is inside the times (the method of every run before "
+                         f"2026-12-06). Default: {default}")
+
+
 class Timer:
     """Median of event-timed repeats with an L2 flush before each (host clock on CPU).
 

@@ -1,8 +1,7 @@
 """Launch plans kept per layout: the Triton backend's tile tables, computed once for every layer.
 
-A schedule (``schedule.query_tiles``, ``key_items``, ...) takes a few dozen small tensor ops, and as
-many launches on a GPU, each call: about 1 ms of host time and a hundred tiny kernels for a backward.
-It depends on the layout alone, which is the same for every layer of a micro-batch, so ``planned``
+A schedule (``schedule.query_tiles``, ``key_items``, ...) takes dozens of small tensor ops, and as
+many launches on a GPU, each call (the backward's three: 333 ATen calls, nested ones counted). It depends on the layout alone, which is the same for every layer of a micro-batch, so ``planned``
 keeps its result. The key holds:
 
 - weak references to the layout tensors the plan was computed from (the ``AttnMeta`` fields and any
