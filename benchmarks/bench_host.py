@@ -11,10 +11,11 @@ after a warm-up, synchronised once at the end:
 - ``op layers`` (``--layers``): the layers under the public function, down to the CUDA binding
   (``cuda.forward``, its C++ op), the custom op (``dualkv.core.ops.attention_fwd``) and the input checks.
 
-For the CUDA backend every row is measured twice, with the binding's launch plan kept per layout (the
-default) and with ``DUALKV_CUDA_PLAN_CACHE=0`` (planned every call).
+Every backend that plans its launches (``cuda``, ``triton``, their pairs, and ``auto`` on CUDA) is
+measured twice: with its plans kept per layout (the default) and with ``DUALKV_CUDA_PLAN_CACHE=0`` and
+``DUALKV_TRITON_PLAN_CACHE=0`` (planned every call).
 
-    python -m benchmarks.bench_host                              # auto and cuda on CUDA tensors
+    python -m benchmarks.bench_host                              # auto, cuda, triton and cuda+triton on CUDA tensors
     python -m benchmarks.bench_host --backends reference --device cpu --calls 50   # smoke test
 """
 
@@ -40,7 +41,7 @@ from dualkv.core.backends import BACKEND_CHOICES
 
 MODULE = "benchmarks.bench_host"
 COLUMNS = ["backend", "plan_cache", "what", "us_per_call", "calls"]
-PLAN_CACHE = "DUALKV_CUDA_PLAN_CACHE"
+PLAN_CACHES = ("DUALKV_CUDA_PLAN_CACHE", "DUALKV_TRITON_PLAN_CACHE")
 
 
 def per_call_us(fn, calls: int, device: torch.device) -> float:
@@ -85,19 +86,25 @@ def measurements(backend: str, cfg: AttnConfig, device: torch.device, layers: bo
     return rows
 
 
+def plans_launches(backend: str, device: torch.device) -> bool:
+    """Whether ``backend`` keeps launch plans per layout (so has an "off" row): the CUDA and Triton backends."""
+    if backend == "auto":
+        return device.type == "cuda"
+    return any(part in ("cuda", "triton") for part in backend.split("+"))
+
+
 def run(backends: list[str], cfg: AttnConfig, device: torch.device, calls: int, layers: bool, writer) -> list[dict]:
     from tqdm.auto import tqdm
 
-    plans = {b: (("on", "off") if "cuda" in b.split("+") or (b == "auto" and device.type == "cuda") else ("n/a",))
-             for b in backends}
-    cases = [(b, plan) for b in backends for plan in plans[b]]
+    cases = [(b, plan) for b in backends for plan in (("on", "off") if plans_launches(b, device) else ("n/a",))]
     out = []
-    with restored_env(PLAN_CACHE):
+    with restored_env(*PLAN_CACHES):
         for backend, plan in tqdm(cases, desc="host time", dynamic_ncols=True):
-            if plan == "off":
-                os.environ[PLAN_CACHE] = "0"
-            else:
-                os.environ.pop(PLAN_CACHE, None)
+            for var in PLAN_CACHES:
+                if plan == "off":
+                    os.environ[var] = "0"
+                else:
+                    os.environ.pop(var, None)
             for what, fn in measurements(backend, cfg, device, layers):
                 row = dict(backend=backend, plan_cache=plan, what=what, us_per_call=per_call_us(fn, calls, device),
                            calls=calls)
@@ -129,7 +136,7 @@ def plot(rows: list[dict], path: Path, title: str) -> Path:
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--backends", default=None, help="comma-separated (default: auto,cuda on CUDA; reference on CPU)")
+    ap.add_argument("--backends", default=None, help="comma-separated (default: auto,cuda,triton,cuda+triton on CUDA; reference on CPU)")
     ap.add_argument("--config", default="N=2,P=256,R=64,H=32,H_kv=8,d=128",
                     help="a layout small enough that the kernels never hold the host back")
     ap.add_argument("--calls", type=int, default=200, help="timed calls per row")
@@ -140,7 +147,7 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.calls < 1:
         ap.error(f"--calls: expected a positive count, got {args.calls}")
-    default = "auto,cuda" if args.device.startswith("cuda") else "reference"
+    default = "auto,cuda,triton,cuda+triton" if args.device.startswith("cuda") else "reference"
     args.backends = [b.strip() for b in (args.backends or default).split(",") if b.strip()]
     bad = [b for b in args.backends if b not in BACKEND_CHOICES]
     if bad:

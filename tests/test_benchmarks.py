@@ -438,6 +438,32 @@ def test_host_time_benchmark_smoke(tmp_path, capsys, monkeypatch):
         assert re.search(match, capsys.readouterr().err), argv
 
 
+def test_host_time_benchmark_switches_both_plan_caches(monkeypatch):
+    """Every backend that plans launches (CUDA, Triton, their pairs) gets a row with plans kept and one
+    with both plan caches off; the reference gets one row; the variables are restored afterwards."""
+    from benchmarks import bench_host
+
+    seen = []
+
+    def record(fn, calls, device):
+        seen.append(tuple(os.environ.get(v) for v in bench_host.PLAN_CACHES))
+        return 1.0
+
+    monkeypatch.setattr(bench_host, "per_call_us", record)
+    monkeypatch.setenv("DUALKV_TRITON_PLAN_CACHE", "1")
+    monkeypatch.delenv("DUALKV_CUDA_PLAN_CACHE", raising=False)
+    cfg = bench_host.AttnConfig.parse("N=2,P=16,R=8,H=2,H_kv=1,d=16,dtype=float16")
+    rows = bench_host.run(["triton", "reference"], cfg, torch.device("cpu"), 1, False, None)
+    assert [(r["backend"], r["plan_cache"]) for r in rows] == (
+        [("triton", "on")] * 3 + [("triton", "off")] * 3 + [("reference", "n/a")] * 3)
+    assert seen[:3] == [(None, None)] * 3 and seen[3:6] == [("0", "0")] * 3
+    assert os.environ["DUALKV_TRITON_PLAN_CACHE"] == "1" and "DUALKV_CUDA_PLAN_CACHE" not in os.environ
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert [bench_host.plans_launches(b, cpu) for b in ("cuda", "triton", "cuda+triton", "reference", "auto")] == [
+        True, True, True, False, False]
+    assert bench_host.plans_launches("auto", gpu)
+
+
 def test_run_case_records_errors():
     @register("test-broken")
     class Broken(Provider):
