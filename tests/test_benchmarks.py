@@ -794,3 +794,47 @@ def test_tune_triton_compile_report():
     if "gluon:" not in res.stdout:  # a Triton with Gluon's Hopper API: its kernels too
         assert sum(" gluon " in line for line in lines) == 4
     assert all(re.search(r"regs=\d+ spill_bytes=\d+", line) for line in lines if "gluon:" not in line)
+
+
+def test_tile_waste_counts_the_forward_walk(capsys):
+    """benchmarks.tile_waste: with one-row, one-key tiles the walk computes exactly the attended pairs;
+    wider tiles compute more, the merged walk never more than the split one (the same where the prompt
+    fills whole tiles), and a brute-force walk over every query tile agrees; bad sizes are usage errors."""
+    from benchmarks import tile_waste
+    from benchmarks.harness import attended_pairs
+
+    prompts, responses = [37, 5], [[3, 20, 1], [9]]
+    useful = attended_pairs(prompts, responses)
+    for merged in (False, True):
+        assert tile_waste.computed_scores(prompts, responses, 1, 1, merged) == useful
+
+    def brute(block_m, block_n, merged):  # every (query tile, key tile) visited, keys in logical positions
+        total = 0
+        for p, rs in zip(prompts, responses):
+            for ctx, rows in ((0, p), *((p, r) for r in rs)):
+                for q0 in range(0, rows, block_m):
+                    hi = min(rows, q0 + block_m)
+                    regions = [(0, ctx + hi)] if merged else [(0, ctx), (ctx, ctx + hi)]
+                    tiles = sum(len(range(lo, end, block_n)) for lo, end in regions)
+                    total += tiles * block_m * block_n
+        return total
+
+    for m, n in ((16, 16), (128, 176), (64, 48)):
+        split = tile_waste.computed_scores(prompts, responses, m, n)
+        merged = tile_waste.computed_scores(prompts, responses, m, n, merged=True)
+        assert split == brute(m, n, False) and merged == brute(m, n, True)
+        assert useful <= merged <= split
+    whole = tile_waste.computed_scores([352], [[100, 7]], 128, 176)  # 352 = 2 x 176
+    assert whole == tile_waste.computed_scores([352], [[100, 7]], 128, 176, merged=True)
+    assert tile_waste.computed_scores([353], [[100, 7]], 128, 176, merged=True) < tile_waste.computed_scores(
+        [353], [[100, 7]], 128, 176)
+    out = tile_waste.main(["--configs", "2,300,40;1,64,8", "--block-n", "64,176"])
+    assert "| 2, 300, 40 |" in out and "176-key tiles merged" in out and out in capsys.readouterr().out
+    for argv, match in ((["--block-n", "0"], "--block-m / --block-n: expected positive tile sizes"),
+                        (["--block-n", "x"], "--block-n: expected comma-separated whole numbers"),
+                        (["--configs", "0,1,1"], "--configs: ")):
+        with pytest.raises(SystemExit):
+            tile_waste.parse_args(argv)
+        assert match in capsys.readouterr().err, argv
+    with pytest.raises(ValueError, match="block_m, block_n: expected positive tile sizes"):
+        tile_waste.computed_scores(prompts, responses, 0, 16)
