@@ -275,7 +275,8 @@ def get_provider(name: str) -> type[Provider]:
     return PROVIDERS[name]
 
 
-KERNEL_CHOICE_VARS = ("DUALKV_CUDA_WGMMA", "DUALKV_CUDA_FWD_BLOCK_N", "DUALKV_CUDA_FWD_PERSISTENT", "DUALKV_CUDA_WGMMA_BWD",
+KERNEL_CHOICE_VARS = ("DUALKV_CUDA_WGMMA", "DUALKV_CUDA_FWD_BLOCK_N", "DUALKV_CUDA_FWD_PERSISTENT", "DUALKV_CUDA_FWD_MERGE",
+                      "DUALKV_CUDA_WGMMA_BWD",
                       "DUALKV_CUDA_BWD_TMA",
                       "DUALKV_TRITON_WS", "DUALKV_TRITON_GLUON_FWD", "DUALKV_TRITON_GLUON_BWD",
                       "DUALKV_TRITON_GLUON_DKDV", "DUALKV_TRITON_ATOMIC_DQ")
@@ -355,6 +356,9 @@ DUALKV_VARIANTS: list[tuple[str, str, dict[str, str], str]] = [
     ("dualkv-cuda-fwd-persistent", "cuda", {"DUALKV_CUDA_FWD_PERSISTENT": "1"},
      "The default forward at d = 64 / 128 on persistent blocks: one a SM, taking query tiles from a "
      "counter, the K / V rings running on from one tile to the next."),
+    ("dualkv-cuda-fwd-merge", "cuda", {"DUALKV_CUDA_FWD_MERGE": "1"},
+     "The default forward at d = 128 walking the prompt's and the response's keys as one range: the "
+     "prompt's last partial 176-key tile runs on into the response's first keys (opt-in)."),
     ("dualkv-cuda-tma-bwd", "cuda", {"DUALKV_CUDA_BWD_TMA": "1"},
      "The default schedules with the warp-specialised dK/dV kernel's loads as bulk tensor copies from "
      "one producer thread (the default; schedules 6 / 8, d = 64 / 128)."),

@@ -7,7 +7,9 @@ tiles of ``--block-n`` again. Every tile it visits costs block_m x block_n score
 useful ones are the pairs the layout attends (``harness.attended_pairs``), the count behind every
 useful TFLOP/s figure. A walk that lets the prompt's last partial tile run on into the response's
 first keys (one key range in logical positions, so one partial tile where the walk has two) is
-counted as ``merged``: the kernels do not walk that way yet.
+counted as ``merged``: the 176-key CUDA forward walks that way with ``DUALKV_CUDA_FWD_MERGE=1``
+(opt-in, docs/cuda.md); it starts up to 15 keys early so that the prompt ends on a 16-row boundary of
+its tile, which this count leaves out (at most one extra tile, rarely).
 
     python -m benchmarks.tile_waste                                  # the d = 128 benchmark configs
     python -m benchmarks.tile_waste --configs '28,4048,2048;28,4096,2048' --block-n 176

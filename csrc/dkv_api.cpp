@@ -525,6 +525,25 @@ bool fwd_wide_keys(bool wanted, int form) {
   return form == 3;
 }
 
+// DUALKV_CUDA_FWD_MERGE: "1" lets the 176-key TMA forward at head dim 128 walk the context and the
+// segment's own keys as one range of logical positions (TwoRegionWalk in dkv_fwd.cuh): the context's
+// last partial key tile runs on into the own keys, one tile with masked rows fewer per query tile
+// (1.053 -> 1.028 scores computed per useful one at (28, 4K, 2K), `python -m benchmarks.tile_waste`).
+// The tile where the context ends is loaded as 16-row boxes of both regions (tma_k16 / tma_v16 and the
+// context's). "0" or unset: the split walk. Other head dims keep their walk; at head dim 128 where the
+// 176-key forward does not run (DUALKV_CUDA_FWD_BLOCK_N=128, DUALKV_CUDA_WGMMA other than 3, tensor maps
+// the driver cannot build) it is an error naming it. Opt-in: not yet timed on a GPU.
+bool fwd_merge_walk(int head_dim, bool wide) {
+  const std::string value = env_value("DUALKV_CUDA_FWD_MERGE");
+  DKV_CHECK(value.empty() || value == "0" || value == "1", kOps,
+            ": DUALKV_CUDA_FWD_MERGE: expected 0 or 1 (or unset), got '", value, "'");
+  if (value != "1" || head_dim != 128) return false;
+  DKV_CHECK(wide, kOps,
+            ": DUALKV_CUDA_FWD_MERGE=1: expected the forward on 176-key tiles (DUALKV_CUDA_WGMMA=3 with tensor maps, "
+            "DUALKV_CUDA_FWD_BLOCK_N unset or 176), but another forward runs at head dim 128");
+  return true;
+}
+
 // DUALKV_CUDA_FWD_PERSISTENT: "1" runs the TMA forward (form 3) at head dims 64 / 128 persistent, one
 // block per SM taking query tiles from a counter (FwdSm90::kPersist: a block's barriers are set up once,
 // and its rings load the next tile's first keys while this one finishes); "0" or unset, one block per
@@ -693,6 +712,19 @@ std::tuple<Tensor, Tensor> fwd(const Tensor& q, const Tensor& k, const Tensor& v
     if (!maps.built) form = args.head_dim <= 128 ? 2 : 1;
   }
   const bool wide = fwd_wide_keys(wide_wanted, form);
+  if (fwd_merge_walk(args.head_dim, wide)) {  // the 16-row boxes of the tile where the context ends
+    TmaMaps rows16{true, "DUALKV_CUDA_FWD_MERGE=1"};
+    rows16.box(p.tma_k16, k, "k", 16);
+    rows16.box(p.tma_v16, v, "v", 16);
+    if (k_ctx) {
+      rows16.box(p.tma_k_ctx16, *k_ctx, "k_ctx", 16);
+      rows16.box(p.tma_v_ctx16, *v_ctx, "v_ctx", 16);
+    } else {
+      p.tma_k_ctx16 = p.tma_k16;
+      p.tma_v_ctx16 = p.tma_v16;
+    }
+    p.merge_walk = 1;
+  }
   Tensor work_counter;
   if (fwd_persistent(form, args.head_dim)) {
     work_counter = at::zeros({1}, q.options().dtype(at::kInt));

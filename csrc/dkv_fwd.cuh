@@ -1,7 +1,8 @@
 // Forward kernel: one block per (query tile of a segment, head). Each block walks TWO physically
 // disjoint KV regions in one launch -- the segment's context keys (the group's shared prompt, rows
 // of k_ctx or of k) and then the segment's own keys -- with an online softmax carried across both.
-// Each region ends with its own partial tile. Masks use logical positions:
+// Each region ends with its own partial tile (the 176-key TMA forward can instead walk both as one
+// range of logical positions, DUALKV_CUDA_FWD_MERGE=1: TwoRegionWalk below). Masks use logical positions:
 //
 //     context key j          -> position j            (always causal-visible: j < ctx_len <= qpos)
 //     own key i' / query i   -> position ctx_len + i'  (visible iff i' <= i)
@@ -40,19 +41,40 @@ struct FwdTraits {
 // Where the keys of tile `ti` live, for one query tile. Context tiles first, then own tiles.
 struct KvTile {
   int row;               // the tile's first row in k/v (or k_ctx/v_ctx)
-  int valid;             // rows of the tile that exist in the region
+  int valid;             // rows of the tile that exist in the region (merged walk: up to the walk's last key)
   int kpos0;             // logical position of the tile's first key
   bool ctx;              // true: rows of k_ctx / v_ctx
+  int lead = 0;          // (merged walk) rows before the walk's first key: masked, loaded as they are
+  int split = 0;         // (merged walk) rows from the context, 0 < split < kBlockN where the context ends
+  int own_row = 0;       // (merged walk) where split > 0: the row in k / v of the segment's first own key
 };
 
+// The key tiles of one query tile. Split (the default): the context tiles, the last one partial, then
+// the own tiles. Merged (merged_lo > INT_MIN, the 176-key TMA forward with DUALKV_CUDA_FWD_MERGE=1):
+// one range of logical positions [merged_lo, ctx_len + own_hi) in tiles of kBlockN, where the context
+// holds keys (n_ctx_tiles of the split walk > 0, so own_lo == 0 and the two ranges meet), so that the
+// context's last partial tile runs on into the own keys: one tile with masked rows fewer a query tile
+// (benchmarks/tile_waste.py counts what that saves). merged_lo sits up to 15 keys before the context's
+// first key (a lead of masked rows) so that the context ends at a multiple of 16 rows into its tile:
+// that tile is loaded as 16-row pieces of both regions (2 KB each, a whole number of 128B-swizzle atoms).
 struct TwoRegionWalk {
   int ctx_lo, ctx_len, ctx_row0, n_ctx_tiles;
   int own_lo, own_hi, own_row0, n_own_tiles;
+  int merged_lo;
 
   template <int kBlockN>
   DKV_DEV KvTile tile(int ti) const {
     KvTile t;
-    if (ti < n_ctx_tiles) {
+    if (merged_lo != kSplitWalk) {
+      const int k0 = merged_lo + ti * kBlockN;
+      t.kpos0 = k0;
+      t.valid = imin(kBlockN, ctx_len + own_hi - k0);
+      t.lead = imax(0, ctx_lo - k0);
+      t.ctx = k0 < ctx_len;
+      t.split = k0 < ctx_len && ctx_len - k0 < kBlockN ? ctx_len - k0 : 0;
+      t.row = t.ctx ? ctx_row0 + k0 : own_row0 + (k0 - ctx_len);
+      t.own_row = own_row0;
+    } else if (ti < n_ctx_tiles) {
       const int j0 = ctx_lo + ti * kBlockN;
       t.valid = imin(kBlockN, ctx_len - j0);
       t.kpos0 = j0;
@@ -67,11 +89,14 @@ struct TwoRegionWalk {
     }
     return t;
   }
+  static constexpr int kSplitWalk = -2147483647 - 1;
 };
 
-// The KV tiles a query tile [q0, q0 + m_valid) of a segment (row0, ctx_len, ctx_row0) must visit.
+// The KV tiles a query tile [q0, q0 + m_valid) of a segment (row0, ctx_len, ctx_row0) must visit;
+// `merge`: one key range where the context has keys (TwoRegionWalk). Either way n_ctx_tiles +
+// n_own_tiles is the number of tiles.
 template <int kBlockN>
-DKV_DEV TwoRegionWalk make_walk(int q0, int m_valid, int ctx_len, int ctx_row0, int row0, int window) {
+DKV_DEV TwoRegionWalk make_walk(int q0, int m_valid, int ctx_len, int ctx_row0, int row0, int window, bool merge = false) {
   TwoRegionWalk w;
   const int qpos_lo = ctx_len + q0;
   w.ctx_lo = imax(0, qpos_lo - window + 1);
@@ -82,6 +107,12 @@ DKV_DEV TwoRegionWalk make_walk(int q0, int m_valid, int ctx_len, int ctx_row0, 
   w.own_hi = q0 + m_valid;
   w.own_row0 = row0;
   w.n_own_tiles = ceil_div(w.own_hi - w.own_lo, kBlockN);
+  w.merged_lo = TwoRegionWalk::kSplitWalk;
+  if (merge && w.n_ctx_tiles > 0) {  // own_lo == 0 here: a window that reaches into the context starts before q0
+    w.merged_lo = w.ctx_lo - (16 - (ctx_len - w.ctx_lo) % 16) % 16;  // ctx_len - merged_lo: a multiple of 16
+    w.n_ctx_tiles = ceil_div(ctx_len + w.own_hi - w.merged_lo, kBlockN);
+    w.n_own_tiles = 0;
+  }
   return w;
 }
 

@@ -155,7 +155,11 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs, kTma, kWideN, kPersist>::kThr
       return query_tile<kBlockM>(p, p.q_tile_prefix, p.q_seg_order);
     }
   };
-  auto walk_of = [&](const QueryTile& qt) { return make_walk<kBlockN>(qt.q0, qt.m_valid, qt.ctx_len, qt.ctx_row0, qt.row0, W); };
+  // (kWideN, DUALKV_CUDA_FWD_MERGE=1) one key range where the context has keys: TwoRegionWalk in dkv_fwd.cuh.
+  const bool merge = kWideN && p.merge_walk != 0;
+  auto walk_of = [&](const QueryTile& qt) {
+    return make_walk<kBlockN>(qt.q0, qt.m_valid, qt.ctx_len, qt.ctx_row0, qt.row0, W, merge);
+  };
 
   // Loads by kLoaders threads (all 256, or the producer's 128), thread index `lt`.
   constexpr int kLoaders = kWs ? 128 : K::kThreads;
@@ -189,6 +193,21 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs, kTma, kWideN, kPersist>::kThr
     auto wait_empty = [&](uint64_t* empty, int r) {
       if (r >= kStages) sm90::mbar_wait(&empty[r % kStages], (r / kStages - 1) & 1);
     };
+    // (kTma) K or V tile kt into dst by bulk tensor copies: one box of kBlockN rows per part, or (merged
+    // walk, the tile where the context ends) 16-row boxes, kt.split rows of the context then the own keys.
+    auto load_keys = [&](uint16_t* dst, const TmaDesc& whole, const TmaDesc& whole_ctx, const TmaDesc& rows16,
+                         const TmaDesc& rows16_ctx, const KvTile& kt, int hk, uint64_t* bar) {
+      if (kWideN && kt.split > 0) {
+        for (int b = 0; b < kBlockN / 16; ++b) {
+          const bool from_ctx = 16 * b < kt.split;
+          const int row = from_ctx ? kt.row + 16 * b : kt.own_row + 16 * b - kt.split;
+          for (int part = 0; part < kParts; ++part)
+            sm90::tma_load_box(dst + part * kBlockN * 64 + 16 * b * 64, from_ctx ? rows16_ctx : rows16, 64 * part, hk, row, bar);
+        }
+      } else {
+        sm90::tma_load_tile<kParts>(dst, kt.ctx ? whole_ctx : whole, hk, kt.row, kBlockN, bar);
+      }
+    };
     if (tid < 0) {  // the producer warpgroup
       sm90::setmaxnreg_dec<K::kProducerRegs>();
       if constexpr (kTma) {  // one thread, bulk tensor copies
@@ -207,10 +226,10 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs, kTma, kWideN, kPersist>::kThr
             if (kPersist && t == 0 && item > 0) sm90::mbar_wait(q_empty, (item - 1) & 1);
             sm90::mbar_arrive_expect_tx(&full_k[r % kStages], (K::kKvTile + (t == 0 ? K::kQTile : 0)) * 2);
             if (t == 0) sm90::tma_load_tile<kParts>(sQ, p.tma_q, qt.h, qt.row0 + qt.q0, kBlockM, &full_k[r % kStages]);
-            sm90::tma_load_tile<kParts>(sK(r), kt.ctx ? p.tma_k_ctx : p.tma_k, qt.hk, kt.row, kBlockN, &full_k[r % kStages]);
+            load_keys(sK(r), p.tma_k, p.tma_k_ctx, p.tma_k16, p.tma_k_ctx16, kt, qt.hk, &full_k[r % kStages]);
             wait_empty(empty_v, r);
             sm90::mbar_arrive_expect_tx(&full_v[r % kStages], K::kKvTile * 2);
-            sm90::tma_load_tile<kParts>(sV(r), kt.ctx ? p.tma_v_ctx : p.tma_v, qt.hk, kt.row, kBlockN, &full_v[r % kStages]);
+            load_keys(sV(r), p.tma_v, p.tma_v_ctx, p.tma_v16, p.tma_v_ctx16, kt, qt.hk, &full_v[r % kStages]);
           }
           base += n_tiles;
         }
@@ -341,7 +360,9 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs, kTma, kWideN, kPersist>::kThr
     // scales to the scaled one); with softcap, x = cap * tanh(raw * scale / cap) in log2 units.
     auto softmax = [&](float (&s)[kBlockN / 2], int t, float (&alpha)[2]) {
       const KvTile kt = walk.tile<kBlockN>(t);
-      const bool need_mask = kt.valid < kBlockN || kt.kpos0 + kt.valid - 1 > qpos_lo || qpos_hi - kt.kpos0 >= W;
+      // (merged walk) the first tile's kt.lead rows come before the walk's first key
+      const int lead = kWideN ? kt.lead : 0;
+      const bool need_mask = lead > 0 || kt.valid < kBlockN || kt.kpos0 + kt.valid - 1 > qpos_lo || qpos_hi - kt.kpos0 >= W;
       with_score_mode(score.softcap, need_mask, [&](auto cap, auto mask) {
         constexpr bool kCap = decltype(cap)::value;
         const float sl = kCap ? 1.f : score.scale_log2;
@@ -352,7 +373,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs, kTma, kWideN, kPersist>::kThr
           if constexpr (decltype(mask)::value) {
             const int col = 8 * (e / 4) + 2 * tq + (e % 2), kpos = kt.kpos0 + col;
             const int qpos = qpos_lo + row_in_tile[(e / 2) % 2];
-            if (col >= kt.valid || kpos > qpos || qpos - kpos >= W) x = kNegInf;
+            if (col < lead || col >= kt.valid || kpos > qpos || qpos - kpos >= W) x = kNegInf;
           }
           s[e] = x;
         }

@@ -58,6 +58,10 @@ struct alignas(64) TmaDesc {
 struct FwdParams : AttnArgs {
   // (DUALKV_CUDA_WGMMA=3) boxes of 64 columns x 128 rows of q, k, v, k_ctx, v_ctx.
   TmaDesc tma_q, tma_k, tma_v, tma_k_ctx, tma_v_ctx;
+  // (merge_walk) k, v, k_ctx, v_ctx in boxes of 16 rows: the key tile where the context ends and the
+  // segment's own keys begin is loaded as 16-row pieces of both (dkv_fwd.cuh, TwoRegionWalk).
+  TmaDesc tma_k16, tma_v16, tma_k_ctx16, tma_v_ctx16;
+  int merge_walk = 0;                // (DUALKV_CUDA_FWD_MERGE) the 176-key TMA forward walks one key range
   TensorRef out;
   float* lse = nullptr;              // (H, total_q)
   const int* q_tile_prefix = nullptr;  // (S+1,) prefix of ceil(len_s / kBlockM), segments in q_seg_order

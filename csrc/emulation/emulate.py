@@ -8,7 +8,7 @@ per CUDA thread): keep the shapes tiny.
     python csrc/emulation/emulate.py            # the default case list, and the reader chunks
     python csrc/emulation/emulate.py --quick    # two cases
     python csrc/emulation/emulate.py --wgmma    # the wgmma building blocks (csrc/dkv_wgmma.cuh) only
-    python csrc/emulation/emulate.py --sm90     # the wgmma forward (DUALKV_CUDA_WGMMA=1, 2, 3; 176-key tiles; persistent)
+    python csrc/emulation/emulate.py --sm90     # the wgmma forward (DUALKV_CUDA_WGMMA=1, 2, 3; 176-key tiles; persistent; merged walk)
     python csrc/emulation/emulate.py --sm90-bwd # the wgmma dQ and dK/dV kernels (DUALKV_CUDA_WGMMA_BWD=1 .. 6, 8)
 """
 
@@ -276,6 +276,43 @@ def check_wide_key_tiles(backward: bool) -> bool:
                           "DUALKV_CUDA_FWD_BLOCK_N=64", **small) and ok
         ok = expect_error({"DUALKV_CUDA_WGMMA": "2"}, "DUALKV_CUDA_FWD_BLOCK_N=176: expected the forward with bulk tensor copies",
                           "DUALKV_CUDA_FWD_BLOCK_N=176 with DUALKV_CUDA_WGMMA=2", **small) and ok
+        return ok
+    finally:
+        _restore_env(saved)
+
+
+def check_merged_walk() -> bool:
+    """DUALKV_CUDA_FWD_MERGE=1: the 176-key TMA forward walks the context and the own keys as one range
+    (the tile where the context ends loaded as 16-row boxes of both; a lead of masked rows before the
+    first key where the context's length is not a multiple of 16) and matches the reference: contexts of
+    residues 0, 1, 8, 12 and 13 mod 16, shorter and longer than a tile or a whole number of tiles, responses
+    that end inside the shared tile and ones that run on past it, GQA, windows that reach into the
+    context, a separate context, persistent blocks; an unknown value, or 1 where the 176-key forward
+    does not run at d = 128, is an error naming it. (The backward does not depend on the walk.)"""
+    names = ("DUALKV_CUDA_WGMMA", "DUALKV_CUDA_FWD_BLOCK_N", "DUALKV_CUDA_FWD_MERGE", "DUALKV_CUDA_FWD_PERSISTENT")
+    saved = {n: os.environ.get(n) for n in names}
+    try:
+        os.environ["DUALKV_CUDA_WGMMA"] = "3"
+        os.environ["DUALKV_CUDA_FWD_BLOCK_N"] = "176"
+        os.environ["DUALKV_CUDA_FWD_MERGE"] = "1"
+        os.environ.pop("DUALKV_CUDA_FWD_PERSISTENT", None)
+        print("DUALKV_CUDA_WGMMA=3 DUALKV_CUDA_FWD_BLOCK_N=176 DUALKV_CUDA_FWD_MERGE=1", flush=True)
+        cases = [
+            dict(d=128, dtype=torch.bfloat16, prompts=[40, 33], responses=[[17, 150], [2, 200]], H=4, Hkv=2),
+            dict(d=128, dtype=torch.float16, prompts=[368, 176], responses=[[180, 3], [177]], H=2, Hkv=1),
+            dict(d=128, dtype=torch.bfloat16, prompts=[300], responses=[[90, 3]], H=2, Hkv=1, window=150),
+            dict(d=128, dtype=torch.bfloat16, prompts=[45], responses=[[30, 140]], H=2, Hkv=1, separate=True),
+        ]
+        ok = all([run_case(**c, backward=False) for c in cases])
+        os.environ["DUALKV_CUDA_FWD_PERSISTENT"] = "1"
+        print("DUALKV_CUDA_WGMMA=3 DUALKV_CUDA_FWD_BLOCK_N=176 DUALKV_CUDA_FWD_MERGE=1 DUALKV_CUDA_FWD_PERSISTENT=1", flush=True)
+        ok = run_case(**cases[1], backward=False) and ok
+        os.environ.pop("DUALKV_CUDA_FWD_PERSISTENT", None)
+        small = dict(d=128, dtype=torch.bfloat16, prompts=[20], responses=[[9]], H=1, Hkv=1, backward=False)
+        ok = expect_error({"DUALKV_CUDA_FWD_MERGE": "2"}, "DUALKV_CUDA_FWD_MERGE: expected 0 or 1 (or unset), got '2'",
+                          "DUALKV_CUDA_FWD_MERGE=2", **small) and ok
+        ok = expect_error({"DUALKV_CUDA_FWD_BLOCK_N": "128"}, "DUALKV_CUDA_FWD_MERGE=1: expected the forward on 176-key tiles",
+                          "DUALKV_CUDA_FWD_MERGE=1 with DUALKV_CUDA_FWD_BLOCK_N=128", **small) and ok
         return ok
     finally:
         _restore_env(saved)
@@ -563,6 +600,7 @@ def main():
         ok = check_tma_head_dim() and ok
         ok = check_wide_key_tiles(backward=not args.forward_only) and ok
         ok = check_persistent_forward(backward=not args.forward_only) and ok
+        ok = check_merged_walk() and ok
         ok = check_device_defaults(backward=not args.forward_only) and ok
         ok = check_tma_fallback(backward=not args.forward_only) and ok
         print("ALL OK" if ok else "FAILURES")

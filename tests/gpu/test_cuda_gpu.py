@@ -247,8 +247,9 @@ def _choose_forward(monkeypatch, mode: str | None) -> None:
     _choose_hopper_kernels(monkeypatch, "DUALKV_CUDA_WGMMA", mode, "the wgmma forward")
 
 
-@pytest.mark.parametrize("mode", [None, "1", "2", "3", "3/128", "3p", "3p/128"],
-                         ids=["default", "in-turn", "warp-specialised", "tma", "tma-128", "persistent", "persistent-128"])
+@pytest.mark.parametrize("mode", [None, "1", "2", "3", "3/128", "3p", "3p/128", "3m"],
+                         ids=["default", "in-turn", "warp-specialised", "tma", "tma-128", "persistent", "persistent-128",
+                              "merged-walk"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", [c for c in GRID if c[4] in (64, 128, 192, 256, 512)], ids=lambda c: _ids(c))
 def test_wgmma_forward_matches_reference(cuda_backend, case, dtype, mode, monkeypatch):
@@ -256,14 +257,19 @@ def test_wgmma_forward_matches_reference(cuda_backend, case, dtype, mode, monkey
     sm_90) in its forms: in-turn with cp.async (DUALKV_CUDA_WGMMA=1; the one form at 512, which =2 runs
     too), warp-specialised with cp.async (=2) and with bulk tensor copies (=3, the default: the
     warp-specialised form at 64 / 128, the in-turn one at 192 / 256 / 512; at d = 128 with 176-key
-    tiles, and with 128-key ones under DUALKV_CUDA_FWD_BLOCK_N=128; the other head dims keep theirs),
-    on the grid: out / lse / gradients (through the default backward) against the fp32 reference, and
-    the profiler shows that the form asked for ran."""
+    tiles, and with 128-key ones under DUALKV_CUDA_FWD_BLOCK_N=128; the other head dims keep theirs;
+    "3m": the 176-key tiles walking context and own keys as one range, DUALKV_CUDA_FWD_MERGE=1), on the
+    grid: out / lse / gradients (through the default backward) against the fp32 reference, and the
+    profiler shows that the form asked for ran."""
     _choose_forward(monkeypatch, mode and mode[0])
     if mode and mode.endswith("/128"):
         monkeypatch.setenv("DUALKV_CUDA_FWD_BLOCK_N", "128")
     else:
         monkeypatch.delenv("DUALKV_CUDA_FWD_BLOCK_N", raising=False)
+    if mode == "3m":
+        monkeypatch.setenv("DUALKV_CUDA_FWD_MERGE", "1")
+    else:
+        monkeypatch.delenv("DUALKV_CUDA_FWD_MERGE", raising=False)
     persistent = mode is not None and mode.startswith("3p") and case[4] <= 128
     if persistent:
         monkeypatch.setenv("DUALKV_CUDA_FWD_PERSISTENT", "1")
@@ -273,7 +279,7 @@ def test_wgmma_forward_matches_reference(cuda_backend, case, dtype, mode, monkey
     _check_against_reference(case, dtype, r)
     tma = mode is None or mode.startswith("3")
     ws = case[4] != 512 and (mode == "2" or (tma and case[4] <= 128))
-    wide = mode in (None, "3", "3p") and case[4] == 128
+    wide = mode in (None, "3", "3p", "3m") and case[4] == 128
     flags = ", ".join(str(f).lower() for f in (ws, tma, wide, persistent))
     form = f"dkv_fwd_sm90_kernel<dkv::{'Bf16' if dtype == torch.bfloat16 else 'Fp16'}, {case[4]}, {flags}>"
     assert any(form in name for name in kernels), f"{form} did not run: {sorted(kernels)}"
@@ -637,13 +643,14 @@ def _sanitizer():
 # warp-specialised dK/dV kernels that also accumulate dQ; the warp-specialised dK/dV kernel with the
 # in-turn dQ kernel; both warp-specialised; the default schedules' dK/dV kernels with cp.async, where
 # the default has bulk tensor copies; the fused-dQ kernel with dQ deferred a tile, whose consumers
-# exchange dS through mbarriers; the persistent TMA forward, whose rings run on across query tiles;
+# exchange dS through mbarriers; the persistent TMA forward, whose rings run on across query tiles; the
+# forward walking context and own keys as one range (its shared tile loaded as 16-row boxes);
 # every backward kernel's cp.async form, the split ones at d = 256
 # included) and the mma.sync kernels; all but the first differ from
 # the defaults only on an sm_90 GPU.
 SANITIZER_PATHS = {"default": {}, "hopper-opt-in": {"DUALKV_CUDA_WGMMA": "1", "DUALKV_CUDA_WGMMA_BWD": "2"},
                    "ws-forward": {"DUALKV_CUDA_WGMMA": "2"}, "forward-128": {"DUALKV_CUDA_FWD_BLOCK_N": "128"},
-                   "persistent-forward": {"DUALKV_CUDA_FWD_PERSISTENT": "1"},
+                   "persistent-forward": {"DUALKV_CUDA_FWD_PERSISTENT": "1"}, "merged-forward": {"DUALKV_CUDA_FWD_MERGE": "1"},
                    "fused-dq": {"DUALKV_CUDA_WGMMA_BWD": "3"}, "ws-dkdv": {"DUALKV_CUDA_WGMMA_BWD": "4"},
                    "ws-both": {"DUALKV_CUDA_WGMMA_BWD": "5"}, "ws-fused-dq": {"DUALKV_CUDA_WGMMA_BWD": "6", "DUALKV_CUDA_BWD_TMA": "0"},
                    "ws-split": {"DUALKV_CUDA_WGMMA_BWD": "8", "DUALKV_CUDA_BWD_TMA": "0"},
@@ -665,6 +672,7 @@ def test_compute_sanitizer_small_case(cuda_backend, tool, paths, tmp_path):
     env.pop("DUALKV_CUDA_WGMMA", None)
     env.pop("DUALKV_CUDA_WGMMA_BWD", None)
     env.pop("DUALKV_CUDA_FWD_PERSISTENT", None)
+    env.pop("DUALKV_CUDA_FWD_MERGE", None)
     env.update(SANITIZER_PATHS[paths])
     base = [sanitizer, "--tool", tool, "--error-exitcode", "3"]
     cmd = [*base, "--kernel-name", "kns=dkv_", sys.executable, str(script)]
