@@ -250,6 +250,16 @@ def check_tma_fallback(backward: bool) -> bool:
         _restore_env(saved)
 
 
+def expect_choice_errors(name: str, bad: str, expected: str, conflict: dict[str, str], conflict_message: str) -> bool:
+    """Kernel-choice variable `name` (set as the caller left it) at d = 128: the value `bad` is an error
+    saying `expected`, and the variables `conflict`, under which its forward does not run, an error
+    saying `conflict_message`."""
+    small = dict(d=128, dtype=torch.bfloat16, prompts=[20], responses=[[9]], H=1, Hkv=1, backward=False)
+    ok = expect_error({name: bad}, f"{name}: expected {expected} (or unset), got '{bad}'", f"{name}={bad}", **small)
+    what = f"{name}={os.environ.get(name)} with " + " ".join(f"{k}={v}" for k, v in conflict.items())
+    return expect_error(conflict, conflict_message, what, **small) and ok
+
+
 def check_wide_key_tiles(backward: bool) -> bool:
     """DUALKV_CUDA_FWD_BLOCK_N=176 (the device's default at d = 128; the emulation's default is 128, as
     for the kernel-choice variables): the TMA forward's 176-key tiles (two K / V buffers: the longer
@@ -270,13 +280,8 @@ def check_wide_key_tiles(backward: bool) -> bool:
         print("DUALKV_CUDA_WGMMA=3 DUALKV_CUDA_FWD_BLOCK_N=128", flush=True)
         ok = run_case(**cases[1], backward=backward) and ok
         os.environ["DUALKV_CUDA_FWD_BLOCK_N"] = "176"
-        small = dict(d=128, dtype=torch.bfloat16, prompts=[20], responses=[[9]], H=1, Hkv=1, backward=False)
-        ok = expect_error({"DUALKV_CUDA_FWD_BLOCK_N": "64"},
-                          "DUALKV_CUDA_FWD_BLOCK_N: expected 128 or 176 (or unset), got '64'",
-                          "DUALKV_CUDA_FWD_BLOCK_N=64", **small) and ok
-        ok = expect_error({"DUALKV_CUDA_WGMMA": "2"}, "DUALKV_CUDA_FWD_BLOCK_N=176: expected the forward with bulk tensor copies",
-                          "DUALKV_CUDA_FWD_BLOCK_N=176 with DUALKV_CUDA_WGMMA=2", **small) and ok
-        return ok
+        return expect_choice_errors("DUALKV_CUDA_FWD_BLOCK_N", "64", "128 or 176", {"DUALKV_CUDA_WGMMA": "2"},
+                                    "DUALKV_CUDA_FWD_BLOCK_N=176: expected the forward with bulk tensor copies") and ok
     finally:
         _restore_env(saved)
 
@@ -308,12 +313,8 @@ def check_merged_walk() -> bool:
         print("DUALKV_CUDA_WGMMA=3 DUALKV_CUDA_FWD_BLOCK_N=176 DUALKV_CUDA_FWD_MERGE=1 DUALKV_CUDA_FWD_PERSISTENT=1", flush=True)
         ok = run_case(**cases[1], backward=False) and ok
         os.environ.pop("DUALKV_CUDA_FWD_PERSISTENT", None)
-        small = dict(d=128, dtype=torch.bfloat16, prompts=[20], responses=[[9]], H=1, Hkv=1, backward=False)
-        ok = expect_error({"DUALKV_CUDA_FWD_MERGE": "2"}, "DUALKV_CUDA_FWD_MERGE: expected 0 or 1 (or unset), got '2'",
-                          "DUALKV_CUDA_FWD_MERGE=2", **small) and ok
-        ok = expect_error({"DUALKV_CUDA_FWD_BLOCK_N": "128"}, "DUALKV_CUDA_FWD_MERGE=1: expected the forward on 176-key tiles",
-                          "DUALKV_CUDA_FWD_MERGE=1 with DUALKV_CUDA_FWD_BLOCK_N=128", **small) and ok
-        return ok
+        return expect_choice_errors("DUALKV_CUDA_FWD_MERGE", "2", "0 or 1", {"DUALKV_CUDA_FWD_BLOCK_N": "128"},
+                                    "DUALKV_CUDA_FWD_MERGE=1: expected the forward on 176-key tiles") and ok
     finally:
         _restore_env(saved)
 
@@ -337,14 +338,9 @@ def check_persistent_forward(backward: bool) -> bool:
             # (with 128-key tiles, d = 192 / 256 / 512 too: they keep their forward)
             cases = [c for c in SM90_CASES if block_n == "128" or c["d"] == 128] + [long_walks]
             ok = all([run_case(**c, backward=backward) for c in cases]) and ok
-        small = dict(d=128, dtype=torch.bfloat16, prompts=[20], responses=[[9]], H=1, Hkv=1, backward=False)
-        ok = expect_error({"DUALKV_CUDA_FWD_PERSISTENT": "2"},
-                          "DUALKV_CUDA_FWD_PERSISTENT: expected 0 or 1 (or unset), got '2'",
-                          "DUALKV_CUDA_FWD_PERSISTENT=2", **small) and ok
         os.environ["DUALKV_CUDA_FWD_BLOCK_N"] = "128"
-        ok = expect_error({"DUALKV_CUDA_WGMMA": "2"}, "DUALKV_CUDA_FWD_PERSISTENT=1: expected the forward with bulk tensor copies",
-                          "DUALKV_CUDA_FWD_PERSISTENT=1 with DUALKV_CUDA_WGMMA=2", **small) and ok
-        return ok
+        return expect_choice_errors("DUALKV_CUDA_FWD_PERSISTENT", "2", "0 or 1", {"DUALKV_CUDA_WGMMA": "2"},
+                                    "DUALKV_CUDA_FWD_PERSISTENT=1: expected the forward with bulk tensor copies") and ok
     finally:
         _restore_env(saved)
 
