@@ -8,8 +8,8 @@ useful ones are the pairs the layout attends (``harness.attended_pairs``), the c
 useful TFLOP/s figure. A walk that lets the prompt's last partial tile run on into the response's
 first keys (one key range in logical positions, so one partial tile where the walk has two) is
 counted as ``merged``: the 176-key CUDA forward walks that way with ``DUALKV_CUDA_FWD_MERGE=1``
-(opt-in, docs/cuda.md); it starts up to 15 keys early so that the prompt ends on a 16-row boundary of
-its tile, which this count leaves out (at most one extra tile, rarely).
+(opt-in, docs/cuda.md), starting up to 15 keys early (masked) so that the prompt ends on a 16-row
+boundary of its tile, as counted here.
 
     python -m benchmarks.tile_waste                                  # the d = 128 benchmark configs
     python -m benchmarks.tile_waste --configs '28,4048,2048;28,4096,2048' --block-n 176
@@ -36,10 +36,15 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+MERGE_ALIGN = 16  # rows: the merged walk's context ends a multiple of this into its tile
+
+
 def walk_tiles(ctx_len: int, own_hi: int, block_n: int, merged: bool = False) -> int:
-    """Key tiles a query tile visits: ctx_len context keys, then own keys 0 .. own_hi - 1."""
-    if merged:
-        return _cdiv(ctx_len + own_hi, block_n)
+    """Key tiles a query tile visits: ctx_len context keys, then own keys 0 .. own_hi - 1 (merged: one
+    range, from up to MERGE_ALIGN - 1 masked keys before the context's first)."""
+    if merged and ctx_len > 0:
+        lead = -ctx_len % MERGE_ALIGN
+        return _cdiv(lead + ctx_len + own_hi, block_n)
     return _cdiv(ctx_len, block_n) + _cdiv(own_hi, block_n)
 
 
