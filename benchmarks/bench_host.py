@@ -22,7 +22,6 @@ measured twice: with its plans kept per layout (the default) and with ``DUALKV_C
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from datetime import datetime, timezone
@@ -34,7 +33,7 @@ if __package__ in (None, ""):
 
 import torch
 
-from benchmarks.harness import AttnConfig, _random_qkv, _sync, restored_env
+from benchmarks.harness import AttnConfig, _random_qkv, _sync, restored_env, set_env
 from benchmarks.report import ResultWriter, environment, pyplot, save_figure, shown_command
 from dualkv.core import dualkv_attention
 from dualkv.core.backends import BACKEND_CHOICES
@@ -101,10 +100,7 @@ def run(backends: list[str], cfg: AttnConfig, device: torch.device, calls: int, 
     with restored_env(*PLAN_CACHES):
         for backend, plan in tqdm(cases, desc="host time", dynamic_ncols=True):
             for var in PLAN_CACHES:
-                if plan == "off":
-                    os.environ[var] = "0"
-                else:
-                    os.environ.pop(var, None)
+                set_env(var, "0" if plan == "off" else None)
             for what, fn in measurements(backend, cfg, device, layers):
                 row = dict(backend=backend, plan_cache=plan, what=what, us_per_call=per_call_us(fn, calls, device),
                            calls=calls)

@@ -132,14 +132,19 @@ struct TmaMaps {
   template <class Params>
   void keys(Params& p, const Tensor& k, const Tensor& v, const std::optional<Tensor>& k_ctx,
             const std::optional<Tensor>& v_ctx, int box_rows) {
-    box(p.tma_k, k, "k", box_rows);
-    box(p.tma_v, v, "v", box_rows);
+    keys_into(p.tma_k, p.tma_v, p.tma_k_ctx, p.tma_v_ctx, k, v, k_ctx, v_ctx, box_rows);
+  }
+  // The same into four given maps (the merged walk's 16-row boxes, FwdParams::tma_k16 ...).
+  void keys_into(TmaDesc& dk, TmaDesc& dv, TmaDesc& dk_ctx, TmaDesc& dv_ctx, const Tensor& k, const Tensor& v,
+                 const std::optional<Tensor>& k_ctx, const std::optional<Tensor>& v_ctx, int box_rows) {
+    box(dk, k, "k", box_rows);
+    box(dv, v, "v", box_rows);
     if (k_ctx) {
-      box(p.tma_k_ctx, *k_ctx, "k_ctx", box_rows);
-      box(p.tma_v_ctx, *v_ctx, "v_ctx", box_rows);
+      box(dk_ctx, *k_ctx, "k_ctx", box_rows);
+      box(dv_ctx, *v_ctx, "v_ctx", box_rows);
     } else {
-      p.tma_k_ctx = p.tma_k;
-      p.tma_v_ctx = p.tma_v;
+      dk_ctx = dk;
+      dv_ctx = dv;
     }
   }
   void note(int status, const char* name, const Tensor& t) {
@@ -714,15 +719,7 @@ std::tuple<Tensor, Tensor> fwd(const Tensor& q, const Tensor& k, const Tensor& v
   const bool wide = fwd_wide_keys(wide_wanted, form);
   if (fwd_merge_walk(args.head_dim, wide)) {  // the 16-row boxes of the tile where the context ends
     TmaMaps rows16{true, "DUALKV_CUDA_FWD_MERGE=1"};
-    rows16.box(p.tma_k16, k, "k", 16);
-    rows16.box(p.tma_v16, v, "v", 16);
-    if (k_ctx) {
-      rows16.box(p.tma_k_ctx16, *k_ctx, "k_ctx", 16);
-      rows16.box(p.tma_v_ctx16, *v_ctx, "v_ctx", 16);
-    } else {
-      p.tma_k_ctx16 = p.tma_k16;
-      p.tma_v_ctx16 = p.tma_v16;
-    }
+    rows16.keys_into(p.tma_k16, p.tma_v16, p.tma_k_ctx16, p.tma_v_ctx16, k, v, k_ctx, v_ctx, 16);
     p.merge_walk = 1;
   }
   Tensor work_counter;

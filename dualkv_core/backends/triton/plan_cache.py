@@ -1,8 +1,9 @@
 """Launch plans kept per layout: the Triton backend's tile tables, computed once for every layer.
 
 A schedule (``schedule.query_tiles``, ``key_items``, ...) takes dozens of small tensor ops, and as
-many launches on a GPU, each call (the backward's three: 333 ATen calls, nested ones counted). It depends on the layout alone, which is the same for every layer of a micro-batch, so ``planned``
-keeps its result. The key holds:
+many launches on a GPU, each call (the backward's three: 333 ATen calls, nested ones counted). It
+depends on the layout alone, which is the same for every layer of a micro-batch, so ``planned`` keeps
+its result. The key holds:
 
 - weak references to the layout tensors the plan was computed from (the ``AttnMeta`` fields and any
   tensor argument), so a freed tensor's address can never be taken for a new one's, and their version
