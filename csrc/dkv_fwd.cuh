@@ -50,7 +50,7 @@ struct KvTile {
 };
 
 // The key tiles of one query tile. Split (the default): the context tiles, the last one partial, then
-// the own tiles. Merged (merged_lo > INT_MIN, the 176-key TMA forward with DUALKV_CUDA_FWD_MERGE=1):
+// the own tiles. Merged (kMerged, the 176-key TMA forward with DUALKV_CUDA_FWD_MERGE=1; merged_lo is set):
 // one range of logical positions [merged_lo, ctx_len + own_hi) in tiles of kBlockN, where the context
 // holds keys (n_ctx_tiles of the split walk > 0, so own_lo == 0 and the two ranges meet), so that the
 // context's last partial tile runs on into the own keys: one tile with masked rows fewer a query tile
@@ -62,10 +62,12 @@ struct TwoRegionWalk {
   int own_lo, own_hi, own_row0, n_own_tiles;
   int merged_lo;
 
-  template <int kBlockN>
+  // kMerged: a walk make_walk<kBlockN, true> built (merged where the context has keys, else split).
+  // Without it merged_lo is never read, so the split walk's kernels carry none of the merged one's code.
+  template <int kBlockN, bool kMerged = false>
   DKV_DEV KvTile tile(int ti) const {
     KvTile t;
-    if (merged_lo != kSplitWalk) {
+    if (kMerged && merged_lo != kSplitWalk) {
       const int k0 = merged_lo + ti * kBlockN;
       t.kpos0 = k0;
       t.valid = imin(kBlockN, ctx_len + own_hi - k0);
@@ -93,10 +95,10 @@ struct TwoRegionWalk {
 };
 
 // The KV tiles a query tile [q0, q0 + m_valid) of a segment (row0, ctx_len, ctx_row0) must visit;
-// `merge`: one key range where the context has keys (TwoRegionWalk). Either way n_ctx_tiles +
-// n_own_tiles is the number of tiles.
-template <int kBlockN>
-DKV_DEV TwoRegionWalk make_walk(int q0, int m_valid, int ctx_len, int ctx_row0, int row0, int window, bool merge = false) {
+// kMerged: one key range where the context has keys (TwoRegionWalk; read its tiles with tile<kBlockN,
+// true>). Either way n_ctx_tiles + n_own_tiles is the number of tiles.
+template <int kBlockN, bool kMerged = false>
+DKV_DEV TwoRegionWalk make_walk(int q0, int m_valid, int ctx_len, int ctx_row0, int row0, int window) {
   TwoRegionWalk w;
   const int qpos_lo = ctx_len + q0;
   w.ctx_lo = imax(0, qpos_lo - window + 1);
@@ -108,7 +110,7 @@ DKV_DEV TwoRegionWalk make_walk(int q0, int m_valid, int ctx_len, int ctx_row0, 
   w.own_row0 = row0;
   w.n_own_tiles = ceil_div(w.own_hi - w.own_lo, kBlockN);
   w.merged_lo = TwoRegionWalk::kSplitWalk;
-  if (merge && w.n_ctx_tiles > 0) {  // own_lo == 0 here: a window that reaches into the context starts before q0
+  if (kMerged && w.n_ctx_tiles > 0) {  // own_lo == 0 here: a window that reaches into the context starts before q0
     w.merged_lo = w.ctx_lo - (16 - (ctx_len - w.ctx_lo) % 16) % 16;  // ctx_len - merged_lo: a multiple of 16
     w.n_ctx_tiles = ceil_div(ctx_len + w.own_hi - w.merged_lo, kBlockN);
     w.n_own_tiles = 0;

@@ -22,12 +22,22 @@ cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   return launch_tiles<K, &dkv_fwd_sm90_kernel<E, D, kWs, kTma, kWideN>>(p, stream);
 }
 
-// The TMA warp-specialised forward at d = 64 / 128, per-tile blocks or (p.work_counter set) persistent.
-template <class E, int D, bool kWideN = false>
+// The TMA warp-specialised forward at d = 64 / 128, per-tile blocks or (p.work_counter set) persistent;
+// kMerge (176-key tiles, p.merge_walk) the merged key walk.
+template <class E, int D, bool kWideN = false, bool kMerge = false>
 cudaError_t launch_fwd_sm90_tma_ws(const FwdParams& p, cudaStream_t stream) {
-  if (p.work_counter == nullptr) return launch_fwd_sm90<E, D, true, true, kWideN>(p, stream);
-  using K = FwdSm90<D, true, true, kWideN, true>;
-  return launch_persistent<K, &dkv_fwd_sm90_kernel<E, D, true, true, kWideN, true>>(p, stream);
+  if (p.work_counter == nullptr) {
+    using K = FwdSm90<D, true, true, kWideN, false, kMerge>;
+    return launch_tiles<K, &dkv_fwd_sm90_kernel<E, D, true, true, kWideN, false, kMerge>>(p, stream);
+  }
+  using K = FwdSm90<D, true, true, kWideN, true, kMerge>;
+  return launch_persistent<K, &dkv_fwd_sm90_kernel<E, D, true, true, kWideN, true, kMerge>>(p, stream);
+}
+
+// At d = 128 on 176-key tiles: the split walk or (p.merge_walk) the merged one, each its own kernel.
+template <class E>
+cudaError_t launch_fwd_sm90_wide(const FwdParams& p, cudaStream_t stream) {
+  return p.merge_walk ? launch_fwd_sm90_tma_ws<E, 128, true, true>(p, stream) : launch_fwd_sm90_tma_ws<E, 128, true>(p, stream);
 }
 
 bool sm90_forward_supports(int head_dim) {
@@ -159,7 +169,7 @@ cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream, int form, bool
   if (form == 3) {  // the binding checked the head dim and built the tensor maps (wide: 176-row key boxes)
     switch (p.head_dim) {
       case 64: return launch_fwd_sm90_tma_ws<E, 64>(p, stream);
-      case 128: return wide ? launch_fwd_sm90_tma_ws<E, 128, true>(p, stream) : launch_fwd_sm90_tma_ws<E, 128>(p, stream);
+      case 128: return wide ? launch_fwd_sm90_wide<E>(p, stream) : launch_fwd_sm90_tma_ws<E, 128>(p, stream);
       case 192: return launch_fwd_sm90<E, 192, false, true>(p, stream);  // in turn, bulk tensor copies
       case 256: return launch_fwd_sm90<E, 256, false, true>(p, stream);
       case 512: return launch_fwd_sm90<E, 512, false, true>(p, stream);

@@ -67,10 +67,12 @@ namespace dkv {
 // tile's first keys load while the consumers finish this one. Q has one buffer: the producer loads the
 // next tile's Q (with its first K) once both consumers have computed this tile's last S (q_empty). A
 // block is launched and its barriers set up once, not once per query tile.
-template <int kHeadDim_, bool kWs_ = false, bool kTma_ = false, bool kWideN_ = false, bool kPersist_ = false>
+template <int kHeadDim_, bool kWs_ = false, bool kTma_ = false, bool kWideN_ = false, bool kPersist_ = false,
+          bool kMerge_ = false>
 struct FwdSm90 {
   static constexpr int kHeadDim = kHeadDim_, kWarpGroups = 2;
-  static constexpr bool kWideN = kWideN_, kPersist = kPersist_;
+  static constexpr bool kWideN = kWideN_, kPersist = kPersist_, kMerge = kMerge_;
+  static_assert(!kMerge || kWideN_, "the merged key walk: the 176-key tiles");
   static_assert(!kWideN || (kHeadDim_ == 128 && kWs_ && kTma_), "176-key tiles: the TMA warp-specialised form at d = 128");
   static_assert(!kPersist || (kHeadDim_ <= 128 && kWs_ && kTma_), "the persistent forward: the TMA warp-specialised form");
   static constexpr bool kSplitK = kHeadDim == 512;
@@ -101,10 +103,10 @@ struct FwdSm90 {
   static_assert(!kTma || !kWs || (kBlockM <= 256 && kBlockN <= 256), "(kTma, kWs) a box is at most 256 rows: one per Q, K or V part");
 };
 
-template <class E, int D, bool kWs, bool kTma = false, bool kWideN = false, bool kPersist = false>
-DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs, kTma, kWideN, kPersist>::kThreads))
+template <class E, int D, bool kWs, bool kTma = false, bool kWideN = false, bool kPersist = false, bool kMerge = false>
+DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs, kTma, kWideN, kPersist, kMerge>::kThreads))
     dkv_fwd_sm90_kernel(const DKV_GRID_CONSTANT FwdParams p) {
-  using K = FwdSm90<D, kWs, kTma, kWideN, kPersist>;
+  using K = FwdSm90<D, kWs, kTma, kWideN, kPersist, kMerge>;
   constexpr int kParts = K::kParts, kMyParts = K::kMyParts, kBlockM = K::kBlockM, kBlockN = K::kBlockN;
   constexpr bool kSplitK = K::kSplitK;
   const int W = p.window;
@@ -155,20 +157,19 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs, kTma, kWideN, kPersist>::kThr
       return query_tile<kBlockM>(p, p.q_tile_prefix, p.q_seg_order);
     }
   };
-  // (kWideN, DUALKV_CUDA_FWD_MERGE=1) one key range where the context has keys: TwoRegionWalk in dkv_fwd.cuh.
-  const bool merge = kWideN && p.merge_walk != 0;
+  // (kMerge, DUALKV_CUDA_FWD_MERGE=1) one key range where the context has keys: TwoRegionWalk in dkv_fwd.cuh.
   auto walk_of = [&](const QueryTile& qt) {
-    return make_walk<kBlockN>(qt.q0, qt.m_valid, qt.ctx_len, qt.ctx_row0, qt.row0, W, merge);
+    return make_walk<kBlockN, kMerge>(qt.q0, qt.m_valid, qt.ctx_len, qt.ctx_row0, qt.row0, W);
   };
 
   // Loads by kLoaders threads (all 256, or the producer's 128), thread index `lt`.
   constexpr int kLoaders = kWs ? 128 : K::kThreads;
   auto load_k = [&](const TwoRegionWalk& walk, int hk, int t, int lt) {
-    const KvTile kt = walk.tile<kBlockN>(t);
+    const KvTile kt = walk.tile<kBlockN, kMerge>(t);
     sm90::load_tile_sw128_async<D, kLoaders, kBlockN>(sK(t), kt.ctx ? p.k_ctx : p.k, kt.row, hk, kt.valid, lt);
   };
   auto load_v = [&](const TwoRegionWalk& walk, int hk, int t, int lt) {
-    const KvTile kt = walk.tile<kBlockN>(t);
+    const KvTile kt = walk.tile<kBlockN, kMerge>(t);
     sm90::load_tile_sw128_async<D, kLoaders, kBlockN>(sV(t), kt.ctx ? p.v_ctx : p.v, kt.row, hk, kt.valid, lt);
   };
 
@@ -197,7 +198,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs, kTma, kWideN, kPersist>::kThr
     // walk, the tile where the context ends) 16-row boxes, kt.split rows of the context then the own keys.
     auto load_keys = [&](uint16_t* dst, const TmaDesc& whole, const TmaDesc& whole_ctx, const TmaDesc& rows16,
                          const TmaDesc& rows16_ctx, const KvTile& kt, int hk, uint64_t* bar) {
-      if (kWideN && kt.split > 0) {
+      if (kMerge && kt.split > 0) {
         for (int b = 0; b < kBlockN / 16; ++b) {
           const bool from_ctx = 16 * b < kt.split;
           const int row = from_ctx ? kt.row + 16 * b : kt.own_row + 16 * b - kt.split;
@@ -220,7 +221,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs, kTma, kWideN, kPersist>::kThr
           const int n_tiles = walk.n_ctx_tiles + walk.n_own_tiles;
           for (int t = 0; t < n_tiles; ++t) {
             const int r = base + t;
-            const KvTile kt = walk.tile<kBlockN>(t);
+            const KvTile kt = walk.tile<kBlockN, kMerge>(t);
             wait_empty(empty_k, r);
             // (kPersist) Q's buffer is free once both consumers computed the previous query tile's last S.
             if (kPersist && t == 0 && item > 0) sm90::mbar_wait(q_empty, (item - 1) & 1);
@@ -291,11 +292,11 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs, kTma, kWideN, kPersist>::kThr
       sm90::mbar_arrive_expect_tx(bar, ((with_k + with_v) * K::kKvTile + (j == 0 ? K::kQTile : 0)) * 2);
       if (j == 0) sm90::tma_load_tile<kParts>(sQ, p.tma_q, h, row0 + q0, kBlockM, bar);
       if (with_k) {
-        const KvTile kt = walk.tile<kBlockN>(j);
+        const KvTile kt = walk.tile<kBlockN, kMerge>(j);
         sm90::tma_load_tile<kParts>(sK(j), kt.ctx ? p.tma_k_ctx : p.tma_k, hk, kt.row, kBlockN, bar);
       }
       if (with_v) {
-        const KvTile kt = walk.tile<kBlockN>(j - 1);
+        const KvTile kt = walk.tile<kBlockN, kMerge>(j - 1);
         sm90::tma_load_tile<kParts>(sV(j - 1), kt.ctx ? p.tma_v_ctx : p.tma_v, hk, kt.row, kBlockN, bar);
       }
     };
@@ -359,9 +360,9 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs, kTma, kWideN, kPersist>::kThr
     // (exp2(raw * scale_log2 - m), m in scaled units; the scale is positive, so the raw row maximum
     // scales to the scaled one); with softcap, x = cap * tanh(raw * scale / cap) in log2 units.
     auto softmax = [&](float (&s)[kBlockN / 2], int t, float (&alpha)[2]) {
-      const KvTile kt = walk.tile<kBlockN>(t);
+      const KvTile kt = walk.tile<kBlockN, kMerge>(t);
       // (merged walk) the first tile's kt.lead rows come before the walk's first key
-      const int lead = kWideN ? kt.lead : 0;
+      const int lead = kMerge ? kt.lead : 0;
       const bool need_mask = lead > 0 || kt.valid < kBlockN || kt.kpos0 + kt.valid - 1 > qpos_lo || qpos_hi - kt.kpos0 >= W;
       with_score_mode(score.softcap, need_mask, [&](auto cap, auto mask) {
         constexpr bool kCap = decltype(cap)::value;

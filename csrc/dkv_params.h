@@ -61,7 +61,7 @@ struct FwdParams : AttnArgs {
   // (merge_walk) k, v, k_ctx, v_ctx in boxes of 16 rows: the key tile where the context ends and the
   // segment's own keys begin is loaded as 16-row pieces of both (dkv_fwd.cuh, TwoRegionWalk).
   TmaDesc tma_k16, tma_v16, tma_k_ctx16, tma_v_ctx16;
-  int merge_walk = 0;                // (DUALKV_CUDA_FWD_MERGE) the 176-key TMA forward walks one key range
+  int merge_walk = 0;                // (DUALKV_CUDA_FWD_MERGE) run the 176-key TMA forward's merged-walk kernel
   TensorRef out;
   float* lse = nullptr;              // (H, total_q)
   const int* q_tile_prefix = nullptr;  // (S+1,) prefix of ceil(len_s / kBlockM), segments in q_seg_order

@@ -41,6 +41,8 @@ CSRC = Path(__file__).resolve().parent
 PRESETS = {
     # the forward at d = 128: warp-specialised, bulk tensor copies, 176-key tiles, a block per query tile
     "fwd-d128": ("dkv_fwd_sm90.cuh", "dkv_fwd_sm90_kernel<Bf16, 128, true, true, true>"),
+    # the same with the merged key walk (DUALKV_CUDA_FWD_MERGE=1)
+    "fwd-d128-merge": ("dkv_fwd_sm90.cuh", "dkv_fwd_sm90_kernel<Bf16, 128, true, true, true, false, true>"),
     "fwd-d64": ("dkv_fwd_sm90.cuh", "dkv_fwd_sm90_kernel<Bf16, 64, true, true>"),
     # the backward at d = 128 / 64: schedule 6 (dK/dV with dQ inside) with the bulk-tensor-copy producer
     "dkdv-d128": ("dkv_bwd_sm90_ws.cuh", "dkv_dkdv_sm90_ws_kernel<Bf16, 128, true, false, true>"),
