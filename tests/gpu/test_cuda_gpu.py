@@ -280,7 +280,8 @@ def test_wgmma_forward_matches_reference(cuda_backend, case, dtype, mode, monkey
     tma = mode is None or mode.startswith("3")
     ws = case[4] != 512 and (mode == "2" or (tma and case[4] <= 128))
     wide = mode in (None, "3", "3p", "3m") and case[4] == 128
-    flags = ", ".join(str(f).lower() for f in (ws, tma, wide, persistent))
+    merged = mode == "3m" and wide
+    flags = ", ".join(str(f).lower() for f in (ws, tma, wide, persistent, merged))
     form = f"dkv_fwd_sm90_kernel<dkv::{'Bf16' if dtype == torch.bfloat16 else 'Fp16'}, {case[4]}, {flags}>"
     assert any(form in name for name in kernels), f"{form} did not run: {sorted(kernels)}"
 
@@ -444,7 +445,7 @@ def test_auto_takes_cuda_where_it_measured_faster(cuda_backend, monkeypatch):
                 r = _run_packed(case, torch.bfloat16, deterministic=False, backend="auto")
             kernels = sorted({e.name for e in prof.events() if "kernel" in e.name})
             # warp-specialised at 64 / 128 (176-key tiles at 128), in turn at 192 / 256
-            flags = {64: "true, true, false, false", 128: "true, true, true, false"}.get(d, "false, true, false, false")
+            flags = {64: "true, true, false, false, false", 128: "true, true, true, false, false"}.get(d, "false, true, false, false, false")
             cuda_fwd = any(f"dkv_fwd_sm90_kernel<dkv::Bf16, {d}, {flags}>" in n for n in kernels)
             triton_fwd = any(n.startswith("fwd_kernel") for n in kernels)  # Triton names its kernels bare
             # a kernel only the chosen backward runs: the split dQ kernel above 128, else the ws dK/dV
@@ -478,7 +479,7 @@ def test_auto_at_128_follows_the_prompt_length(cuda_backend):
     assert resolve_backend("auto", q, longest_prompt=16384) == "cuda+triton"
     case = ([16384, 300], [[64, 1, 129], [70]], 4, 2, 128, None, None)
     r, kernels = _kernels_of(case, torch.bfloat16, backend="auto")
-    assert any("dkv_fwd_sm90_kernel<dkv::Bf16, 128, true, true, true, false>" in n for n in kernels), sorted(kernels)
+    assert any("dkv_fwd_sm90_kernel<dkv::Bf16, 128, true, true, true, false, false>" in n for n in kernels), sorted(kernels)
     assert any(n.startswith("dkdv_dq_ws_kernel") for n in kernels), sorted(kernels)
     assert not any("dkv_dkdv_sm90" in n for n in kernels), sorted(kernels)
     _check_against_reference(case, torch.bfloat16, r)
@@ -505,7 +506,7 @@ def test_auto_at_512(cuda_backend, monkeypatch):
             r = _run_packed(case, torch.bfloat16, deterministic=False, backend="auto")
         kernels = sorted({e.name for e in prof.events() if "kernel" in e.name})
         triton_fwd = any(n.startswith("fwd_kernel") for n in kernels)  # Triton names its kernels bare
-        cuda_fwd = any("dkv_fwd_sm90_kernel<dkv::Bf16, 512, false, true, false, false>" in n for n in kernels)  # bulk tensor copies
+        cuda_fwd = any("dkv_fwd_sm90_kernel<dkv::Bf16, 512, false, true, false, false, false>" in n for n in kernels)  # bulk tensor copies
         assert (triton_fwd, cuda_fwd) == (not wgmma_bwd, wgmma_bwd), kernels
         bwd = "dkv_dkdv_sm90_split_kernel<dkv::Bf16, 512, true>" if wgmma_bwd else "dkv::dkv_dkdv_kernel"
         assert any(bwd in n for n in kernels), kernels
