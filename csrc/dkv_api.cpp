@@ -537,7 +537,8 @@ bool fwd_wide_keys(bool wanted, int form) {
 // The tile where the context ends is loaded as 16-row boxes of both regions (tma_k16 / tma_v16 and the
 // context's). "0" or unset: the split walk. Other head dims keep their walk; at head dim 128 where the
 // 176-key forward does not run (DUALKV_CUDA_FWD_BLOCK_N=128, DUALKV_CUDA_WGMMA other than 3, tensor maps
-// the driver cannot build) it is an error naming it. Opt-in: not yet timed on a GPU.
+// the driver cannot build) it is an error naming it. Opt-in: on an H100 the forward 2.7-3.7% faster at
+// (28, 4K, 2K), no clear change at longer prompts (benchmarks/results/cuda_fwd_merge_h100_s45.md).
 bool fwd_merge_walk(int head_dim, bool wide) {
   const std::string value = env_value("DUALKV_CUDA_FWD_MERGE");
   DKV_CHECK(value.empty() || value == "0" || value == "1", kOps,
@@ -719,7 +720,7 @@ std::tuple<Tensor, Tensor> fwd(const Tensor& q, const Tensor& k, const Tensor& v
   const bool wide = fwd_wide_keys(wide_wanted, form);
   if (fwd_merge_walk(args.head_dim, wide)) {  // the 16-row boxes of the tile where the context ends
     TmaMaps rows16{true, "DUALKV_CUDA_FWD_MERGE=1"};
-    rows16.keys_into(p.tma_k16, p.tma_v16, p.tma_k_ctx16, p.tma_v_ctx16, k, v, k_ctx, v_ctx, 16);
+    rows16.keys_into(p.tma_k16, p.tma_v16, p.tma_k_ctx16, p.tma_v_ctx16, k, v, k_ctx, v_ctx, kMergeBoxRows);
     p.merge_walk = 1;
   }
   Tensor work_counter;

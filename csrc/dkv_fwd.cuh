@@ -111,7 +111,8 @@ DKV_DEV TwoRegionWalk make_walk(int q0, int m_valid, int ctx_len, int ctx_row0, 
   w.n_own_tiles = ceil_div(w.own_hi - w.own_lo, kBlockN);
   w.merged_lo = TwoRegionWalk::kSplitWalk;
   if (kMerged && w.n_ctx_tiles > 0) {  // own_lo == 0 here: a window that reaches into the context starts before q0
-    w.merged_lo = w.ctx_lo - (16 - (ctx_len - w.ctx_lo) % 16) % 16;  // ctx_len - merged_lo: a multiple of 16
+    constexpr int kRows = kMergeBoxRows;
+    w.merged_lo = w.ctx_lo - (kRows - (ctx_len - w.ctx_lo) % kRows) % kRows;  // ctx_len - merged_lo: a multiple of kRows
     w.n_ctx_tiles = ceil_div(ctx_len + w.own_hi - w.merged_lo, kBlockN);
     w.n_own_tiles = 0;
   }

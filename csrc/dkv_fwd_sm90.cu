@@ -16,20 +16,17 @@
 
 namespace dkv {
 
-template <class E, int D, bool kWs, bool kTma = false, bool kWideN = false>
+template <class E, int D, bool kWs, bool kTma = false, bool kWideN = false, bool kMerge = false>
 cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
-  using K = FwdSm90<D, kWs, kTma, kWideN>;
-  return launch_tiles<K, &dkv_fwd_sm90_kernel<E, D, kWs, kTma, kWideN>>(p, stream);
+  using K = FwdSm90<D, kWs, kTma, kWideN, false, kMerge>;
+  return launch_tiles<K, &dkv_fwd_sm90_kernel<E, D, kWs, kTma, kWideN, false, kMerge>>(p, stream);
 }
 
 // The TMA warp-specialised forward at d = 64 / 128, per-tile blocks or (p.work_counter set) persistent;
 // kMerge (176-key tiles, p.merge_walk) the merged key walk.
 template <class E, int D, bool kWideN = false, bool kMerge = false>
 cudaError_t launch_fwd_sm90_tma_ws(const FwdParams& p, cudaStream_t stream) {
-  if (p.work_counter == nullptr) {
-    using K = FwdSm90<D, true, true, kWideN, false, kMerge>;
-    return launch_tiles<K, &dkv_fwd_sm90_kernel<E, D, true, true, kWideN, false, kMerge>>(p, stream);
-  }
+  if (p.work_counter == nullptr) return launch_fwd_sm90<E, D, true, true, kWideN, kMerge>(p, stream);
   using K = FwdSm90<D, true, true, kWideN, true, kMerge>;
   return launch_persistent<K, &dkv_fwd_sm90_kernel<E, D, true, true, kWideN, true, kMerge>>(p, stream);
 }

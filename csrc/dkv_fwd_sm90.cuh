@@ -83,6 +83,7 @@ struct FwdSm90 {
                 "the TMA forward: warp-specialised at head dims 64 / 128, in turn at 192 / 256 / 512");
   static constexpr int kThreads = 128 * (kWarpGroups + (kWs ? 1 : 0));
   static constexpr int kBlockN = kWideN ? 176 : kHeadDim <= 128 ? 128 : kSplitK ? 32 : 64;
+  static_assert(!kMerge || kBlockN % kMergeBoxRows == 0, "the merged walk loads a key tile as boxes of kMergeBoxRows");
   static constexpr int kParts = kHeadDim / 64;             // 64-column swizzled sub-tiles per row
   static constexpr int kMyParts = kSplitK ? kParts / 2 : kParts;  // O's parts a warpgroup holds
   static constexpr int kQTile = kBlockM * kHeadDim;        // elements
@@ -199,11 +200,12 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS((FwdSm90<D, kWs, kTma, kWideN, kPersist, kMerg
     auto load_keys = [&](uint16_t* dst, const TmaDesc& whole, const TmaDesc& whole_ctx, const TmaDesc& rows16,
                          const TmaDesc& rows16_ctx, const KvTile& kt, int hk, uint64_t* bar) {
       if (kMerge && kt.split > 0) {
-        for (int b = 0; b < kBlockN / 16; ++b) {
-          const bool from_ctx = 16 * b < kt.split;
-          const int row = from_ctx ? kt.row + 16 * b : kt.own_row + 16 * b - kt.split;
+        constexpr int kRows = kMergeBoxRows;  // the boxes of tma_k16 / tma_v16
+        for (int b = 0; b < kBlockN / kRows; ++b) {
+          const bool from_ctx = kRows * b < kt.split;
+          const int row = from_ctx ? kt.row + kRows * b : kt.own_row + kRows * b - kt.split;
           for (int part = 0; part < kParts; ++part)
-            sm90::tma_load_box(dst + part * kBlockN * 64 + 16 * b * 64, from_ctx ? rows16_ctx : rows16, 64 * part, hk, row, bar);
+            sm90::tma_load_box(dst + part * kBlockN * 64 + kRows * b * 64, from_ctx ? rows16_ctx : rows16, 64 * part, hk, row, bar);
         }
       } else {
         sm90::tma_load_tile<kParts>(dst, kt.ctx ? whole_ctx : whole, hk, kt.row, kBlockN, bar);

@@ -55,10 +55,14 @@ struct alignas(64) TmaDesc {
   uint64_t words[16] = {};
 };
 
+// (the merged key walk) rows of the boxes of tma_k16 / tma_v16 and the context's: the walk starts so that
+// the context ends a multiple of these rows into its tile (dkv_fwd.cuh, TwoRegionWalk).
+constexpr int kMergeBoxRows = 16;
+
 struct FwdParams : AttnArgs {
   // (DUALKV_CUDA_WGMMA=3) boxes of 64 columns x 128 rows of q, k, v, k_ctx, v_ctx.
   TmaDesc tma_q, tma_k, tma_v, tma_k_ctx, tma_v_ctx;
-  // (merge_walk) k, v, k_ctx, v_ctx in boxes of 16 rows: the key tile where the context ends and the
+  // (merge_walk) k, v, k_ctx, v_ctx in boxes of kMergeBoxRows (16) rows: the key tile where the context ends and the
   // segment's own keys begin is loaded as 16-row pieces of both (dkv_fwd.cuh, TwoRegionWalk).
   TmaDesc tma_k16, tma_v16, tma_k_ctx16, tma_v_ctx16;
   int merge_walk = 0;                // (DUALKV_CUDA_FWD_MERGE) run the 176-key TMA forward's merged-walk kernel
