@@ -242,6 +242,14 @@ def _choose_hopper_kernels(monkeypatch, variable: str, mode: str | None, what: s
         monkeypatch.setenv(variable, mode)
 
 
+def _fwd_kernel(dtype: str, d: int, ws: bool, tma: bool, wide: bool = False, persistent: bool = False,
+                merged: bool = False) -> str:
+    """The profiler's name of the sm_90 forward kernel (dkv_fwd_sm90_kernel and its template flags, the
+    trailing '>' included, so that a name with other flags never matches)."""
+    flags = ", ".join(str(f).lower() for f in (ws, tma, wide, persistent, merged))
+    return f"dkv_fwd_sm90_kernel<dkv::{dtype}, {d}, {flags}>"
+
+
 def _choose_forward(monkeypatch, mode: str | None) -> None:
     """DUALKV_CUDA_WGMMA=mode (None: unset, the default)."""
     _choose_hopper_kernels(monkeypatch, "DUALKV_CUDA_WGMMA", mode, "the wgmma forward")
@@ -281,8 +289,7 @@ def test_wgmma_forward_matches_reference(cuda_backend, case, dtype, mode, monkey
     ws = case[4] != 512 and (mode == "2" or (tma and case[4] <= 128))
     wide = mode in (None, "3", "3p", "3m") and case[4] == 128
     merged = mode == "3m" and wide
-    flags = ", ".join(str(f).lower() for f in (ws, tma, wide, persistent, merged))
-    form = f"dkv_fwd_sm90_kernel<dkv::{'Bf16' if dtype == torch.bfloat16 else 'Fp16'}, {case[4]}, {flags}>"
+    form = _fwd_kernel("Bf16" if dtype == torch.bfloat16 else "Fp16", case[4], ws, tma, wide, persistent, merged)
     assert any(form in name for name in kernels), f"{form} did not run: {sorted(kernels)}"
 
 
@@ -445,8 +452,8 @@ def test_auto_takes_cuda_where_it_measured_faster(cuda_backend, monkeypatch):
                 r = _run_packed(case, torch.bfloat16, deterministic=False, backend="auto")
             kernels = sorted({e.name for e in prof.events() if "kernel" in e.name})
             # warp-specialised at 64 / 128 (176-key tiles at 128), in turn at 192 / 256
-            flags = {64: "true, true, false, false, false", 128: "true, true, true, false, false"}.get(d, "false, true, false, false, false")
-            cuda_fwd = any(f"dkv_fwd_sm90_kernel<dkv::Bf16, {d}, {flags}>" in n for n in kernels)
+            form = _fwd_kernel("Bf16", d, ws=d <= 128, tma=True, wide=d == 128)
+            cuda_fwd = any(form in n for n in kernels)
             triton_fwd = any(n.startswith("fwd_kernel") for n in kernels)  # Triton names its kernels bare
             # a kernel only the chosen backward runs: the split dQ kernel above 128, else the ws dK/dV
             # kernel with dQ inside (schedule 6) with bulk tensor copies
@@ -479,7 +486,7 @@ def test_auto_at_128_follows_the_prompt_length(cuda_backend):
     assert resolve_backend("auto", q, longest_prompt=16384) == "cuda+triton"
     case = ([16384, 300], [[64, 1, 129], [70]], 4, 2, 128, None, None)
     r, kernels = _kernels_of(case, torch.bfloat16, backend="auto")
-    assert any("dkv_fwd_sm90_kernel<dkv::Bf16, 128, true, true, true, false, false>" in n for n in kernels), sorted(kernels)
+    assert any(_fwd_kernel("Bf16", 128, ws=True, tma=True, wide=True) in n for n in kernels), sorted(kernels)
     assert any(n.startswith("dkdv_dq_ws_kernel") for n in kernels), sorted(kernels)
     assert not any("dkv_dkdv_sm90" in n for n in kernels), sorted(kernels)
     _check_against_reference(case, torch.bfloat16, r)
@@ -506,7 +513,7 @@ def test_auto_at_512(cuda_backend, monkeypatch):
             r = _run_packed(case, torch.bfloat16, deterministic=False, backend="auto")
         kernels = sorted({e.name for e in prof.events() if "kernel" in e.name})
         triton_fwd = any(n.startswith("fwd_kernel") for n in kernels)  # Triton names its kernels bare
-        cuda_fwd = any("dkv_fwd_sm90_kernel<dkv::Bf16, 512, false, true, false, false, false>" in n for n in kernels)  # bulk tensor copies
+        cuda_fwd = any(_fwd_kernel("Bf16", 512, ws=False, tma=True) in n for n in kernels)  # bulk tensor copies
         assert (triton_fwd, cuda_fwd) == (not wgmma_bwd, wgmma_bwd), kernels
         bwd = "dkv_dkdv_sm90_split_kernel<dkv::Bf16, 512, true>" if wgmma_bwd else "dkv::dkv_dkdv_kernel"
         assert any(bwd in n for n in kernels), kernels
