@@ -606,22 +606,6 @@ bool use_bwd_tma(int schedule, int head_dim, int64_t nheads, int64_t total_q) {
   return choice == 1 && copies && nheads * total_q < (int64_t{1} << 31);
 }
 
-// DUALKV_CUDA_BWD_OWN_DQ: "1" lets the two consumer warpgroups of schedule 6's dK/dV kernel (with the
-// bulk-tensor-copy producer, head dims 64 / 128) each add dQ over their own 64 keys, so that they never
-// wait for each other (DkdvSm90Ws::kOwnDq in dkv_bwd_sm90_ws.cuh; at d = 128 twice the dQ reduce-adds);
-// "0" or unset: schedule 6 as it is, the consumers meeting once a tile. Nothing changes where dQ has a
-// kernel of its own (deterministic=True, the mma.sync backward) or at head dims 192 / 256 / 512; where
-// another dK/dV kernel adds dQ at 64 / 128 (schedules 3 and 9, cp.async loads) it is an error naming it.
-// Opt-in.
-bool bwd_own_dq(int schedule, bool fused_dq, bool tma, int head_dim) {
-  if (kernel_choice("DUALKV_CUDA_BWD_OWN_DQ", "01", 0) == 0 || !fused_dq || !sm90_bwd_schedules(head_dim)) return false;
-  DKV_CHECK(schedule == 6 && tma, kOps,
-            ": DUALKV_CUDA_BWD_OWN_DQ=1: expected schedule 6 (DUALKV_CUDA_WGMMA_BWD=6, the default) with bulk tensor "
-            "copies (DUALKV_CUDA_BWD_TMA=1, the default, with tensor maps), but schedule ", schedule,
-            tma ? " with" : " without", " bulk tensor copies runs at head dim ", head_dim);
-  return true;
-}
-
 int use_sm90_backward(const Tensor& q, int head_dim) {
   const int choice = kernel_choice("DUALKV_CUDA_WGMMA_BWD", "012345689", 6);
   if (choice == 0 || !sm90_bwd_supports(head_dim) || !hopper_kernels_usable(q)) return 0;
@@ -891,8 +875,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
       dsum_buf.narrow(0, H * T, kVecTail).zero_();
     }
   }
-
-  p.own_dq = bwd_own_dq(sm90, fused_dq, p.tma, args.head_dim);
 
   const cudaStream_t st = current_stream();
   const bool bf16 = q.scalar_type() == at::kBFloat16;

@@ -638,10 +638,10 @@ struct FusedDq {
 #pragma unroll
     for (int kq = 0; kq < kBlockM / 16; ++kq) stsm_x4_trans(dsa[kq], row + kq * 16 * 64);  // 16 rows of 128 bytes on
   }
-  // dQ_part = dS K over kSteps k16 steps of keys from key 16 step0, head-dim columns 64 col_part ..
-  // (not committed); the dS it reads must be visible to the async proxy.
-  template <int kSteps>
-  DKV_DEV void issue_keys(const uint16_t* sDs, const uint16_t* sK, int step0, int col_part) {
+  // dQ_part = dS K (not committed); both warpgroups' dS must be visible to the async proxy.
+  DKV_DEV void issue(const uint16_t* sDs, const uint16_t* sK, int wg) {
+    constexpr int kSteps = kParts == 2 ? kBlockN / 16 : 4;  // k16 steps over keys
+    const int col_part = kParts == 2 ? wg : 0, step0 = kParts == 2 ? 0 : 4 * wg;
     const uint64_t da = sm90::smem_desc_sw128(sDs), db = sm90::smem_desc_sw128_mn64(sK);
     sm90::wgmma_fence();
 #pragma unroll
@@ -651,39 +651,15 @@ struct FusedDq {
                                      sm90::desc_advance(db, col_part * kBlockN * 128 + k * 2048), s > 0);
     }
   }
-  // dQ_part = dS K: at d = 128 this warpgroup's 64 columns over all 128 keys (both warpgroups' dS must be
-  // visible), at d = 64 every column over its own 64 keys (its own dS).
-  DKV_DEV void issue(const uint16_t* sDs, const uint16_t* sK, int wg) {
-    if constexpr (kParts == 2)
-      issue_keys<kBlockN / 16>(sDs, sK, 0, wg);
-    else
-      issue_keys<4>(sDs, sK, 4 * wg, 0);
-  }
-  // (own-keys dQ, DUALKV_CUDA_BWD_OWN_DQ=1) column part col_part of dQ over this warpgroup's own 64 keys:
-  // only its own dS is read.
-  DKV_DEV void issue_own(const uint16_t* sDs, const uint16_t* sK, int wg, int col_part) {
-    issue_keys<4>(sDs, sK, 4 * wg, col_part);
-  }
   // After the product's wait: stage this warpgroup's rows (sStage: both warpgroups' staging) and add
   // the tile's m_valid rows at packed row `row` of query head hq. The warpgroup's first thread issues
   // the addition, once its previous one has read its source.
   DKV_DEV void add(const BwdParams& p, float* sStage, int wg, int warp, int g, int tq, int hq, int row, int m_valid) {
-    add_to<0, false>(p, sStage + wg * kBlockM * kDqAccumPitch, warp, g, tq, hq, row, m_valid, kParts == 2 ? wg : 0);
-  }
-  // (own-keys dQ) column part col_part, staged in buffer col_part of this warpgroup's kParts: the issuer
-  // waits until all but its newest kParts - 1 additions have read their sources, and commits a group for
-  // every call (an empty one without rows) so that the count holds.
-  DKV_DEV void add_own(const BwdParams& p, float* sStage, int wg, int warp, int g, int tq, int hq, int row, int m_valid,
-                       int col_part) {
-    add_to<kParts - 1, true>(p, sStage + (wg * kParts + col_part) * kBlockM * kDqAccumPitch, warp, g, tq, hq, row,
-                             m_valid, col_part);
-  }
-  template <int kPending, bool kAlwaysCommit>
-  DKV_DEV void add_to(const BwdParams& p, float* stage, int warp, int g, int tq, int hq, int row, int m_valid,
-                      int col_part) {
+    const int col_part = kParts == 2 ? wg : 0;
     const int hw_wg = thread_idx() >> 7;  // the warpgroup in the block (a producer warpgroup counts): its barrier
     const bool issuer = (thread_idx() & 127) == 0;
-    if (issuer) sm90::bulk_wait_read<kPending>();  // the rows last staged here have been read out
+    float* stage = sStage + wg * kBlockM * kDqAccumPitch;
+    if (issuer) sm90::bulk_wait_read<0>();  // the previous tile's rows have been read out
     sm90::warpgroup_sync(hw_wg);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -696,10 +672,8 @@ struct FusedDq {
     if (issuer && m_valid > 0) {
       const int64_t run = (static_cast<int64_t>(hq) * kParts + col_part) * p.total_q + row;
       sm90::bulk_reduce_add_f32(p.dq_accum + run * kDqAccumPitch, stage, m_valid * kDqAccumPitch * 4);
-      if constexpr (!kAlwaysCommit) sm90::bulk_commit();
+      sm90::bulk_commit();
     }
-    if constexpr (kAlwaysCommit)
-      if (issuer) sm90::bulk_commit();
   }
 };
 

@@ -50,22 +50,11 @@ namespace dkv {
 // the other's products. A dS buffer is written again once both consumers' products that read it are
 // done (ds_empty[parity]); an item's last dQ is issued before its K / V are released. At d = 64 each
 // consumer's dQ reads only its own dS, and there is nothing to wait for.
-//
-// kOwnDq = true (DUALKV_CUDA_BWD_OWN_DQ=1, schedule 6 with the TMA producer): the consumers never meet.
-// Each adds dQ over its own 64 keys only (dS of its keys times those rows of K), so it reads only the
-// dS it stored itself and waits at a barrier of its own warpgroup, not the other's. At d = 64 that is
-// schedule 6's dQ product as it is (it already read only its own keys there) without the meeting; at
-// d = 128 it is two products of 64 columns each (the accumulator's 32 registers a thread, used twice),
-// each staged in a buffer of its own and added: twice the reduce-adds of schedule 6, whose two
-// consumers each add one column half over all 128 keys. One dS buffer (its only reader, the
-// consumer's own dQ products, is waited for within the tile) makes room for the second staging.
-template <int kHeadDim_, bool kDq_ = false, bool kSplit_ = false, bool kTma_ = false, bool kDefer_ = false,
-          bool kOwnDq_ = false>
+template <int kHeadDim_, bool kDq_ = false, bool kSplit_ = false, bool kTma_ = false, bool kDefer_ = false>
 struct DkdvSm90Ws {
-  static constexpr bool kDq = kDq_, kSplit = kSplit_, kTma = kTma_, kDefer = kDefer_, kOwnDq = kOwnDq_;
+  static constexpr bool kDq = kDq_, kSplit = kSplit_, kTma = kTma_, kDefer = kDefer_;
   static_assert(!kTma || kDq || kSplit, "(kTma) the bulk-tensor-copy producer: schedules 6 and 8");
   static_assert(!kDefer || (kDq && kTma), "(kDefer) the deferred dQ: schedule 6 with the TMA producer");
-  static_assert(!kOwnDq || (kDq && kTma && !kDefer), "(kOwnDq) the own-keys dQ: schedule 6 with the TMA producer");
   static_assert(!(kDq && kSplit), "the split waits only without dQ (schedule 8; with dQ it measured no faster)");
   static constexpr int kHeadDim = kHeadDim_, kBlockN = 128, kBlockM = 64, kThreads = 384, kStages = kDq ? 2 : 3;
   static constexpr int kParts = kHeadDim / 64;
@@ -88,12 +77,8 @@ struct DkdvSm90Ws {
   // barriers (8-byte aligned); the slots (16-byte aligned); the producer's item; then the base's
   // alignment slack.
   static constexpr int kOffQ = 2 * kKvTile * 2, kOffDo = kOffQ + kStages * kQTile * 2;
-  // (kDq) dS tiles: 2, the tiles alternating (a consumer may write the next while the other's dQ still
-  // reads this one), or 1 (kOwnDq); stagings per consumer: 1, or (kOwnDq) one per column part.
-  static constexpr int kDsTiles = kOwnDq ? 1 : 2, kStagings = kOwnDq ? kParts : 1;
-  static constexpr int kOffDs = kOffDo + kStages * kQTile * 2, kDsBytes = kDq ? kDsTiles * kBlockM * kBlockN * 2 : 0;
-  static constexpr int kOffStage = kOffDs + kDsBytes;
-  static constexpr int kStageBytes = kDq ? 2 * kStagings * kBlockM * kDqAccumPitch * 4 : 0;
+  static constexpr int kOffDs = kOffDo + kStages * kQTile * 2, kDsBytes = kDq ? 2 * kBlockM * kBlockN * 2 : 0;
+  static constexpr int kOffStage = kOffDs + kDsBytes, kStageBytes = kDq ? 2 * kBlockM * kDqAccumPitch * 4 : 0;
   // lse_log2 / dsum buffers of kVecPitch floats (kTma: a kVecBox-float run, 128-byte aligned apart).
   static constexpr int kVecBox = kBlockM + 4, kVecPitch = kTma ? 96 : kBlockM;
   static_assert(kVecBox == kSm90DkdvVecBox, "the binding's lse_log2 / dsum maps have boxes of kVecBox floats");
@@ -116,10 +101,9 @@ struct DkdvSm90Ws {
   static constexpr int kTileTxBytes = 2 * kQTile * 2 + 2 * kVecBox * 4, kKvTxBytes = 2 * kKvTile * 2;
 };
 
-template <class E, int D, bool kDq = false, bool kSplit = false, bool kTma = false, bool kDefer = false,
-          bool kOwnDq = false>
+template <class E, int D, bool kDq = false, bool kSplit = false, bool kTma = false, bool kDefer = false>
 DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CONSTANT BwdParams p) {
-  using K = DkdvSm90Ws<D, kDq, kSplit, kTma, kDefer, kOwnDq>;
+  using K = DkdvSm90Ws<D, kDq, kSplit, kTma, kDefer>;
   using Slot = typename K::Slot;
   constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kParts = K::kParts, kStages = K::kStages;
   const int rep = p.nheads / p.nheads_kv;
@@ -131,7 +115,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
   uint16_t* sV = sK + K::kKvTile;
   uint16_t* sQ0 = reinterpret_cast<uint16_t*>(smem + K::kOffQ);    // buffer b at sQ0 + b * kQTile
   uint16_t* sdO0 = reinterpret_cast<uint16_t*>(smem + K::kOffDo);  // buffer b at sdO0 + b * kQTile
-  uint16_t* sDs0 = reinterpret_cast<uint16_t*>(smem + K::kOffDs);  // (kDq) tile t's dS at (t % kDsTiles) * 64 * 128
+  uint16_t* sDs0 = reinterpret_cast<uint16_t*>(smem + K::kOffDs);  // (kDq) tile t's dS at (t % 2) * 64 * 128
   float* sStage = reinterpret_cast<float*>(smem + K::kOffStage);    // (kDq)
   float* sL0 = reinterpret_cast<float*>(smem + K::kOffL);
   float* sD0 = reinterpret_cast<float*>(smem + K::kOffD);
@@ -293,7 +277,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
           w.tile_ds(slot.desc, sL0 + b * K::kVecPitch + slot.vec_off, sD0 + b * K::kVecPitch + slot.vec_off, tq, W, score);
         }
         w.pack();
-        uint16_t* sDs = sDs0 + (K::kDsTiles == 2 ? (n_tiles & 1) * kBlockM * kBlockN : 0);
+        uint16_t* sDs = sDs0 + (n_tiles & 1) * kBlockM * kBlockN;
         if constexpr (kDq) {
           // (kDefer, d = 128) the buffer's last tile, two back: both consumers' products that read it are done
           if constexpr (kDefer && kParts == 2)
@@ -303,31 +287,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
           if constexpr (kDefer && kParts == 2) sm90::mbar_arrive(&ds_full[wg * 2 + (n_tiles & 1)]);
         }
         sm90::wgmma_fence();
-        if constexpr (kOwnDq) {
-          // dV; dQ over this consumer's own keys once its four warps' dS are stored (its own barrier, no
-          // meeting), committed with dV; dK in a group of its own. At d = 128 dQ's first column half is
-          // staged and added while dK runs, then the second is issued (the same registers) and added.
-          products.issue_dv(w.dv, w.pa, b);
-          sm90::warpgroup_sync(thread_idx() >> 7);
-          fdq.issue_own(sDs, sK, wg, 0);
-          sm90::wgmma_commit();
-          products.issue_dk(w.dk, w.dsa, b);
-          sm90::wgmma_commit();
-          sm90::wgmma_wait<1>();
-          sm90::fence_operand<32>(fdq.dq);
-          fdq.add_own(p, sStage, wg, warp, g, tq, slot.hq, slot.row, slot.desc.m_valid, 0);
-          if constexpr (kParts == 2) {
-            fdq.issue_own(sDs, sK, wg, 1);
-            sm90::wgmma_commit();
-            sm90::wgmma_wait<0>();
-            w.pin_rs();
-            sm90::fence_operand<32>(fdq.dq);
-            fdq.add_own(p, sStage, wg, warp, g, tq, slot.hq, slot.row, slot.desc.m_valid, 1);
-          } else {
-            sm90::wgmma_wait<0>();
-            w.pin_rs();
-          }
-        } else if constexpr (kDq && !kDefer) {
+        if constexpr (kDq && !kDefer) {
           // dV, then dQ once both consumers' dS are stored (a tile later the other buffer: its readers
           // are done), then dK in a group of its own: dQ is staged and added while dK still runs.
           products.issue_dv(w.dv, w.pa, b);

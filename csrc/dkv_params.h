@@ -113,9 +113,6 @@ struct BwdParams : AttnArgs {
   // at head dim 512, else copies of tma_q / tma_dout).
   bool tma = false;
   TmaDesc tma_q, tma_dout, tma_k, tma_v, tma_k_ctx, tma_v_ctx, tma_lse_log2, tma_dsum, tma_q_reader, tma_dout_reader;
-  // (DUALKV_CUDA_BWD_OWN_DQ=1, schedule 6 with tma) each consumer of the dK/dV kernel adds dQ over its own
-  // keys, the two never meeting (DkdvSm90Ws::kOwnDq).
-  bool own_dq = false;
 };
 
 // ---- tile sizes (rows of a query tile = 16 * row warps; kDSplit warps share a row group) ----

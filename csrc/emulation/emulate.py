@@ -617,12 +617,9 @@ def main():
         # and for 6 with the deferred dQ (9, TMA only) items of several tiles at d = 128 and 64, GQA,
         # its deterministic fallback to 5, a softcap and a separate context
         # and for the defaults at d = 128 / 64 two kv heads, their items kv head major too ("h")
-        # and for 6 with the own-keys dQ ("6to", DUALKV_CUDA_BWD_OWN_DQ=1: the consumers never meet; at d = 128
-        # two column halves a tile, each staged in its own buffer) both head dims with items of several tiles,
-        # GQA, a window, a softcap, a separate context, two kv heads and the deterministic fallback
         quick = {"1": (3, 4, 6, 7), "1t": (7, 10), "2": (3, 4, 6), "3": (0, 4, 5), "4": (0, 1, 2), "5": (0, 1), "6": (0, 1, 4, 5, 11),
                  "8": (0, 1, 3, 4, 5, 6), "6t": (0, 1, 4, 11, 15), "8t": (1, 3, 4, 5, 16), "9t": (0, 1, 2, 4, 5, 11),
-                 "6th": (15,), "8th": (16,), "6to": (0, 1, 2, 3, 4, 11, 15, 16)}
+                 "6th": (15,), "8th": (16,)}
         ok = check_wgmma_path()
         ok = check_device_defaults(backward=True) and ok
         ok = check_tma_fallback(backward=True) and ok
@@ -630,28 +627,16 @@ def main():
         ok = check_reader_chunks(device_defaults=True) and ok
         ok = check_tile_order(device_defaults=True) and ok
         ok = check_plan_cache() and ok
-        for mode in quick:  # the schedules above; "t": with the TMA producer; "h": items kv head major; "o": own-keys dQ
+        for mode in quick:  # the schedules above; "t": with the TMA producer; "h": items kv head major
             os.environ["DUALKV_CUDA_WGMMA_BWD"] = mode[0]
             os.environ["DUALKV_CUDA_BWD_TMA"] = "1" if "t" in mode else "0"
             os.environ["DUALKV_CUDA_BWD_ITEM_ORDER"] = "1" if "h" in mode else "0"
-            os.environ["DUALKV_CUDA_BWD_OWN_DQ"] = "1" if "o" in mode else "0"
             print(f"DUALKV_CUDA_WGMMA_BWD={mode[0]} DUALKV_CUDA_BWD_TMA={os.environ['DUALKV_CUDA_BWD_TMA']} "
-                  f"DUALKV_CUDA_BWD_ITEM_ORDER={os.environ['DUALKV_CUDA_BWD_ITEM_ORDER']} "
-                  f"DUALKV_CUDA_BWD_OWN_DQ={os.environ['DUALKV_CUDA_BWD_OWN_DQ']}", flush=True)
+                  f"DUALKV_CUDA_BWD_ITEM_ORDER={os.environ['DUALKV_CUDA_BWD_ITEM_ORDER']}", flush=True)
             cases = [SM90_BWD_CASES[i] for i in quick[mode]] if args.quick else SM90_BWD_CASES
             if args.only is not None:
                 cases = [SM90_BWD_CASES[args.only]]
             ok = all([run_case(**c) for c in cases]) and ok
-        os.environ.pop("DUALKV_CUDA_BWD_OWN_DQ")
-        for env, schedule in (({"DUALKV_CUDA_WGMMA_BWD": "9", "DUALKV_CUDA_BWD_TMA": "1"}, "9 with"),
-                              ({"DUALKV_CUDA_WGMMA_BWD": "6", "DUALKV_CUDA_BWD_TMA": "0"}, "6 without")):
-            ok = expect_error({**env, "DUALKV_CUDA_BWD_OWN_DQ": "1"},
-                              f"DUALKV_CUDA_BWD_OWN_DQ=1: expected schedule 6 (DUALKV_CUDA_WGMMA_BWD=6, the default) with "
-                              f"bulk tensor copies (DUALKV_CUDA_BWD_TMA=1, the default, with tensor maps), but schedule "
-                              f"{schedule} bulk tensor copies runs at head dim 64", f"DUALKV_CUDA_BWD_OWN_DQ=1, schedule {schedule}",
-                              **SM90_BWD_CASES[1]) and ok
-        ok = expect_error({"DUALKV_CUDA_BWD_OWN_DQ": "2"}, "DUALKV_CUDA_BWD_OWN_DQ: expected one of 0, 1 (or unset), got '2'",
-                          "DUALKV_CUDA_BWD_OWN_DQ=2", **SM90_BWD_CASES[1]) and ok
         ok = expect_error({"DUALKV_CUDA_BWD_ITEM_ORDER": "2"},
                           "DUALKV_CUDA_BWD_ITEM_ORDER: expected one of 0, 1 (or unset), got '2'",
                           "DUALKV_CUDA_BWD_ITEM_ORDER=2", **SM90_BWD_CASES[15]) and ok
