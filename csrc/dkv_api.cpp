@@ -606,22 +606,6 @@ bool use_bwd_tma(int schedule, int head_dim, int64_t nheads, int64_t total_q) {
   return choice == 1 && copies && nheads * total_q < (int64_t{1} << 31);
 }
 
-// DUALKV_CUDA_BWD_DQ_TMA: "1" has schedule 6's dK/dV kernel (with the bulk-tensor-copy producer, head
-// dims 64 / 128) add dQ by bulk tensor reduce-adds of 128B-swizzled boxes (64 rows x 32 columns) into an
-// unpadded workspace (DkdvSm90Ws::kDqTma, FusedDq::add_boxes): 64 floats a row where the padded run has
-// 72. "0" or unset: the padded staging's one bulk reduce-add a tile. Nothing changes where dQ has a
-// kernel of its own (deterministic=True, the mma.sync backward) or at head dims 192 / 256 / 512; where
-// another dK/dV kernel adds dQ at 64 / 128 (schedules 3 and 9, cp.async loads) it is an error naming it.
-// Opt-in.
-bool bwd_dq_tma(int schedule, bool fused_dq, bool tma, int head_dim) {
-  if (kernel_choice("DUALKV_CUDA_BWD_DQ_TMA", "01", 0) == 0 || !fused_dq || !sm90_bwd_schedules(head_dim)) return false;
-  DKV_CHECK(schedule == 6 && tma, kOps,
-            ": DUALKV_CUDA_BWD_DQ_TMA=1: expected schedule 6 (DUALKV_CUDA_WGMMA_BWD=6, the default) with bulk tensor "
-            "copies (DUALKV_CUDA_BWD_TMA=1, the default), but schedule ", schedule, tma ? " with" : " without",
-            " bulk tensor copies runs at head dim ", head_dim);
-  return true;
-}
-
 int use_sm90_backward(const Tensor& q, int head_dim) {
   const int choice = kernel_choice("DUALKV_CUDA_WGMMA_BWD", "012345689", 6);
   if (choice == 0 || !sm90_bwd_supports(head_dim) || !hopper_kernels_usable(q)) return 0;
@@ -803,12 +787,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
     sm90 = 5;
     fused_dq = false;
   }
-  // (the fused dQ added by tensor boxes: unpadded rows) as the kernel will run, asked before the tensor
-  // maps are built: a map the driver cannot build is then an error naming the variable
-  const bool dq_tma = bwd_dq_tma(sm90, fused_dq, use_bwd_tma(sm90, args.head_dim, H, T), args.head_dim);
-  const int dq_pitch = dq_tma ? 64 : kDqAccumPitch;
   Tensor dq_accum;
-  if (fused_dq) dq_accum = at::zeros({args.nheads, args.head_dim / 64, T, dq_pitch}, f32);
+  if (fused_dq) dq_accum = at::zeros({args.nheads, args.head_dim / 64, T, kDqAccumPitch}, f32);
   const int dq_block = sm90 ? sm90_dq_block_m(args.head_dim) : dq_config(args.head_dim).block_m;
   const int kv_block = sm90 ? sm90_dkdv_block_n(args.head_dim) : dkdv_config(args.head_dim).block_n;
   const bool by_readers = tile_order_by_readers();
@@ -868,7 +848,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
   p.work_counter = work_counter.data_ptr<int>();
   p.deterministic = deterministic;
   p.dq_accum = fused_dq ? dq_accum.data_ptr<float>() : nullptr;
-  p.dq_pitch = dq_pitch;
   p.tma = use_bwd_tma(sm90, args.head_dim, H, T);
   if (p.tma) {
     // As the forward: asked for (DUALKV_CUDA_BWD_TMA=1), a map the driver cannot build is an error
@@ -891,15 +870,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
       maps.vec(p.tma_dsum, dsum_buf, "dsum", kSm90DkdvVecBox);
     }
     p.tma = maps.built;
-    if (dq_tma) {  // asked for: a map the driver cannot build is an error naming it
-      DKV_CHECK(p.tma, kOps, ": DUALKV_CUDA_BWD_DQ_TMA=1: expected the dK/dV kernel's bulk tensor copies, but the "
-                "driver could not build their tensor maps");
-      TmaMaps dq_map{true, "DUALKV_CUDA_BWD_DQ_TMA=1"};
-      dq_map.note(encode_tma_f32_planes(p.tma_dq, dq_accum.data_ptr<float>(), 64, T, H * (args.head_dim / 64), kDqBoxCols,
-                                        64),
-                  "dq workspace", dq_accum);
-      p.dq_tma = true;
-    }
     if (p.tma && !split) {  // no copy of a tile's run reads past the vectors' zeroed tails
       lse_log2_buf.narrow(0, H * T, kVecTail).zero_();
       dsum_buf.narrow(0, H * T, kVecTail).zero_();

@@ -642,7 +642,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_convert_kernel(const DKV_GRID_CONSTAN
 
 // ----------------------------------------------------------------------------------------------
 // dQ of the fused wgmma dK/dV kernel: dq (total_q, H, d) = scale * the fp32 workspace dq_accum
-// (H, d / 64, total_q, dq_pitch), cast once. A thread takes 4 columns of one (row, head) pair, in
+// (H, d / 64, total_q, kDqAccumPitch), cast once. A thread takes 4 columns of one (row, head) pair, in
 // dq's order (its writes one run); it reads them as one 16-byte load. (Before: a scale pass over the
 // whole padded workspace, then a strided cast copy: two passes and twice the bytes.)
 constexpr int kDqConvertCols = 4;
@@ -659,7 +659,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_convert_dq_kernel(const DKV_GRID_CONS
   const int col = kDqConvertCols * c4, part = col / 64;
   const int64_t run = (static_cast<int64_t>(h) * (p.head_dim / 64) + part) * p.total_q + t;
   float a[4];
-  load_f32x4(a, p.dq_accum + run * p.dq_pitch + col % 64);
+  load_f32x4(a, p.dq_accum + run * kDqAccumPitch + col % 64);
   uint16_t* dst = static_cast<uint16_t*>(p.dq.ptr) + p.dq.offset(t, h) + col;
   store_u32(dst, pack2<E>(a[0] * p.scale, a[1] * p.scale));
   store_u32(dst + 2, pack2<E>(a[2] * p.scale, a[3] * p.scale));

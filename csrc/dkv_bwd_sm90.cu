@@ -70,8 +70,7 @@ cudaError_t run_dq_sm90(const BwdParams& p, cudaStream_t stream, int schedule) {
 // schedule: 1 (in turn), 2 (overlapped), 3 (in turn, dQ accumulated here into p.dq_accum), 4 and 5 (in
 // turn, warp-specialised: a producer warpgroup loads), 6 (warp-specialised, dQ accumulated here), 8 (5
 // with S^T and dP^T in separate commit groups), 9 (6 with each tile's dQ product deferred by a tile;
-// with the TMA producer only, else 6); at 6, 8 and 9, p.tma: the loads as bulk tensor copies; at 6 with them,
-// p.dq_tma: dQ added by bulk tensor reduce-adds.
+// with the TMA producer only, else 6); at 6, 8 and 9, p.tma: the loads as bulk tensor copies.
 template <class E, int D>
 cudaError_t launch_dkdv_sm90_schedule(const BwdParams& p, cudaStream_t stream, int schedule) {
   switch (schedule) {
@@ -80,9 +79,6 @@ cudaError_t launch_dkdv_sm90_schedule(const BwdParams& p, cudaStream_t stream, i
     case 4:
     case 5: return launch_persistent<DkdvSm90Ws<D>, &dkv_dkdv_sm90_ws_kernel<E, D>>(p, stream);
     case 6:
-      if (p.tma && p.dq_tma)  // dQ added as bulk tensor boxes (DUALKV_CUDA_BWD_DQ_TMA=1)
-        return launch_persistent<DkdvSm90Ws<D, true, false, true, false, true>,
-                                 &dkv_dkdv_sm90_ws_kernel<E, D, true, false, true, false, true>>(p, stream);
       if (p.tma) return launch_persistent<DkdvSm90Ws<D, true, false, true>, &dkv_dkdv_sm90_ws_kernel<E, D, true, false, true>>(p, stream);
       return launch_persistent<DkdvSm90Ws<D, true>, &dkv_dkdv_sm90_ws_kernel<E, D, true>>(p, stream);
     case 9:  // 6 with dQ deferred a tile (the TMA producer's form only)

@@ -675,39 +675,6 @@ struct FusedDq {
       sm90::bulk_commit();
     }
   }
-  // (DUALKV_CUDA_BWD_DQ_TMA=1) The same through the workspace's tensor map (p.tma_dq, unpadded rows):
-  // the warpgroup stages its 64 columns as two boxes of 64 rows x 32 columns (sStage: both warpgroups'
-  // 4 boxes, 8 KB each), 128B-swizzled (16-byte chunk c of row r at c ^ (r % 8): a warp's 8-byte stores
-  // take two wavefronts, no conflict), and its first thread adds both with bulk tensor reduce-adds at
-  // packed row `row` of plane hq * kParts + col part. Rows past the tile's m_valid are added too: their
-  // dS is 0, so they add zeros (rows past the workspace are not written); the bytes added are 64 floats
-  // a row where the padded staging's run has 72.
-  DKV_DEV void add_boxes(const BwdParams& p, float* sStage, int wg, int warp, int g, int tq, int hq, int row) {
-    const int col_part = kParts == 2 ? wg : 0;
-    const int hw_wg = thread_idx() >> 7;
-    const bool issuer = (thread_idx() & 127) == 0;
-    float* stage = sStage + wg * 2 * kBlockM * kDqBoxCols;  // box b at stage + b * 64 * 32
-    if (issuer) sm90::bulk_wait_read<0>();  // the previous tile's boxes have been read out
-    sm90::warpgroup_sync(hw_wg);
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int qrow = 16 * warp + g + 8 * r;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {  // columns 8 j + 2 tq, + 1: box j / 4, chunk 2 (j % 4) + tq / 2 of its row
-        const int chunk = (2 * (j & 3) + (tq >> 1)) ^ (qrow & 7);
-        float* dst = stage + (j >> 2) * kBlockM * kDqBoxCols + qrow * kDqBoxCols + 4 * chunk + 2 * (tq & 1);
-        store_f32x2(dst, dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]);
-      }
-    }
-    sm90::fence_smem_to_async_proxy();
-    sm90::warpgroup_sync(hw_wg);
-    if (issuer) {
-      const int plane = hq * kParts + col_part;
-      sm90::tma_reduce_add_box_f32(p.tma_dq, stage, 0, row, plane);
-      sm90::tma_reduce_add_box_f32(p.tma_dq, stage + kBlockM * kDqBoxCols, kDqBoxCols, row, plane);
-      sm90::bulk_commit();
-    }
-  }
 };
 
 // kOverlap = false: per query tile, the two shared-memory products, the element-wise step, then the

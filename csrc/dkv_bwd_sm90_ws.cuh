@@ -50,18 +50,11 @@ namespace dkv {
 // the other's products. A dS buffer is written again once both consumers' products that read it are
 // done (ds_empty[parity]); an item's last dQ is issued before its K / V are released. At d = 64 each
 // consumer's dQ reads only its own dS, and there is nothing to wait for.
-//
-// kDqTma = true (DUALKV_CUDA_BWD_DQ_TMA=1, schedule 6 with the TMA producer): dQ is staged as 128B-swizzled
-// boxes of 64 rows x 32 columns and added by bulk tensor reduce-adds into an unpadded workspace
-// (FusedDq::add_boxes): 64 floats added a row where the padded staging adds 72, and a 32 KB staging
-// where that one takes 36.
-template <int kHeadDim_, bool kDq_ = false, bool kSplit_ = false, bool kTma_ = false, bool kDefer_ = false,
-          bool kDqTma_ = false>
+template <int kHeadDim_, bool kDq_ = false, bool kSplit_ = false, bool kTma_ = false, bool kDefer_ = false>
 struct DkdvSm90Ws {
-  static constexpr bool kDq = kDq_, kSplit = kSplit_, kTma = kTma_, kDefer = kDefer_, kDqTma = kDqTma_;
+  static constexpr bool kDq = kDq_, kSplit = kSplit_, kTma = kTma_, kDefer = kDefer_;
   static_assert(!kTma || kDq || kSplit, "(kTma) the bulk-tensor-copy producer: schedules 6 and 8");
   static_assert(!kDefer || (kDq && kTma), "(kDefer) the deferred dQ: schedule 6 with the TMA producer");
-  static_assert(!kDqTma || (kDq && kTma && !kDefer), "(kDqTma) the dQ boxes: schedule 6 with the TMA producer");
   static_assert(!(kDq && kSplit), "the split waits only without dQ (schedule 8; with dQ it measured no faster)");
   static constexpr int kHeadDim = kHeadDim_, kBlockN = 128, kBlockM = 64, kThreads = 384, kStages = kDq ? 2 : 3;
   static constexpr int kParts = kHeadDim / 64;
@@ -85,8 +78,7 @@ struct DkdvSm90Ws {
   // alignment slack.
   static constexpr int kOffQ = 2 * kKvTile * 2, kOffDo = kOffQ + kStages * kQTile * 2;
   static constexpr int kOffDs = kOffDo + kStages * kQTile * 2, kDsBytes = kDq ? 2 * kBlockM * kBlockN * 2 : 0;
-  static constexpr int kOffStage = kOffDs + kDsBytes;
-  static constexpr int kStageBytes = !kDq ? 0 : kDqTma ? 2 * 64 * kBlockM * 4 : 2 * kBlockM * kDqAccumPitch * 4;
+  static constexpr int kOffStage = kOffDs + kDsBytes, kStageBytes = kDq ? 2 * kBlockM * kDqAccumPitch * 4 : 0;
   // lse_log2 / dsum buffers of kVecPitch floats (kTma: a kVecBox-float run, 128-byte aligned apart).
   static constexpr int kVecBox = kBlockM + 4, kVecPitch = kTma ? 96 : kBlockM;
   static_assert(kVecBox == kSm90DkdvVecBox, "the binding's lse_log2 / dsum maps have boxes of kVecBox floats");
@@ -100,8 +92,7 @@ struct DkdvSm90Ws {
   static_assert(kOffQ % 1024 == 0 && kOffDo % 1024 == 0 && kQTile * 2 % 1024 == 0,
                 "128-byte-swizzled tiles start on 1024-byte boundaries");
   static_assert(kOffBars % 8 == 0 && kOffSlots % 16 == 0, "mbarriers 8-byte, slots 16-byte aligned");
-  static_assert(kOffDs % 1024 == 0 && kOffStage % (kDqTma ? 1024 : 16) == 0,
-                "dS tiles 1024-byte, the staging 16-byte (kDqTma: swizzled boxes, 1024-byte) aligned");
+  static_assert(kOffDs % 1024 == 0 && kOffStage % 16 == 0, "dS tiles 1024-byte, the staging 16-byte aligned");
   static_assert(kHeadDim == 64 || kHeadDim == 128, "the warp-specialised dK/dV kernel: head dim 64 or 128");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one H100 / H200 block");
   static_assert(!kTma || (kOffL % 128 == 0 && kOffD % 128 == 0 && kVecPitch * 4 % 128 == 0 && kVecBox <= kVecPitch),
@@ -110,10 +101,9 @@ struct DkdvSm90Ws {
   static constexpr int kTileTxBytes = 2 * kQTile * 2 + 2 * kVecBox * 4, kKvTxBytes = 2 * kKvTile * 2;
 };
 
-template <class E, int D, bool kDq = false, bool kSplit = false, bool kTma = false, bool kDefer = false,
-          bool kDqTma = false>
+template <class E, int D, bool kDq = false, bool kSplit = false, bool kTma = false, bool kDefer = false>
 DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CONSTANT BwdParams p) {
-  using K = DkdvSm90Ws<D, kDq, kSplit, kTma, kDefer, kDqTma>;
+  using K = DkdvSm90Ws<D, kDq, kSplit, kTma, kDefer>;
   using Slot = typename K::Slot;
   constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kParts = K::kParts, kStages = K::kStages;
   const int rep = p.nheads / p.nheads_kv;
@@ -308,10 +298,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
           sm90::wgmma_commit();
           sm90::wgmma_wait<1>();
           sm90::fence_operand<32>(fdq.dq);
-          if constexpr (kDqTma)
-            fdq.add_boxes(p, sStage, wg, warp, g, tq, slot.hq, slot.row);
-          else
-            fdq.add(p, sStage, wg, warp, g, tq, slot.hq, slot.row, slot.desc.m_valid);
+          fdq.add(p, sStage, wg, warp, g, tq, slot.hq, slot.row, slot.desc.m_valid);
           sm90::wgmma_wait<0>();
           w.pin_rs();
         } else {

@@ -370,11 +370,8 @@ inline void bulk_wait(int n) {
 // 128B-swizzled (chunk c of row r at c ^ (r % 8)); rows or heads outside the tensor read as zeros, as
 // the device's out-of-bounds fill does. Kind 1, a flat fp32 vector: 0 the base pointer, 1 its length,
 // 2 the box length; a box starts at a multiple of 4 elements (16 bytes); elements past the end read
-// as zeros. Kind 2, a 3-D view of fp32 (columns, rows, planes) written to by bulk tensor reduce-adds:
-// 0 the base pointer, 1 the row stride, 2 the plane stride (elements), 3 columns, 4 rows, 5 planes, 6
-// box columns | box rows << 32; a box row is box columns (32: 128 bytes) of fp32 in shared memory,
-// 128B-swizzled as above.
-constexpr uint64_t kTmaBox3d = 0, kTmaVec = 1, kTmaF32Planes = 2;
+// as zeros.
+constexpr uint64_t kTmaBox3d = 0, kTmaVec = 1;
 inline void tma_expect_tx(uint64_t* bar, int bytes) {
   require_aligned(bar, 8, "mbarrier");
   self.tma_bytes[bar] += bytes;
@@ -421,28 +418,6 @@ inline void tma_load_vec(float* dst, const uint64_t* desc, int start, uint64_t* 
     throw std::runtime_error("emulated bulk tensor copy: a vector box not starting or ending on 16 bytes");
   for (int64_t i = 0; i < box; ++i) dst[i] = start + i < n ? base[start + i] : 0.f;
   tma_landed(bar, box * 4);
-}
-// cp.reduce.async.bulk.tensor (add) of one box of a kTmaF32Planes descriptor from shared memory, deferred
-// as bulk_reduce_add_f32 is (each box row one deferred reduction of its elements, read through the
-// swizzle when the group retires); box rows or planes outside the tensor are not written, as on the
-// device.
-inline void tma_reduce_add_box_f32(const uint64_t* desc, const float* src, int col, int row, int plane) {
-  require_aligned(src, 1024, "bulk tensor reduction source (128B swizzle)");
-  if (desc[7] != kTmaF32Planes) throw std::runtime_error("emulated bulk tensor reduction: not an fp32 planes descriptor");
-  auto* base = reinterpret_cast<float*>(desc[0]);
-  const int64_t row_stride = static_cast<int64_t>(desc[1]), plane_stride = static_cast<int64_t>(desc[2]);
-  const int64_t cols = static_cast<int64_t>(desc[3]), rows = static_cast<int64_t>(desc[4]), planes = static_cast<int64_t>(desc[5]);
-  const int box_cols = static_cast<int>(desc[6] & 0xffffffffu), box_rows = static_cast<int>(desc[6] >> 32);
-  if (box_cols != 32) throw std::runtime_error("emulated bulk tensor reduction: expected boxes of 32 fp32 columns (128 bytes)");
-  if (col < 0 || col % 4 != 0 || col + box_cols > cols)
-    throw std::runtime_error("emulated bulk tensor reduction: box columns outside the tensor");
-  for (int r = 0; r < box_rows; ++r) {
-    const int64_t gr = static_cast<int64_t>(row) + r;
-    if (gr < 0 || gr >= rows || plane < 0 || plane >= planes) continue;
-    float* dst = base + plane * plane_stride + gr * row_stride + col;
-    for (int c = 0; c < 8; ++c)  // 16-byte chunk c of box row r sits at chunk c ^ (r % 8)
-      self.bulk_open.push_back({dst + 4 * c, src + r * 32 + 4 * (c ^ (r & 7)), 4});
-  }
 }
 
 // bar.sync id, count (ids 1 .. 15; 0 is the block's barrier).

@@ -118,28 +118,6 @@ int encode_tma_vec(TmaDesc& d, float* ptr, int64_t n, int box) {
 #endif
 }
 
-int encode_tma_f32_planes(TmaDesc& d, float* ptr, int64_t cols, int64_t rows, int64_t planes, int box_cols, int box_rows) {
-  d = TmaDesc{};
-#ifdef DKV_EMULATE
-  if (emulated_encoder_fails()) return 1;
-  const int64_t fields[6] = {static_cast<int64_t>(reinterpret_cast<uintptr_t>(ptr)), cols, rows * cols, cols, rows, planes};
-  for (int i = 0; i < 6; ++i) d.words[i] = static_cast<uint64_t>(fields[i]);
-  d.words[6] = static_cast<uint64_t>(box_cols) | (static_cast<uint64_t>(box_rows) << 32);
-  d.words[7] = dkv_emu::kTmaF32Planes;
-  return 0;
-#else
-  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
-  if (encode == nullptr) return -1;
-  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows), static_cast<cuuint64_t>(planes)};
-  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(cols) * 4, static_cast<cuuint64_t>(rows * cols) * 4};  // bytes
-  const cuuint32_t box[3] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows), 1}, element_strides[3] = {1, 1, 1};
-  const CUresult res = encode(reinterpret_cast<CUtensorMap*>(d.words), CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, ptr, dims, strides,
-                              box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return res == CUDA_SUCCESS ? 0 : static_cast<int>(res);
-#endif
-}
-
 #ifndef DKV_EMULATE
 DKV_GLOBAL void dkv_wgmma_probe_kernel(int* built) { *built = DKV_HAS_WGMMA; }
 #endif

@@ -36,10 +36,6 @@ int encode_tma_desc(TmaDesc& d, void* ptr, bool bf16, int64_t rows, int64_t head
 // (the dK/dV kernel's bulk tensor copies, BwdParams::tma) Fills `d` for a flat fp32 vector of n elements
 // (16-byte aligned) read in boxes of `box` elements; returns as encode_tma_desc.
 int encode_tma_vec(TmaDesc& d, float* ptr, int64_t n, int box);
-// (the fused dQ's bulk tensor reduce-adds, BwdParams::dq_tma) Fills `d` for a contiguous fp32 tensor
-// (planes, rows, cols): a 3-D view (cols, rows, planes) written in boxes of box_cols x box_rows,
-// 128B-swizzled in shared memory; returns as encode_tma_desc.
-int encode_tma_f32_planes(TmaDesc& d, float* ptr, int64_t cols, int64_t rows, int64_t planes, int box_cols, int box_rows);
 bool sm90_kernels_built(cudaStream_t stream);  // the wgmma kernels were compiled for sm_90a (checked once)
 constexpr int kSm90BlockM = 128;  // the wgmma forward's query tile (but 64 at d = 512) and its TMA box
 // Backward on Hopper warpgroup MMA (fp16 / bf16, head dims 64 / 128 / 192 / 256): dQ on query tiles of

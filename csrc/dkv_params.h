@@ -80,9 +80,6 @@ struct FwdParams : AttnArgs {
 // conflict (at 68, 4 apart: 2-way; 72 made the ws dK/dV kernel with dQ inside 4-6% faster on an H200,
 // benchmarks/results/raw/profile_h200_pitch72.log).
 constexpr int kDqAccumPitch = 72;
-// (DUALKV_CUDA_BWD_DQ_TMA=1) the workspace unpadded, rows of 64 floats, added to by bulk tensor
-// reduce-adds of boxes of kDqBoxCols columns (128 bytes, the 128B swizzle's row) x 64 rows.
-constexpr int kDqBoxCols = 32;
 
 struct BwdParams : AttnArgs {
   TensorRef out, dout;
@@ -92,14 +89,8 @@ struct BwdParams : AttnArgs {
   TensorRef dq, dk, dv, dk_ctx, dv_ctx;
   float* dk_accum = nullptr;   // (ctx rows, Hkv, d) fp32 context-gradient accumulators
   float* dv_accum = nullptr;
-  float* dq_accum = nullptr;   // (H, d / 64, total_q, dq_pitch) fp32 dQ workspace of the fused
+  float* dq_accum = nullptr;   // (H, d / 64, total_q, kDqAccumPitch) fp32 dQ workspace of the fused
                                // wgmma dK/dV kernel (zeroed; columns 64 .. pitch - 1 are padding)
-  int dq_pitch = kDqAccumPitch;  // 64 with dq_tma
-  // (DUALKV_CUDA_BWD_DQ_TMA=1, schedule 6 with tma) dQ added by bulk tensor reduce-adds through tma_dq,
-  // a view (64 columns, total_q rows, H * d / 64 planes) of the unpadded workspace
-  // (DkdvSm90Ws::kDqTma).
-  bool dq_tma = false;
-  TmaDesc tma_dq;
   const int* q_tile_prefix = nullptr;   // dq kernel: (S+1,) prefix of ceil(len_s / kBlockM), segments in q_seg_order
   const int* q_seg_order = nullptr;     // (S,) rank -> segment, or null: the segments' own order
   int grid_tiles = 0;

@@ -131,22 +131,6 @@ DKV_DEV void bulk_reduce_add_f32(float* gmem, const float* smem, int bytes) {
 #endif
 }
 
-// cp.reduce.async.bulk.tensor (add): box (col, row, plane) of a 3-D fp32 tensor map (columns, rows,
-// planes; 128B-swizzled boxes of 32 columns) += the box at smem (1024-byte aligned), in this thread's
-// bulk group (bulk_commit, bulk_wait_read as above); box rows outside the tensor are not written.
-DKV_DEV void tma_reduce_add_box_f32(const TmaDesc& desc, const float* smem, int col, int row, int plane) {
-#if defined(DKV_EMULATE)
-  dkv_emu::tma_reduce_add_box_f32(desc.words, smem, col, row, plane);
-#elif DKV_HAS_WGMMA
-  asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
-                   reinterpret_cast<uint64_t>(&desc)),
-               "r"(static_cast<uint32_t>(__cvta_generic_to_shared(smem))), "r"(col), "r"(row), "r"(plane)
-               : "memory");
-#else
-  (void)desc, (void)smem, (void)col, (void)row, (void)plane;
-#endif
-}
-
 DKV_DEV void bulk_commit() {
 #if defined(DKV_EMULATE)
   dkv_emu::bulk_commit();

@@ -47,8 +47,6 @@ PRESETS = {
     # the backward at d = 128 / 64: schedule 6 (dK/dV with dQ inside) with the bulk-tensor-copy producer
     "dkdv-d128": ("dkv_bwd_sm90_ws.cuh", "dkv_dkdv_sm90_ws_kernel<Bf16, 128, true, false, true>"),
     "dkdv-d64": ("dkv_bwd_sm90_ws.cuh", "dkv_dkdv_sm90_ws_kernel<Bf16, 64, true, false, true>"),
-    # the same at d = 128 adding dQ as bulk tensor boxes (DUALKV_CUDA_BWD_DQ_TMA=1)
-    "dkdv-d128-dq-boxes": ("dkv_bwd_sm90_ws.cuh", "dkv_dkdv_sm90_ws_kernel<Bf16, 128, true, false, true, false, true>"),
     # d = 192 / 256 / 512: the in-turn forward and the role-split dQ / dK/dV kernels, bulk tensor copies
     # (no setmaxnreg: one region, the whole kernel)
     **{f"{kind}-d{d}": (header, f"{kernel}<Bf16, {d}, {args}>")

@@ -530,39 +530,6 @@ def check_reader_chunks(device_defaults: bool) -> bool:
         _restore_env(saved)
 
 
-def check_dq_boxes_errors() -> bool:
-    """DUALKV_CUDA_BWD_DQ_TMA=1 where schedule 6 with bulk tensor copies does not add dQ (schedule 9,
-    DUALKV_CUDA_BWD_TMA=0), and a map the driver cannot build, are errors naming it; so is a bad value; where
-    dQ has its own kernel (schedule 5) nothing changes."""
-    ok = True
-    for env, schedule in (({"DUALKV_CUDA_WGMMA_BWD": "9", "DUALKV_CUDA_BWD_TMA": "1"}, "9 with"),
-                          ({"DUALKV_CUDA_WGMMA_BWD": "6", "DUALKV_CUDA_BWD_TMA": "0"}, "6 without")):
-        ok = expect_error({**env, "DUALKV_CUDA_BWD_DQ_TMA": "1"},
-                          f"DUALKV_CUDA_BWD_DQ_TMA=1: expected schedule 6 (DUALKV_CUDA_WGMMA_BWD=6, the default) with bulk "
-                          f"tensor copies (DUALKV_CUDA_BWD_TMA=1, the default), but schedule {schedule} bulk tensor copies "
-                          f"runs at head dim 64", f"DUALKV_CUDA_BWD_DQ_TMA=1 with schedule {schedule}",
-                          **SM90_BWD_CASES[1]) and ok
-    tma = os.environ.pop("DUALKV_CUDA_BWD_TMA", None)  # unset: the maps' failure falls back, not an error of its own
-    try:
-        ok = expect_error({"DUALKV_CUDA_WGMMA_BWD": "6", "DUALKV_CUDA_BWD_DQ_TMA": "1", "DUALKV_EMULATE_TMA_ENCODE_FAILS": "1",
-                           "DUALKV_EMULATE_DEVICE_DEFAULTS": "1"},
-                          "DUALKV_CUDA_BWD_DQ_TMA=1: expected the dK/dV kernel's bulk tensor copies, but the driver could not "
-                          "build their tensor maps", "DUALKV_CUDA_BWD_DQ_TMA=1 without tensor maps", **SM90_BWD_CASES[1]) and ok
-    finally:
-        if tma is not None:
-            os.environ["DUALKV_CUDA_BWD_TMA"] = tma
-    ok = expect_error({"DUALKV_CUDA_BWD_DQ_TMA": "2"}, "DUALKV_CUDA_BWD_DQ_TMA: expected one of 0, 1 (or unset), got '2'",
-                      "DUALKV_CUDA_BWD_DQ_TMA=2", **SM90_BWD_CASES[1]) and ok
-    saved = {n: os.environ.get(n) for n in ("DUALKV_CUDA_WGMMA_BWD", "DUALKV_CUDA_BWD_DQ_TMA")}
-    os.environ.update(DUALKV_CUDA_WGMMA_BWD="5", DUALKV_CUDA_BWD_DQ_TMA="1")
-    try:
-        print("DUALKV_CUDA_BWD_DQ_TMA=1 with schedule 5 (dQ in its own kernel: no change)", flush=True)
-        ok = run_case(**SM90_BWD_CASES[1]) and ok
-    finally:
-        _restore_env(saved)
-    return ok
-
-
 def check_wgmma_path() -> bool:
     """The extension's answer to backend="auto" (op wgmma_path): the wgmma forward and backward run
     for head dims 64 / 128 / 192 / 256 / 512 when both kernel-choice variables allow them, never for 96."""
@@ -650,12 +617,9 @@ def main():
         # and for 6 with the deferred dQ (9, TMA only) items of several tiles at d = 128 and 64, GQA,
         # its deterministic fallback to 5, a softcap and a separate context
         # and for the defaults at d = 128 / 64 two kv heads, their items kv head major too ("h")
-        # and for 6 with dQ added as tensor boxes ("6tb", DUALKV_CUDA_BWD_DQ_TMA=1: swizzled staging, unpadded
-        # workspace) both head dims with items of several tiles, ragged tiles, GQA, a window, a softcap, a
-        # separate context, two kv heads and the deterministic fallback
         quick = {"1": (3, 4, 6, 7), "1t": (7, 10), "2": (3, 4, 6), "3": (0, 4, 5), "4": (0, 1, 2), "5": (0, 1), "6": (0, 1, 4, 5, 11),
                  "8": (0, 1, 3, 4, 5, 6), "6t": (0, 1, 4, 11, 15), "8t": (1, 3, 4, 5, 16), "9t": (0, 1, 2, 4, 5, 11),
-                 "6th": (15,), "8th": (16,), "6tb": (0, 1, 2, 3, 4, 11, 15, 16)}
+                 "6th": (15,), "8th": (16,)}
         ok = check_wgmma_path()
         ok = check_device_defaults(backward=True) and ok
         ok = check_tma_fallback(backward=True) and ok
@@ -663,20 +627,16 @@ def main():
         ok = check_reader_chunks(device_defaults=True) and ok
         ok = check_tile_order(device_defaults=True) and ok
         ok = check_plan_cache() and ok
-        for mode in quick:  # the schedules above; "t": with the TMA producer; "h": items kv head major; "b": dQ boxes
+        for mode in quick:  # the schedules above; "t": with the TMA producer; "h": items kv head major
             os.environ["DUALKV_CUDA_WGMMA_BWD"] = mode[0]
             os.environ["DUALKV_CUDA_BWD_TMA"] = "1" if "t" in mode else "0"
             os.environ["DUALKV_CUDA_BWD_ITEM_ORDER"] = "1" if "h" in mode else "0"
-            os.environ["DUALKV_CUDA_BWD_DQ_TMA"] = "1" if "b" in mode else "0"
             print(f"DUALKV_CUDA_WGMMA_BWD={mode[0]} DUALKV_CUDA_BWD_TMA={os.environ['DUALKV_CUDA_BWD_TMA']} "
-                  f"DUALKV_CUDA_BWD_ITEM_ORDER={os.environ['DUALKV_CUDA_BWD_ITEM_ORDER']} "
-                  f"DUALKV_CUDA_BWD_DQ_TMA={os.environ['DUALKV_CUDA_BWD_DQ_TMA']}", flush=True)
+                  f"DUALKV_CUDA_BWD_ITEM_ORDER={os.environ['DUALKV_CUDA_BWD_ITEM_ORDER']}", flush=True)
             cases = [SM90_BWD_CASES[i] for i in quick[mode]] if args.quick else SM90_BWD_CASES
             if args.only is not None:
                 cases = [SM90_BWD_CASES[args.only]]
             ok = all([run_case(**c) for c in cases]) and ok
-        os.environ.pop("DUALKV_CUDA_BWD_DQ_TMA")
-        ok = check_dq_boxes_errors() and ok
         ok = expect_error({"DUALKV_CUDA_BWD_ITEM_ORDER": "2"},
                           "DUALKV_CUDA_BWD_ITEM_ORDER: expected one of 0, 1 (or unset), got '2'",
                           "DUALKV_CUDA_BWD_ITEM_ORDER=2", **SM90_BWD_CASES[15]) and ok
