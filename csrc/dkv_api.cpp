@@ -848,6 +848,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
   p.work_counter = work_counter.data_ptr<int>();
   p.deterministic = deterministic;
   p.dq_accum = fused_dq ? dq_accum.data_ptr<float>() : nullptr;
+  p.late_dq_add = kernel_choice("DUALKV_CUDA_BWD_LATE_DQ_ADD", "01", 0) == 1;
   p.tma = use_bwd_tma(sm90, args.head_dim, H, T);
   if (p.tma) {
     // As the forward: asked for (DUALKV_CUDA_BWD_TMA=1), a map the driver cannot build is an error

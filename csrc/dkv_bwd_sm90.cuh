@@ -655,7 +655,13 @@ struct FusedDq {
   // the tile's m_valid rows at packed row `row` of query head hq. The warpgroup's first thread issues
   // the addition, once its previous one has read its source.
   DKV_DEV void add(const BwdParams& p, float* sStage, int wg, int warp, int g, int tq, int hq, int row, int m_valid) {
-    const int col_part = kParts == 2 ? wg : 0;
+    stage(sStage, wg, warp, g, tq);
+    commit(p, sStage, wg, hq, row, m_valid);
+  }
+  // add's two halves: the stores (stage), then the fence, the barrier and the reduce-add (commit), which
+  // may come later, as long as it comes before the next stage; DkdvSm90Ws::kLateAdd lets the next
+  // tile's dS fence and meeting stand in for the fence and the barrier (issue_add).
+  DKV_DEV void stage(float* sStage, int wg, int warp, int g, int tq) {
     const int hw_wg = thread_idx() >> 7;  // the warpgroup in the block (a producer warpgroup counts): its barrier
     const bool issuer = (thread_idx() & 127) == 0;
     float* stage = sStage + wg * kBlockM * kDqAccumPitch;
@@ -667,8 +673,17 @@ struct FusedDq {
 #pragma unroll
       for (int j = 0; j < 8; ++j) store_f32x2(dst + 8 * j, dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]);
     }
+  }
+  DKV_DEV void commit(const BwdParams& p, float* sStage, int wg, int hq, int row, int m_valid) {
     sm90::fence_smem_to_async_proxy();
-    sm90::warpgroup_sync(hw_wg);
+    sm90::warpgroup_sync(thread_idx() >> 7);
+    issue_add(p, sStage, wg, hq, row, m_valid);
+  }
+  // The reduce-add alone: every thread of the warpgroup has fenced its stores and passed a barrier since.
+  DKV_DEV void issue_add(const BwdParams& p, const float* sStage, int wg, int hq, int row, int m_valid) {
+    const int col_part = kParts == 2 ? wg : 0;
+    const bool issuer = (thread_idx() & 127) == 0;
+    const float* stage = sStage + wg * kBlockM * kDqAccumPitch;
     if (issuer && m_valid > 0) {
       const int64_t run = (static_cast<int64_t>(hq) * kParts + col_part) * p.total_q + row;
       sm90::bulk_reduce_add_f32(p.dq_accum + run * kDqAccumPitch, stage, m_valid * kDqAccumPitch * 4);

@@ -50,9 +50,18 @@ namespace dkv {
 // the other's products. A dS buffer is written again once both consumers' products that read it are
 // done (ds_empty[parity]); an item's last dQ is issued before its K / V are released. At d = 64 each
 // consumer's dQ reads only its own dS, and there is nothing to wait for.
-template <int kHeadDim_, bool kDq_ = false, bool kSplit_ = false, bool kTma_ = false, bool kDefer_ = false>
+//
+// kLateAdd = true (DUALKV_CUDA_BWD_LATE_DQ_ADD=1, schedule 6 with the TMA producer; not timed yet): a
+// tile's dQ staging stores are issued while dK runs, as in 6, but its reduce-add waits for the next
+// tile: the fence each thread runs after storing that tile's dS also covers its staging stores, and
+// the consumers' meeting after it stands in for the staging's barrier. So each tile has one proxy fence
+// (its MEMBAR waits for the thread's stores) and one barrier fewer. The pending tile's head, row and
+// rows travel to the next tile; the last one is added (fence, barrier, reduce-add) at the end.
+template <int kHeadDim_, bool kDq_ = false, bool kSplit_ = false, bool kTma_ = false, bool kDefer_ = false,
+          bool kLateAdd_ = false>
 struct DkdvSm90Ws {
-  static constexpr bool kDq = kDq_, kSplit = kSplit_, kTma = kTma_, kDefer = kDefer_;
+  static constexpr bool kDq = kDq_, kSplit = kSplit_, kTma = kTma_, kDefer = kDefer_, kLateAdd = kLateAdd_;
+  static_assert(!kLateAdd || (kDq && !kDefer), "(kLateAdd) schedule 6's dQ add, split around the next tile's products");
   static_assert(!kTma || kDq || kSplit, "(kTma) the bulk-tensor-copy producer: schedules 6 and 8");
   static_assert(!kDefer || (kDq && kTma), "(kDefer) the deferred dQ: schedule 6 with the TMA producer");
   static_assert(!(kDq && kSplit), "the split waits only without dQ (schedule 8; with dQ it measured no faster)");
@@ -101,9 +110,10 @@ struct DkdvSm90Ws {
   static constexpr int kTileTxBytes = 2 * kQTile * 2 + 2 * kVecBox * 4, kKvTxBytes = 2 * kKvTile * 2;
 };
 
-template <class E, int D, bool kDq = false, bool kSplit = false, bool kTma = false, bool kDefer = false>
+template <class E, int D, bool kDq = false, bool kSplit = false, bool kTma = false, bool kDefer = false,
+          bool kLateAdd = false>
 DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CONSTANT BwdParams p) {
-  using K = DkdvSm90Ws<D, kDq, kSplit, kTma, kDefer>;
+  using K = DkdvSm90Ws<D, kDq, kSplit, kTma, kDefer, kLateAdd>;
   using Slot = typename K::Slot;
   constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kParts = K::kParts, kStages = K::kStages;
   const int rep = p.nheads / p.nheads_kv;
@@ -232,6 +242,8 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
     int t = -1, row = 0, hq = 0, m_valid = 0;
   } pend;
   bool add_dq = false;                // (kDefer) dQ of pend: its product is done, to be staged and added
+  // (kLateAdd) the staged tile whose fence, barrier and reduce-add are still to come (m_valid < 0: none)
+  int late_hq = 0, late_row = 0, late_m = -1;
   auto issue_pending_dq = [&] {       // (not committed) once the other consumer's dS of the tile is stored
     if constexpr (kParts == 2)
       if (pend.t >= 0) sm90::mbar_wait(&ds_full[(1 - wg) * 2 + (pend.t & 1)], (pend.t >> 1) & 1);
@@ -292,13 +304,22 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
           // are done), then dK in a group of its own: dQ is staged and added while dK still runs.
           products.issue_dv(w.dv, w.pa, b);
           sm90::named_sync<256>(4);
+          if constexpr (kLateAdd) {  // the previous tile's staging: fenced with this tile's dS, met since
+            if (late_m >= 0) fdq.issue_add(p, sStage, wg, late_hq, late_row, late_m);
+            late_m = -1;
+          }
           fdq.issue(sDs, sK, wg);
           sm90::wgmma_commit();
           products.issue_dk(w.dk, w.dsa, b);
           sm90::wgmma_commit();
           sm90::wgmma_wait<1>();
           sm90::fence_operand<32>(fdq.dq);
-          fdq.add(p, sStage, wg, warp, g, tq, slot.hq, slot.row, slot.desc.m_valid);
+          if constexpr (kLateAdd) {
+            fdq.stage(sStage, wg, warp, g, tq);
+            late_hq = slot.hq, late_row = slot.row, late_m = slot.desc.m_valid;
+          } else {
+            fdq.add(p, sStage, wg, warp, g, tq, slot.hq, slot.row, slot.desc.m_valid);
+          }
           sm90::wgmma_wait<0>();
           w.pin_rs();
         } else {
@@ -335,6 +356,9 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
     if (slot.flags & K::kDone) break;
     sm90::mbar_arrive(kv_empty);  // K / V are read: the producer may load the next item's
     store_dkdv_rows<E, kParts>(p, decode_item<kBlockN>(p, slot.item), w.key_in_tile, tq, w.dk, w.dv);
+  }
+  if constexpr (kLateAdd) {
+    if (late_m >= 0) fdq.commit(p, sStage, wg, late_hq, late_row, late_m);
   }
   if constexpr (kDq) sm90::bulk_wait<0>();  // the dQ rows this thread added
 }

@@ -250,10 +250,10 @@ def _fwd_kernel(dtype: str, d: int, ws: bool, tma: bool, wide: bool = False, per
     return f"dkv_fwd_sm90_kernel<dkv::{dtype}, {d}, {flags}>"
 
 
-def _dkdv_ws_kernel(dtype: str, d: int, dq: bool, split: bool, tma: bool, defer: bool = False) -> str:
+def _dkdv_ws_kernel(dtype: str, d: int, dq: bool, split: bool, tma: bool, defer: bool = False, late: bool = False) -> str:
     """The profiler's name of the sm_90 warp-specialised dK/dV kernel (dkv_dkdv_sm90_ws_kernel and its
     template flags, the trailing '>' included, so that a name with other flags never matches)."""
-    flags = ", ".join(str(f).lower() for f in (dq, split, tma, defer))
+    flags = ", ".join(str(f).lower() for f in (dq, split, tma, defer, late))
     return f"dkv_dkdv_sm90_ws_kernel<dkv::{dtype}, {d}, {flags}>"
 
 
@@ -323,9 +323,9 @@ def test_wgmma_forward_with_growing_scores(cuda_backend, case, mode, monkeypatch
     _check_against_reference(case, torch.bfloat16, r)
 
 
-@pytest.mark.parametrize("mode", [None, "1", "2", "3", "4", "5", "6", "8", "6t", "8t", "9t"],
+@pytest.mark.parametrize("mode", [None, "1", "2", "3", "4", "5", "6", "8", "6t", "8t", "9t", "6tl"],
                          ids=["default", "in-turn", "overlap", "fused-dq", "ws", "ws-both", "ws-fused-dq", "ws-split",
-                              "ws-fused-dq-tma", "ws-split-tma", "ws-deferred-dq-tma"])
+                              "ws-fused-dq-tma", "ws-split-tma", "ws-deferred-dq-tma", "ws-fused-dq-tma-late-add"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", [c for c in GRID if c[4] in (64, 128)], ids=lambda c: _ids(c))
@@ -337,9 +337,15 @@ def test_wgmma_backward_matches_reference(cuda_backend, case, dtype, determinist
     falls back to 5), =8 (5 with S^T and dP^T waited for apart; 5 itself under a softcap), and 6 / 8 with
     DUALKV_CUDA_BWD_TMA=1 (mode "6t" / "8t": the dK/dV kernel's loads as bulk tensor copies, the
     default; "6" / "8" set it to 0, the producer warpgroup's cp.async), =9 with it ("9t": 6 with each
-    tile's dQ product deferred a tile; deterministic=True falls back to 5), on the grid against the
+    tile's dQ product deferred a tile; deterministic=True falls back to 5), "6tl" (6t with
+    DUALKV_CUDA_BWD_LATE_DQ_ADD=1: each tile's dQ reduce-add issued at the next tile), on the grid against the
     fp32 reference, in both accumulation modes, and the profiler shows which kernels ran."""
-    tma = mode is None or mode.endswith("t")
+    tma = mode is None or mode.endswith("t") or mode == "6tl"
+    late = mode == "6tl"  # DUALKV_CUDA_BWD_LATE_DQ_ADD=1
+    if late:
+        monkeypatch.setenv("DUALKV_CUDA_BWD_LATE_DQ_ADD", "1")
+    else:
+        monkeypatch.delenv("DUALKV_CUDA_BWD_LATE_DQ_ADD", raising=False)
     _choose_hopper_kernels(monkeypatch, "DUALKV_CUDA_WGMMA_BWD", mode and mode[0], "the wgmma backward")
     if mode is None:
         monkeypatch.delenv("DUALKV_CUDA_BWD_TMA", raising=False)
@@ -357,7 +363,7 @@ def test_wgmma_backward_matches_reference(cuda_backend, case, dtype, determinist
         split = runs == "8" and case[6] is None  # under a softcap), bulk tensor copies (6, 8 and 9 as such, when
         copies = tma and (runs in ("6", "9") or split)  # asked), the deferred dQ (9)
         name = _dkdv_ws_kernel("Bf16" if dtype == torch.bfloat16 else "Fp16", case[4], runs in ("6", "9"), split, copies,
-                               runs == "9")
+                               runs == "9", late and runs == "6")
         assert any(name in k for k in kernels), (name, sorted(kernels))
     if fused:  # no dQ kernel of any schedule
         assert not any("dkv_dq_" in name for name in kernels), sorted(kernels)
@@ -670,6 +676,7 @@ SANITIZER_PATHS = {"default": {}, "hopper-opt-in": {"DUALKV_CUDA_WGMMA": "1", "D
                    "ws-both": {"DUALKV_CUDA_WGMMA_BWD": "5"}, "ws-fused-dq": {"DUALKV_CUDA_WGMMA_BWD": "6", "DUALKV_CUDA_BWD_TMA": "0"},
                    "ws-split": {"DUALKV_CUDA_WGMMA_BWD": "8", "DUALKV_CUDA_BWD_TMA": "0"},
                    "ws-deferred-dq": {"DUALKV_CUDA_WGMMA_BWD": "9"}, "cp-async-bwd": {"DUALKV_CUDA_BWD_TMA": "0"},
+                   "late-dq-add": {"DUALKV_CUDA_BWD_LATE_DQ_ADD": "1"},
                    "mma-sync": {"DUALKV_CUDA_WGMMA": "0", "DUALKV_CUDA_WGMMA_BWD": "0"}}
 
 
@@ -688,6 +695,7 @@ def test_compute_sanitizer_small_case(cuda_backend, tool, paths, tmp_path):
     env.pop("DUALKV_CUDA_WGMMA_BWD", None)
     env.pop("DUALKV_CUDA_FWD_PERSISTENT", None)
     env.pop("DUALKV_CUDA_FWD_MERGE", None)
+    env.pop("DUALKV_CUDA_BWD_LATE_DQ_ADD", None)
     env.update(SANITIZER_PATHS[paths])
     base = [sanitizer, "--tool", tool, "--error-exitcode", "3"]
     cmd = [*base, "--kernel-name", "kns=dkv_", sys.executable, str(script)]
