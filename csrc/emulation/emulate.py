@@ -620,7 +620,7 @@ def main():
         # and for 6 with each tile's dQ reduce-add issued at the next tile ("l", DUALKV_CUDA_BWD_LATE_DQ_ADD=1)
         quick = {"1": (3, 4, 6, 7), "1t": (7, 10), "2": (3, 4, 6), "3": (0, 4, 5), "4": (0, 1, 2), "5": (0, 1), "6": (0, 1, 4, 5, 11),
                  "8": (0, 1, 3, 4, 5, 6), "6t": (0, 1, 4, 11, 15), "8t": (1, 3, 4, 5, 16), "9t": (0, 1, 2, 4, 5, 11),
-                 "6th": (15,), "8th": (16,), "6tl": (0, 1, 4, 11, 15)}
+                 "6th": (15,), "8th": (16,), "6tl": (1, 15)}
         ok = check_wgmma_path()
         ok = check_device_defaults(backward=True) and ok
         ok = check_tma_fallback(backward=True) and ok
