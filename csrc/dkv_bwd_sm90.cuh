@@ -661,10 +661,12 @@ struct FusedDq {
   // add's two halves: the stores (stage), then the fence, the barrier and the reduce-add (commit), which
   // may come later, as long as it comes before the next stage; DkdvSm90Ws::kLateAdd lets the next
   // tile's dS fence and meeting stand in for the fence and the barrier (issue_add).
+  // Warpgroup wg's rows in sStage (both warpgroups' staging).
+  DKV_DEV static float* staging(float* sStage, int wg) { return sStage + wg * kBlockM * kDqAccumPitch; }
   DKV_DEV void stage(float* sStage, int wg, int warp, int g, int tq) {
     const int hw_wg = thread_idx() >> 7;  // the warpgroup in the block (a producer warpgroup counts): its barrier
     const bool issuer = (thread_idx() & 127) == 0;
-    float* stage = sStage + wg * kBlockM * kDqAccumPitch;
+    float* stage = staging(sStage, wg);
     if (issuer) sm90::bulk_wait_read<0>();  // the previous tile's rows have been read out
     sm90::warpgroup_sync(hw_wg);
 #pragma unroll
@@ -680,13 +682,12 @@ struct FusedDq {
     issue_add(p, sStage, wg, hq, row, m_valid);
   }
   // The reduce-add alone: every thread of the warpgroup has fenced its stores and passed a barrier since.
-  DKV_DEV void issue_add(const BwdParams& p, const float* sStage, int wg, int hq, int row, int m_valid) {
+  DKV_DEV void issue_add(const BwdParams& p, float* sStage, int wg, int hq, int row, int m_valid) {
     const int col_part = kParts == 2 ? wg : 0;
     const bool issuer = (thread_idx() & 127) == 0;
-    const float* stage = sStage + wg * kBlockM * kDqAccumPitch;
     if (issuer && m_valid > 0) {
       const int64_t run = (static_cast<int64_t>(hq) * kParts + col_part) * p.total_q + row;
-      sm90::bulk_reduce_add_f32(p.dq_accum + run * kDqAccumPitch, stage, m_valid * kDqAccumPitch * 4);
+      sm90::bulk_reduce_add_f32(p.dq_accum + run * kDqAccumPitch, staging(sStage, wg), m_valid * kDqAccumPitch * 4);
       sm90::bulk_commit();
     }
   }

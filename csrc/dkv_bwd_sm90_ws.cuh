@@ -306,7 +306,6 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
           sm90::named_sync<256>(4);
           if constexpr (kLateAdd) {  // the previous tile's staging: fenced with this tile's dS, met since
             if (late_m >= 0) fdq.issue_add(p, sStage, wg, late_hq, late_row, late_m);
-            late_m = -1;
           }
           fdq.issue(sDs, sK, wg);
           sm90::wgmma_commit();

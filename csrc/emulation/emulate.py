@@ -213,7 +213,8 @@ def check_bad_kernel_choices() -> bool:
     return all([expect_error({name: bad}, f"{name}: expected one of {allowed} (or unset), got '{bad}'", f"{name}={bad}", **small)
                 for name, bad, allowed in (("DUALKV_CUDA_WGMMA", "4", "0, 1, 2, 3"),
                                            ("DUALKV_CUDA_WGMMA_BWD", "7", "0, 1, 2, 3, 4, 5, 6, 8, 9"),
-                                           ("DUALKV_CUDA_BWD_TMA", "2", "0, 1"))])
+                                           ("DUALKV_CUDA_BWD_TMA", "2", "0, 1"),
+                                           ("DUALKV_CUDA_BWD_LATE_DQ_ADD", "2", "0, 1"))])
 
 
 def check_tma_head_dim() -> bool:

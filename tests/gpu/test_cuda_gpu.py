@@ -340,7 +340,7 @@ def test_wgmma_backward_matches_reference(cuda_backend, case, dtype, determinist
     tile's dQ product deferred a tile; deterministic=True falls back to 5), "6tl" (6t with
     DUALKV_CUDA_BWD_LATE_DQ_ADD=1: each tile's dQ reduce-add issued at the next tile), on the grid against the
     fp32 reference, in both accumulation modes, and the profiler shows which kernels ran."""
-    tma = mode is None or mode.endswith("t") or mode == "6tl"
+    tma = mode is None or "t" in mode
     late = mode == "6tl"  # DUALKV_CUDA_BWD_LATE_DQ_ADD=1
     if late:
         monkeypatch.setenv("DUALKV_CUDA_BWD_LATE_DQ_ADD", "1")
