@@ -848,7 +848,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
   p.work_counter = work_counter.data_ptr<int>();
   p.deterministic = deterministic;
   p.dq_accum = fused_dq ? dq_accum.data_ptr<float>() : nullptr;
-  p.late_dq_add = kernel_choice("DUALKV_CUDA_BWD_LATE_DQ_ADD", "01", 0) == 1;
+  const bool late_dq_add = kernel_choice("DUALKV_CUDA_BWD_LATE_DQ_ADD", "01", 1) == 1;
   p.tma = use_bwd_tma(sm90, args.head_dim, H, T);
   if (p.tma) {
     // As the forward: asked for (DUALKV_CUDA_BWD_TMA=1), a map the driver cannot build is an error
@@ -876,6 +876,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
       dsum_buf.narrow(0, H * T, kVecTail).zero_();
     }
   }
+  // (DUALKV_CUDA_BWD_LATE_DQ_ADD) only schedule 6's kernel with the TMA producer adds late, at pitch 64
+  // (dq_accum, allocated at kDqAccumPitch, has room); every other kernel adds at kDqAccumPitch
+  p.late_dq_add = late_dq_add && sm90 == 6 && p.tma;
+  p.dq_accum_pitch = p.late_dq_add ? 64 : kDqAccumPitch;
 
   const cudaStream_t st = current_stream();
   const bool bf16 = q.scalar_type() == at::kBFloat16;

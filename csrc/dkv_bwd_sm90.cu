@@ -79,7 +79,7 @@ cudaError_t launch_dkdv_sm90_schedule(const BwdParams& p, cudaStream_t stream, i
     case 4:
     case 5: return launch_persistent<DkdvSm90Ws<D>, &dkv_dkdv_sm90_ws_kernel<E, D>>(p, stream);
     case 6:
-      if (p.tma && p.late_dq_add)
+      if (p.late_dq_add)  // (the binding sets it with p.tma only)
         return launch_persistent<DkdvSm90Ws<D, true, false, true, false, true>,
                                  &dkv_dkdv_sm90_ws_kernel<E, D, true, false, true, false, true>>(p, stream);
       if (p.tma) return launch_persistent<DkdvSm90Ws<D, true, false, true>, &dkv_dkdv_sm90_ws_kernel<E, D, true, false, true>>(p, stream);

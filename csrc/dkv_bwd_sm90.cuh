@@ -619,11 +619,11 @@ DKV_DEV void store_dkdv_rows(const BwdParams& p, const KvItem& it, const int (&k
 // writes its dS (64 queries x its 64 keys) to shared memory; once both have (the caller's barrier),
 // dQ_part (64 queries x 64 head-dim columns) = dS K by wgmma SS (dS K-major, K MN-major; at d = 128
 // warpgroup w takes columns 64 w .. 64 w + 63 over all 128 keys, at d = 64 it takes its own 64 keys).
-// The warpgroup stages dQ_part in shared memory with the workspace's padded row pitch (kDqAccumPitch)
-// and one of its threads adds the tile's valid rows to the fp32 workspace, head-major so that they
+// The warpgroup stages dQ_part in shared memory with the workspace's row pitch (kPitch: kDqAccumPitch,
+// padded; 64 with DkdvSm90Ws::kLateAdd, whose columns may be rotated instead) and one of its threads adds the tile's valid rows to the fp32 workspace, head-major so that they
 // are one contiguous run, with one bulk reduce-add (cp.reduce.async.bulk) that runs while the block
 // goes on.
-template <class E, int D, int kBlockM, int kBlockN>
+template <class E, int D, int kBlockM, int kBlockN, int kPitch = kDqAccumPitch>
 struct FusedDq {
   static constexpr int kParts = D / 64;
   float dq[32];  // dq[4 j + i]: query 16 warp + g + 8 (i / 2), column 64 col_part + 8 j + 2 tq + i % 2
@@ -655,39 +655,39 @@ struct FusedDq {
   // the tile's m_valid rows at packed row `row` of query head hq. The warpgroup's first thread issues
   // the addition, once its previous one has read its source.
   DKV_DEV void add(const BwdParams& p, float* sStage, int wg, int warp, int g, int tq, int hq, int row, int m_valid) {
-    stage(sStage, wg, warp, g, tq);
-    commit(p, sStage, wg, hq, row, m_valid);
-  }
-  // add's two halves: the stores (stage), then the fence, the barrier and the reduce-add (commit), which
-  // may come later, as long as it comes before the next stage; DkdvSm90Ws::kLateAdd lets the next
-  // tile's dS fence and meeting stand in for the fence and the barrier (issue_add).
-  // Warpgroup wg's rows in sStage (both warpgroups' staging).
-  DKV_DEV static float* staging(float* sStage, int wg) { return sStage + wg * kBlockM * kDqAccumPitch; }
-  DKV_DEV void stage(float* sStage, int wg, int warp, int g, int tq) {
-    const int hw_wg = thread_idx() >> 7;  // the warpgroup in the block (a producer warpgroup counts): its barrier
-    const bool issuer = (thread_idx() & 127) == 0;
     float* stage = staging(sStage, wg);
-    if (issuer) sm90::bulk_wait_read<0>();  // the previous tile's rows have been read out
-    sm90::warpgroup_sync(hw_wg);
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float* dst = stage + (16 * warp + g + 8 * r) * kDqAccumPitch + 2 * tq;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) store_f32x2(dst + 8 * j, dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]);
-    }
-  }
-  DKV_DEV void commit(const BwdParams& p, float* sStage, int wg, int hq, int row, int m_valid) {
+    if ((thread_idx() & 127) == 0) sm90::bulk_wait_read<0>();  // the previous tile's rows have been read out
+    sm90::warpgroup_sync(thread_idx() >> 7);  // (the warpgroup in the block: a producer warpgroup counts)
+    store_rows(stage, warp, g, tq);
     sm90::fence_smem_to_async_proxy();
     sm90::warpgroup_sync(thread_idx() >> 7);
-    issue_add(p, sStage, wg, hq, row, m_valid);
+    issue_add(p, stage, wg, hq, row, m_valid);
   }
-  // The reduce-add alone: every thread of the warpgroup has fenced its stores and passed a barrier since.
-  DKV_DEV void issue_add(const BwdParams& p, float* sStage, int wg, int hq, int row, int m_valid) {
+  // Warpgroup wg's rows in staging buffer buf (kLateAdd: two buffers of both warpgroups' rows).
+  DKV_DEV static float* staging(float* sStage, int wg, int buf = 0) { return sStage + (2 * buf + wg) * kBlockM * kPitch; }
+  // This thread's dq to the warpgroup's staging rows `stage` (the tile's first row at packed row `row`).
+  // kRotate: packed row t's columns rotated by 8 (t % 4) (mod 64), which gives pitch 64 the banks of
+  // pitch 72 (a half-warp's 4 rows 8 words apart); dkv_convert_dq_kernel turns them back.
+  template <bool kRotate = false>
+  DKV_DEV void store_rows(float* stage, int warp, int g, int tq, int row = 0) const {
+    const int rot = kRotate ? 8 * ((row + g) & 3) : 0;  // rows 16 warp + g + 8 r: one t % 4
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float* dst = stage + (16 * warp + g + 8 * r) * kPitch;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int col = kRotate ? (8 * j + 2 * tq + rot) & 63 : 8 * j + 2 * tq;
+        store_f32x2(dst + col, dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]);
+      }
+    }
+  }
+  // The reduce-add of the staged rows `stage` alone: every thread of the warpgroup has fenced its
+  // stores to them and passed a barrier since.
+  DKV_DEV void issue_add(const BwdParams& p, const float* stage, int wg, int hq, int row, int m_valid) const {
     const int col_part = kParts == 2 ? wg : 0;
-    const bool issuer = (thread_idx() & 127) == 0;
-    if (issuer && m_valid > 0) {
+    if ((thread_idx() & 127) == 0 && m_valid > 0) {
       const int64_t run = (static_cast<int64_t>(hq) * kParts + col_part) * p.total_q + row;
-      sm90::bulk_reduce_add_f32(p.dq_accum + run * kDqAccumPitch, staging(sStage, wg), m_valid * kDqAccumPitch * 4);
+      sm90::bulk_reduce_add_f32(p.dq_accum + run * kPitch, stage, m_valid * kPitch * 4);
       sm90::bulk_commit();
     }
   }

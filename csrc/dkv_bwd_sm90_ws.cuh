@@ -51,12 +51,19 @@ namespace dkv {
 // done (ds_empty[parity]); an item's last dQ is issued before its K / V are released. At d = 64 each
 // consumer's dQ reads only its own dS, and there is nothing to wait for.
 //
-// kLateAdd = true (DUALKV_CUDA_BWD_LATE_DQ_ADD=1, schedule 6 with the TMA producer; not timed yet): a
-// tile's dQ staging stores are issued while dK runs, as in 6, but its reduce-add waits for the next
-// tile: the fence each thread runs after storing that tile's dS also covers its staging stores, and
-// the consumers' meeting after it stands in for the staging's barrier. So each tile has one proxy fence
-// (its MEMBAR waits for the thread's stores) and one barrier fewer. The pending tile's head, row and
-// rows travel to the next tile; the last one is added (fence, barrier, reduce-add) at the end.
+// kLateAdd = true (schedule 6 with the TMA producer, by default; DUALKV_CUDA_BWD_LATE_DQ_ADD=0 turns it
+// off): a tile's dQ staging stores are issued while dK runs, as in 6, but its reduce-add waits for the
+// next tile: the fence each thread runs after storing that tile's dS also covers its staging stores,
+// and the consumers' meeting after it stands in for the staging's barrier. The staging has two buffers
+// (tile t's in buffer t % 2), at pitch 64 to fit (226.6 KiB at d = 128), and each warpgroup's issuer
+// waits for the reads of its adds before the last one just before the meeting, which so stands in for
+// the barrier before the stores too. Each tile has two barriers and one proxy fence (its MEMBAR waits
+// for the thread's stores) fewer. The pending tile's head, row and rows travel to the next tile; the
+// last one is added (fence, barrier, reduce-add) at the end. Packed row t's staged columns are rotated
+// by 8 (t % 4) (FusedDq::store_rows<true>): at pitch 64 unrotated a half-warp's 4 rows hit the same
+// banks, and the backward took 1.07-1.13x the per-tile add's time on an H100, against 0.94-0.96x
+// rotated (benchmarks/results/raw/cuda_bwd_late_dq_add_s48b.log). With one buffer (first tried) a
+// tile's stores waited for the add issued just before them: 1.09-1.15x (raw/cuda_bwd_late_dq_add_s48.log).
 template <int kHeadDim_, bool kDq_ = false, bool kSplit_ = false, bool kTma_ = false, bool kDefer_ = false,
           bool kLateAdd_ = false>
 struct DkdvSm90Ws {
@@ -87,7 +94,9 @@ struct DkdvSm90Ws {
   // alignment slack.
   static constexpr int kOffQ = 2 * kKvTile * 2, kOffDo = kOffQ + kStages * kQTile * 2;
   static constexpr int kOffDs = kOffDo + kStages * kQTile * 2, kDsBytes = kDq ? 2 * kBlockM * kBlockN * 2 : 0;
-  static constexpr int kOffStage = kOffDs + kDsBytes, kStageBytes = kDq ? 2 * kBlockM * kDqAccumPitch * 4 : 0;
+  // The dQ staging's row pitch (floats) and buffers: kLateAdd's two fit at pitch 64 (d = 128: 226.6 KiB)
+  static constexpr int kStagePitch = kLateAdd ? 64 : kDqAccumPitch, kStageBufs = kLateAdd ? 2 : 1;
+  static constexpr int kOffStage = kOffDs + kDsBytes, kStageBytes = kDq ? kStageBufs * 2 * kBlockM * kStagePitch * 4 : 0;
   // lse_log2 / dsum buffers of kVecPitch floats (kTma: a kVecBox-float run, 128-byte aligned apart).
   static constexpr int kVecBox = kBlockM + 4, kVecPitch = kTma ? 96 : kBlockM;
   static_assert(kVecBox == kSm90DkdvVecBox, "the binding's lse_log2 / dsum maps have boxes of kVecBox floats");
@@ -235,7 +244,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
   // kSplit: no softcap (the launcher runs schedule 5 under one), so no 1 - tanh^2 factor to keep.
   const ScoreFn score = make_score_fn(p.scale, kSplit ? 0.f : p.softcap);
   DkdvWarpgroup<E, D, kBlockM, kBlockN> w(wg, warp, g);
-  FusedDq<E, D, kBlockM, kBlockN> fdq;  // (kDq)
+  FusedDq<E, D, kBlockM, kBlockN, K::kStagePitch> fdq;  // (kDq)
   int n_tiles = 0;                      // (kDq) tiles computed: their dS alternate between two buffers
   // (kDefer) the computed tile whose dQ product is still to come: its index, packed row, head, rows.
   struct PendingDq {
@@ -303,9 +312,12 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
           // dV, then dQ once both consumers' dS are stored (a tile later the other buffer: its readers
           // are done), then dK in a group of its own: dQ is staged and added while dK still runs.
           products.issue_dv(w.dv, w.pa, b);
+          // (kLateAdd) the adds before the last have read their buffers (the one tile t's stores go to)
+          if constexpr (kLateAdd)
+            if ((thread_idx() & 127) == 0) sm90::bulk_wait_read<0>();
           sm90::named_sync<256>(4);
           if constexpr (kLateAdd) {  // the previous tile's staging: fenced with this tile's dS, met since
-            if (late_m >= 0) fdq.issue_add(p, sStage, wg, late_hq, late_row, late_m);
+            if (late_m >= 0) fdq.issue_add(p, fdq.staging(sStage, wg, (n_tiles - 1) & 1), wg, late_hq, late_row, late_m);
           }
           fdq.issue(sDs, sK, wg);
           sm90::wgmma_commit();
@@ -313,8 +325,9 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
           sm90::wgmma_commit();
           sm90::wgmma_wait<1>();
           sm90::fence_operand<32>(fdq.dq);
-          if constexpr (kLateAdd) {
-            fdq.stage(sStage, wg, warp, g, tq);
+          if constexpr (kLateAdd) {  // the buffer's last add has read it: waited for before the meeting
+            float* stage = fdq.staging(sStage, wg, n_tiles & 1);
+            fdq.template store_rows<true>(stage, warp, g, tq, slot.row);
             late_hq = slot.hq, late_row = slot.row, late_m = slot.desc.m_valid;
           } else {
             fdq.add(p, sStage, wg, warp, g, tq, slot.hq, slot.row, slot.desc.m_valid);
@@ -357,7 +370,11 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
     store_dkdv_rows<E, kParts>(p, decode_item<kBlockN>(p, slot.item), w.key_in_tile, tq, w.dk, w.dv);
   }
   if constexpr (kLateAdd) {
-    if (late_m >= 0) fdq.commit(p, sStage, wg, late_hq, late_row, late_m);
+    if (late_m >= 0) {
+      sm90::fence_smem_to_async_proxy();
+      sm90::warpgroup_sync(thread_idx() >> 7);
+      fdq.issue_add(p, fdq.staging(sStage, wg, (n_tiles - 1) & 1), wg, late_hq, late_row, late_m);
+    }
   }
   if constexpr (kDq) sm90::bulk_wait<0>();  // the dQ rows this thread added
 }

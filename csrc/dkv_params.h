@@ -112,7 +112,11 @@ struct BwdParams : AttnArgs {
   // starts; q / dout in the split dK/dV kernel's reader boxes (tma_q_reader / tma_dout_reader: 16 rows
   // at head dim 512, else copies of tma_q / tma_dout).
   bool tma = false;
-  bool late_dq_add = false;  // (schedule 6 with tma) DUALKV_CUDA_BWD_LATE_DQ_ADD=1: DkdvSm90Ws::kLateAdd
+  // (schedule 6 with tma, DUALKV_CUDA_BWD_LATE_DQ_ADD unset or 1) DkdvSm90Ws::kLateAdd, which stages and adds
+  // dq_accum's rows at pitch 64 (dq_accum_pitch; else kDqAccumPitch), their columns rotated
+  // (FusedDq::store_rows<true>)
+  bool late_dq_add = false;
+  int dq_accum_pitch = kDqAccumPitch;
   TmaDesc tma_q, tma_dout, tma_k, tma_v, tma_k_ctx, tma_v_ctx, tma_lse_log2, tma_dsum, tma_q_reader, tma_dout_reader;
 };
 

@@ -618,10 +618,11 @@ def main():
         # and for 6 with the deferred dQ (9, TMA only) items of several tiles at d = 128 and 64, GQA,
         # its deterministic fallback to 5, a softcap and a separate context
         # and for the defaults at d = 128 / 64 two kv heads, their items kv head major too ("h")
-        # and for 6 with each tile's dQ reduce-add issued at the next tile ("l", DUALKV_CUDA_BWD_LATE_DQ_ADD=1)
+        # and for 6 with each tile's dQ reduce-add issued in the tile ("e", DUALKV_CUDA_BWD_LATE_DQ_ADD=0; the
+        # others run 6 with the default, each tile's add issued at the next tile)
         quick = {"1": (3, 4, 6, 7), "1t": (7, 10), "2": (3, 4, 6), "3": (0, 4, 5), "4": (0, 1, 2), "5": (0, 1), "6": (0, 1, 4, 5, 11),
                  "8": (0, 1, 3, 4, 5, 6), "6t": (0, 1, 4, 11, 15), "8t": (1, 3, 4, 5, 16), "9t": (0, 1, 2, 4, 5, 11),
-                 "6th": (15,), "8th": (16,), "6tl": (1, 15)}
+                 "6th": (15,), "8th": (16,), "6te": (1, 15)}
         ok = check_wgmma_path()
         ok = check_device_defaults(backward=True) and ok
         ok = check_tma_fallback(backward=True) and ok
@@ -633,7 +634,7 @@ def main():
             os.environ["DUALKV_CUDA_WGMMA_BWD"] = mode[0]
             os.environ["DUALKV_CUDA_BWD_TMA"] = "1" if "t" in mode else "0"
             os.environ["DUALKV_CUDA_BWD_ITEM_ORDER"] = "1" if "h" in mode else "0"
-            os.environ["DUALKV_CUDA_BWD_LATE_DQ_ADD"] = "1" if "l" in mode else "0"
+            os.environ["DUALKV_CUDA_BWD_LATE_DQ_ADD"] = "0" if "e" in mode else "1"
             print(f"DUALKV_CUDA_WGMMA_BWD={mode[0]} DUALKV_CUDA_BWD_TMA={os.environ['DUALKV_CUDA_BWD_TMA']} "
                   f"DUALKV_CUDA_BWD_ITEM_ORDER={os.environ['DUALKV_CUDA_BWD_ITEM_ORDER']}", flush=True)
             cases = [SM90_BWD_CASES[i] for i in quick[mode]] if args.quick else SM90_BWD_CASES

@@ -323,9 +323,9 @@ def test_wgmma_forward_with_growing_scores(cuda_backend, case, mode, monkeypatch
     _check_against_reference(case, torch.bfloat16, r)
 
 
-@pytest.mark.parametrize("mode", [None, "1", "2", "3", "4", "5", "6", "8", "6t", "8t", "9t", "6tl"],
+@pytest.mark.parametrize("mode", [None, "1", "2", "3", "4", "5", "6", "8", "6t", "8t", "9t", "6te"],
                          ids=["default", "in-turn", "overlap", "fused-dq", "ws", "ws-both", "ws-fused-dq", "ws-split",
-                              "ws-fused-dq-tma", "ws-split-tma", "ws-deferred-dq-tma", "ws-fused-dq-tma-late-add"])
+                              "ws-fused-dq-tma", "ws-split-tma", "ws-deferred-dq-tma", "ws-fused-dq-tma-tile-add"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", [c for c in GRID if c[4] in (64, 128)], ids=lambda c: _ids(c))
@@ -337,13 +337,12 @@ def test_wgmma_backward_matches_reference(cuda_backend, case, dtype, determinist
     falls back to 5), =8 (5 with S^T and dP^T waited for apart; 5 itself under a softcap), and 6 / 8 with
     DUALKV_CUDA_BWD_TMA=1 (mode "6t" / "8t": the dK/dV kernel's loads as bulk tensor copies, the
     default; "6" / "8" set it to 0, the producer warpgroup's cp.async), =9 with it ("9t": 6 with each
-    tile's dQ product deferred a tile; deterministic=True falls back to 5), "6tl" (6t with
-    DUALKV_CUDA_BWD_LATE_DQ_ADD=1: each tile's dQ reduce-add issued at the next tile), on the grid against the
-    fp32 reference, in both accumulation modes, and the profiler shows which kernels ran."""
+    tile's dQ product deferred a tile; deterministic=True falls back to 5), "6te" (6t with
+    DUALKV_CUDA_BWD_LATE_DQ_ADD=0: each tile's dQ reduce-add issued in the tile, not at the next one as by
+    default), on the grid against the fp32 reference, in both accumulation modes, and the profiler shows which kernels ran."""
     tma = mode is None or "t" in mode
-    late = mode == "6tl"  # DUALKV_CUDA_BWD_LATE_DQ_ADD=1
-    if late:
-        monkeypatch.setenv("DUALKV_CUDA_BWD_LATE_DQ_ADD", "1")
+    if mode == "6te":
+        monkeypatch.setenv("DUALKV_CUDA_BWD_LATE_DQ_ADD", "0")
     else:
         monkeypatch.delenv("DUALKV_CUDA_BWD_LATE_DQ_ADD", raising=False)
     _choose_hopper_kernels(monkeypatch, "DUALKV_CUDA_WGMMA_BWD", mode and mode[0], "the wgmma backward")
@@ -363,7 +362,7 @@ def test_wgmma_backward_matches_reference(cuda_backend, case, dtype, determinist
         split = runs == "8" and case[6] is None  # under a softcap), bulk tensor copies (6, 8 and 9 as such, when
         copies = tma and (runs in ("6", "9") or split)  # asked), the deferred dQ (9)
         name = _dkdv_ws_kernel("Bf16" if dtype == torch.bfloat16 else "Fp16", case[4], runs in ("6", "9"), split, copies,
-                               runs == "9", late and runs == "6")
+                               runs == "9", copies and runs == "6" and mode != "6te")  # (6t) the late dQ add
         assert any(name in k for k in kernels), (name, sorted(kernels))
     if fused:  # no dQ kernel of any schedule
         assert not any("dkv_dq_" in name for name in kernels), sorted(kernels)
@@ -469,9 +468,9 @@ def test_auto_takes_cuda_where_it_measured_faster(cuda_backend, monkeypatch):
             cuda_fwd = any(form in n for n in kernels)
             triton_fwd = any(n.startswith("fwd_kernel") for n in kernels)  # Triton names its kernels bare
             # a kernel only the chosen backward runs: the split dQ kernel above 128, else the ws dK/dV
-            # kernel with dQ inside (schedule 6) with bulk tensor copies
+            # kernel with dQ inside (schedule 6) with bulk tensor copies and the late dQ add
             bwd = ("dkv_dq_sm90_split_kernel" if d > 128
-                   else _dkdv_ws_kernel("Bf16", d, dq=True, split=False, tma=True))
+                   else _dkdv_ws_kernel("Bf16", d, dq=True, split=False, tma=True, late=True))
             assert (cuda_fwd, triton_fwd) == (True, False), kernels
             if pair:  # Triton's backward: its kernels carry bare names
                 assert any(n.startswith(("dkdv", "dq_")) for n in kernels), kernels
@@ -676,7 +675,7 @@ SANITIZER_PATHS = {"default": {}, "hopper-opt-in": {"DUALKV_CUDA_WGMMA": "1", "D
                    "ws-both": {"DUALKV_CUDA_WGMMA_BWD": "5"}, "ws-fused-dq": {"DUALKV_CUDA_WGMMA_BWD": "6", "DUALKV_CUDA_BWD_TMA": "0"},
                    "ws-split": {"DUALKV_CUDA_WGMMA_BWD": "8", "DUALKV_CUDA_BWD_TMA": "0"},
                    "ws-deferred-dq": {"DUALKV_CUDA_WGMMA_BWD": "9"}, "cp-async-bwd": {"DUALKV_CUDA_BWD_TMA": "0"},
-                   "late-dq-add": {"DUALKV_CUDA_BWD_LATE_DQ_ADD": "1"},
+                   "tile-dq-add": {"DUALKV_CUDA_BWD_LATE_DQ_ADD": "0"},
                    "mma-sync": {"DUALKV_CUDA_WGMMA": "0", "DUALKV_CUDA_WGMMA_BWD": "0"}}
 
 
