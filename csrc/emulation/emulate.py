@@ -609,19 +609,20 @@ def main():
         # two passes and the dQ kernel's 16-key tiles, runs in the device-defaults check above)
         # and for the warp-specialised dQ (5) key walks longer than its ring (prompt tiles wrap it)
         # and for the default at d = 128 (6) a separate context too
-        # and for 5 with split waits (8, the default at d = 64) d = 64 cases with a window, a separate
-        # context (also deterministic) and, under a softcap, its fallback to 5
+        # and for 5 with split waits (8, with cp.async: opt-in) d = 64 cases with a window, a separate
+        # context (deterministic) and, under a softcap, its fallback to 5
         # and for 6 and 8 with bulk tensor copies (DUALKV_CUDA_BWD_TMA=1: "6t", "8t") ragged tiles, GQA,
         # a window, a separate context and (8) the softcap fallback, which loads by cp.async
         # and for the split kernels at d = 256 with their bulk tensor copies ("1t"), atomic and with a
         # separate context
-        # and for 6 with the deferred dQ (9, TMA only) items of several tiles at d = 128 and 64, GQA,
-        # its deterministic fallback to 5, a softcap and a separate context
+        # and for 6 with the deferred dQ (9, TMA only, opt-in) items of several tiles at d = 128 and 64,
+        # GQA, its deterministic fallback to 5 and a separate context
+        # (the opt-in 4, 8 and 9 on fewer cases since 2026-12-06, to keep CI's time down)
         # and for the defaults at d = 128 / 64 two kv heads, their items kv head major too ("h")
         # and for 6 with each tile's dQ reduce-add issued in the tile ("e", DUALKV_CUDA_BWD_LATE_DQ_ADD=0; the
         # others run 6 with the default, each tile's add issued at the next tile)
-        quick = {"1": (3, 4, 6, 7), "1t": (7, 10), "2": (3, 4, 6), "3": (0, 4, 5), "4": (0, 1, 2), "5": (0, 1), "6": (0, 1, 4, 5, 11),
-                 "8": (0, 1, 3, 4, 5, 6), "6t": (0, 1, 4, 11, 15), "8t": (1, 3, 4, 5, 16), "9t": (0, 1, 2, 4, 5, 11),
+        quick = {"1": (3, 4, 6, 7), "1t": (7, 10), "2": (3, 4, 6), "3": (0, 4, 5), "4": (0,), "5": (0, 1), "6": (0, 1, 4, 5, 11),
+                 "8": (3, 4, 6), "6t": (0, 1, 4, 11, 15), "8t": (1, 3, 4, 5, 16), "9t": (0, 1, 2, 11),
                  "6th": (15,), "8th": (16,), "6te": (1, 15)}
         ok = check_wgmma_path()
         ok = check_device_defaults(backward=True) and ok
