@@ -620,9 +620,9 @@ DKV_DEV void store_dkdv_rows(const BwdParams& p, const KvItem& it, const int (&k
 // dQ_part (64 queries x 64 head-dim columns) = dS K by wgmma SS (dS K-major, K MN-major; at d = 128
 // warpgroup w takes columns 64 w .. 64 w + 63 over all 128 keys, at d = 64 it takes its own 64 keys).
 // The warpgroup stages dQ_part in shared memory with the workspace's row pitch (kPitch: kDqAccumPitch,
-// padded; 64 with DkdvSm90Ws::kLateAdd, whose columns may be rotated instead) and one of its threads adds the tile's valid rows to the fp32 workspace, head-major so that they
-// are one contiguous run, with one bulk reduce-add (cp.reduce.async.bulk) that runs while the block
-// goes on.
+// padded; 64 with DkdvSm90Ws::kLateAdd, whose columns are rotated instead) and one of its threads adds
+// the tile's valid rows to the fp32 workspace, head-major so that they are one contiguous run, with one
+// bulk reduce-add (cp.reduce.async.bulk) that runs while the block goes on.
 template <class E, int D, int kBlockM, int kBlockN, int kPitch = kDqAccumPitch>
 struct FusedDq {
   static constexpr int kParts = D / 64;
