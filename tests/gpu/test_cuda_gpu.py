@@ -339,7 +339,8 @@ def test_wgmma_backward_matches_reference(cuda_backend, case, dtype, determinist
     default; "6" / "8" set it to 0, the producer warpgroup's cp.async), =9 with it ("9t": 6 with each
     tile's dQ product deferred a tile; deterministic=True falls back to 5), "6te" (6t with
     DUALKV_CUDA_BWD_LATE_DQ_ADD=0: each tile's dQ reduce-add issued in the tile, not at the next one as by
-    default), on the grid against the fp32 reference, in both accumulation modes, and the profiler shows which kernels ran."""
+    default), on the grid against the fp32 reference, in both accumulation modes, and the profiler
+    shows which kernels ran."""
     tma = mode is None or "t" in mode
     if mode == "6te":
         monkeypatch.setenv("DUALKV_CUDA_BWD_LATE_DQ_ADD", "0")
