@@ -876,10 +876,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
       dsum_buf.narrow(0, H * T, kVecTail).zero_();
     }
   }
-  // (DUALKV_CUDA_BWD_LATE_DQ_ADD) only schedule 6's kernel with the TMA producer adds late, at pitch 64
-  // (dq_accum, allocated at kDqAccumPitch, has room); every other kernel adds at kDqAccumPitch
+  // (DUALKV_CUDA_BWD_LATE_DQ_ADD) only schedule 6's kernel with the TMA producer adds late, at
+  // kDqAccumPitchLate (dq_accum, allocated at kDqAccumPitch, has room); every other kernel adds at kDqAccumPitch
   p.late_dq_add = late_dq_add && sm90 == 6 && p.tma;
-  p.dq_accum_pitch = p.late_dq_add ? 64 : kDqAccumPitch;
 
   const cudaStream_t st = current_stream();
   const bool bf16 = q.scalar_type() == at::kBFloat16;

@@ -660,7 +660,8 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(256) dkv_convert_dq_kernel(const DKV_GRID_CONS
   const int64_t run = (static_cast<int64_t>(h) * (p.head_dim / 64) + part) * p.total_q + t;
   float a[4];
   const int rot = p.late_dq_add ? 8 * (t & 3) : 0;  // (FusedDq::store_rows<true>) packed row t's rotation
-  load_f32x4(a, p.dq_accum + run * p.dq_accum_pitch + ((col + rot) & 63));
+  const int pitch = p.late_dq_add ? kDqAccumPitchLate : kDqAccumPitch;
+  load_f32x4(a, p.dq_accum + run * pitch + ((col + rot) & 63));
   uint16_t* dst = static_cast<uint16_t*>(p.dq.ptr) + p.dq.offset(t, h) + col;
   store_u32(dst, pack2<E>(a[0] * p.scale, a[1] * p.scale));
   store_u32(dst + 2, pack2<E>(a[2] * p.scale, a[3] * p.scale));

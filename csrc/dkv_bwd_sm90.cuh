@@ -659,6 +659,10 @@ struct FusedDq {
     if ((thread_idx() & 127) == 0) sm90::bulk_wait_read<0>();  // the previous tile's rows have been read out
     sm90::warpgroup_sync(thread_idx() >> 7);  // (the warpgroup in the block: a producer warpgroup counts)
     store_rows(stage, warp, g, tq);
+    commit(p, stage, wg, hq, row, m_valid);
+  }
+  // The staged rows `stage` to the async proxy, then (the warpgroup met) their reduce-add.
+  DKV_DEV void commit(const BwdParams& p, const float* stage, int wg, int hq, int row, int m_valid) const {
     sm90::fence_smem_to_async_proxy();
     sm90::warpgroup_sync(thread_idx() >> 7);
     issue_add(p, stage, wg, hq, row, m_valid);

@@ -95,7 +95,7 @@ struct DkdvSm90Ws {
   static constexpr int kOffQ = 2 * kKvTile * 2, kOffDo = kOffQ + kStages * kQTile * 2;
   static constexpr int kOffDs = kOffDo + kStages * kQTile * 2, kDsBytes = kDq ? 2 * kBlockM * kBlockN * 2 : 0;
   // The dQ staging's row pitch (floats) and buffers: kLateAdd's two fit at pitch 64 (d = 128: 226.6 KiB)
-  static constexpr int kStagePitch = kLateAdd ? 64 : kDqAccumPitch, kStageBufs = kLateAdd ? 2 : 1;
+  static constexpr int kStagePitch = kLateAdd ? kDqAccumPitchLate : kDqAccumPitch, kStageBufs = kLateAdd ? 2 : 1;
   static constexpr int kOffStage = kOffDs + kDsBytes, kStageBytes = kDq ? kStageBufs * 2 * kBlockM * kStagePitch * 4 : 0;
   // lse_log2 / dsum buffers of kVecPitch floats (kTma: a kVecBox-float run, 128-byte aligned apart).
   static constexpr int kVecBox = kBlockM + 4, kVecPitch = kTma ? 96 : kBlockM;
@@ -370,11 +370,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
     store_dkdv_rows<E, kParts>(p, decode_item<kBlockN>(p, slot.item), w.key_in_tile, tq, w.dk, w.dv);
   }
   if constexpr (kLateAdd) {
-    if (late_m >= 0) {
-      sm90::fence_smem_to_async_proxy();
-      sm90::warpgroup_sync(thread_idx() >> 7);
-      fdq.issue_add(p, fdq.staging(sStage, wg, (n_tiles - 1) & 1), wg, late_hq, late_row, late_m);
-    }
+    if (late_m >= 0) fdq.commit(p, fdq.staging(sStage, wg, (n_tiles - 1) & 1), wg, late_hq, late_row, late_m);
   }
   if constexpr (kDq) sm90::bulk_wait<0>();  // the dQ rows this thread added
 }

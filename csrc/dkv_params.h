@@ -80,6 +80,9 @@ struct FwdParams : AttnArgs {
 // conflict (at 68, 4 apart: 2-way; 72 made the ws dK/dV kernel with dQ inside 4-6% faster on an H200,
 // benchmarks/results/raw/profile_h200_pitch72.log).
 constexpr int kDqAccumPitch = 72;
+// The late dQ add's pitch (DkdvSm90Ws::kLateAdd, BwdParams::late_dq_add): two staging buffers fit only
+// unpadded, and packed row t's columns are rotated by 8 (t % 4) instead (FusedDq::store_rows<true>).
+constexpr int kDqAccumPitchLate = 64;
 
 struct BwdParams : AttnArgs {
   TensorRef out, dout;
@@ -113,10 +116,8 @@ struct BwdParams : AttnArgs {
   // at head dim 512, else copies of tma_q / tma_dout).
   bool tma = false;
   // (schedule 6 with tma, DUALKV_CUDA_BWD_LATE_DQ_ADD unset or 1) DkdvSm90Ws::kLateAdd, which stages and adds
-  // dq_accum's rows at pitch 64 (dq_accum_pitch; else kDqAccumPitch), their columns rotated
-  // (FusedDq::store_rows<true>)
+  // dq_accum's rows at kDqAccumPitchLate (else kDqAccumPitch), their columns rotated (FusedDq::store_rows<true>)
   bool late_dq_add = false;
-  int dq_accum_pitch = kDqAccumPitch;
   TmaDesc tma_q, tma_dout, tma_k, tma_v, tma_k_ctx, tma_v_ctx, tma_lse_log2, tma_dsum, tma_q_reader, tma_dout_reader;
 };
 
