@@ -77,13 +77,13 @@ def test_wgmma_check_kernels_compile_for_sm90a(tmp_path):
 
 def test_wgmma_building_blocks_and_kernels_on_the_cpu_emulation():
     """The wgmma check kernels, the wgmma forward and the wgmma dK/dV kernel on the host emulation
-    (csrc/emulation/emulate.py --wgmma / --sm90 / --sm90-bwd --quick): tile layout, descriptors,
+    (csrc/emulation/emulate.py --wgmma / --sm90 --quick / --sm90-bwd --quick): tile layout, descriptors,
     fragment packing, the forward's masking and online softmax, and the dK/dV reader walk agree with
     torch and the reference; the GPU tests check that the hardware reads the layouts the same way."""
     if shutil.which("c++") is None and shutil.which("g++") is None:
         pytest.skip("no C++ compiler for the emulation build")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    for mode in (["--wgmma"], ["--sm90", "--forward-only"], ["--sm90-bwd", "--quick"]):
+    for mode in (["--wgmma"], ["--sm90", "--forward-only", "--quick"], ["--sm90-bwd", "--quick"]):
         proc = subprocess.run([sys.executable, str(CSRC / "emulation" / "emulate.py"), *mode], capture_output=True,
                               text=True, env=env, timeout=1200)
         assert proc.returncode == 0 and "ALL OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
