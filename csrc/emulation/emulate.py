@@ -157,7 +157,7 @@ SM90_CASES = [
 # --sm90 --quick: the cases of the opt-in forwards (DUALKV_CUDA_WGMMA=1 and 2, the persistent one on
 # 128-key tiles): GQA over two groups, a softcap, a separate context, d = 64, d = 256 (which takes its
 # own forward) and fp16 with a window
-SM90_QUICK = (1, 3, 4, 5, 7, 10)
+SM90_QUICK = [SM90_CASES[i] for i in (1, 3, 4, 5, 7, 10)]
 
 # The wgmma backward's cases (DUALKV_CUDA_WGMMA_BWD=1, 2, 3 (dQ in the dK/dV kernel), 4 (warp-specialised dK/dV), 5 (both
 # kernels warp-specialised), 6 (dQ in the warp-specialised dK/dV kernel) and 8 (5 with split waits); d = 64, 128; dQ on 128-row query tiles with
@@ -343,9 +343,10 @@ def check_persistent_forward(backward: bool, quick: bool = False) -> bool:
             os.environ["DUALKV_CUDA_FWD_BLOCK_N"] = block_n
             print(f"DUALKV_CUDA_WGMMA=3 DUALKV_CUDA_FWD_PERSISTENT=1 DUALKV_CUDA_FWD_BLOCK_N={block_n}", flush=True)
             # (with 128-key tiles, d = 192 / 256 / 512 too: they keep their forward)
-            cases = [c for c in SM90_CASES if block_n == "128" or c["d"] == 128] + [long_walks]
             if quick and block_n == "128":
-                cases = [SM90_CASES[i] for i in SM90_QUICK]
+                cases = SM90_QUICK
+            else:
+                cases = [c for c in SM90_CASES if block_n == "128" or c["d"] == 128] + [long_walks]
             ok = all([run_case(**c, backward=backward) for c in cases]) and ok
         os.environ["DUALKV_CUDA_FWD_BLOCK_N"] = "128"
         return expect_choice_errors("DUALKV_CUDA_FWD_PERSISTENT", "2", "0 or 1", {"DUALKV_CUDA_WGMMA": "2"},
@@ -601,7 +602,7 @@ def main():
         for mode in ("1", "2", "3"):  # the wgmma forward, its warp-specialised form, that form with TMA loads
             os.environ["DUALKV_CUDA_WGMMA"] = mode
             print(f"DUALKV_CUDA_WGMMA={mode}", flush=True)
-            cases = [SM90_CASES[i] for i in SM90_QUICK] if args.quick and mode != "3" else SM90_CASES
+            cases = SM90_QUICK if args.quick and mode != "3" else SM90_CASES
             ok = all([run_case(**c, backward=not args.forward_only) for c in cases]) and ok
         ok = check_tma_head_dim() and ok
         ok = check_wide_key_tiles(backward=not args.forward_only) and ok
