@@ -12,6 +12,8 @@ if not HAS_CUDA:
 
 
 def pytest_collection_modifyitems(config, items):
+    # Long tests first, so that test workers (pytest -n) start them early and finish together.
+    items.sort(key=lambda item: "slow" not in item.keywords)
     if HAS_CUDA:
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -37,6 +37,7 @@ def _nvcc() -> str | None:
     return _build_config().find_nvcc()
 
 
+@pytest.mark.slow
 def test_every_kernel_translation_unit_compiles_for_sm80_and_sm90a(tmp_path):
     nvcc = _nvcc()
     if nvcc is None:
@@ -75,18 +76,21 @@ def test_wgmma_check_kernels_compile_for_sm90a(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
-def test_wgmma_building_blocks_and_kernels_on_the_cpu_emulation():
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", [["--wgmma"], ["--sm90", "--forward-only", "--quick"], ["--sm90-bwd", "--quick"]],
+                         ids=["wgmma", "sm90-forward", "sm90-backward"])
+def test_wgmma_building_blocks_and_kernels_on_the_cpu_emulation(mode):
     """The wgmma check kernels, the wgmma forward and the wgmma dK/dV kernel on the host emulation
     (csrc/emulation/emulate.py --wgmma / --sm90 --quick / --sm90-bwd --quick): tile layout, descriptors,
     fragment packing, the forward's masking and online softmax, and the dK/dV reader walk agree with
-    torch and the reference; the GPU tests check that the hardware reads the layouts the same way."""
+    torch and the reference; the GPU tests check that the hardware reads the layouts the same way.
+    One test per mode, so that test workers (pytest -n) run them side by side."""
     if shutil.which("c++") is None and shutil.which("g++") is None:
         pytest.skip("no C++ compiler for the emulation build")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    for mode in (["--wgmma"], ["--sm90", "--forward-only", "--quick"], ["--sm90-bwd", "--quick"]):
-        proc = subprocess.run([sys.executable, str(CSRC / "emulation" / "emulate.py"), *mode], capture_output=True,
-                              text=True, env=env, timeout=1200)
-        assert proc.returncode == 0 and "ALL OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = subprocess.run([sys.executable, str(CSRC / "emulation" / "emulate.py"), *mode], capture_output=True,
+                          text=True, env=env, timeout=1200)
+    assert proc.returncode == 0 and "ALL OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
 def test_arch_list_parsing(monkeypatch):

@@ -712,6 +712,9 @@ class _Ctx:
 
 
 _WORLD_RESULTS: dict = {}
+# Under pytest -n, every test of one world goes to the same worker, which spawns that world once.
+WORLDS = [pytest.param(world, id=str(world), marks=pytest.mark.xdist_group(f"sp-world-{world}"))
+          for world in WORLD_SIZES]
 
 
 def world_results(world):
@@ -738,7 +741,7 @@ def _read_outcomes(out_dir, name, world, err):
     return outcomes
 
 
-@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("world", WORLDS)
 def test_world_runs_every_check(world):
     """Spawns the world (the slow part, so --durations shows it here) and gets an outcome per check and rank."""
     outcomes = world_results(world)
@@ -746,7 +749,7 @@ def test_world_runs_every_check(world):
 
 
 @pytest.mark.parametrize("name", list(CHECKS))
-@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("world", WORLDS)
 def test_sp(world, name):
     per_rank = world_results(world)[name]
     failures = [f"rank {i}: {o}" for i, o in enumerate(per_rank) if o and o.startswith("fail")]
