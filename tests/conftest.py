@@ -9,6 +9,11 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     # Must be set before any @triton.jit function is launched.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("PYTEST_XDIST_WORKER") and not HAS_CUDA:
+    # One of several test workers (pytest -n) on a CPU machine: one intra-op thread each (and in the
+    # processes they start), so that the workers share the cores instead of oversubscribing them.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
