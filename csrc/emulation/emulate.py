@@ -576,36 +576,6 @@ def run_wgmma_checks(seed: int = 0) -> bool:
     return ok
 
 
-# Seconds each unit of --sm90-bwd --quick took on a 2-core CPU machine (2026-12-07): --part deals the units
-# out by these, longest first, each to the part with the least so far.
-UNIT_SECONDS = {"wgmma path": 0, "device defaults": 36, "tma fallback": 15, "chunk ends": 0, "reader chunks": 87,
-                "tile order": 56, "plan cache": 45, "schedule 1": 27, "schedule 1t": 14, "schedule 2": 6,
-                "schedule 3": 19, "schedule 4": 15, "schedule 5": 27, "schedule 6": 41, "schedule 8": 7,
-                "schedule 6t": 50, "schedule 8t": 31, "schedule 9t": 27, "schedule 6th": 13, "schedule 8th": 16,
-                "schedule 6te": 28, "bad item order": 3}
-
-
-def run_units(units, part=None) -> bool:
-    """Runs the named checks (all, or with part = (K, N) the K-th of N parts), printing each one's time."""
-    if part is not None:
-        k, n = part
-        loads, mine = [0.0] * n, []
-        for name, fn in sorted(units, key=lambda u: -UNIT_SECONDS.get(u[0], 10.0)):
-            j = loads.index(min(loads))
-            loads[j] += UNIT_SECONDS.get(name, 10.0)
-            if j == k - 1:
-                mine.append((name, fn))
-        units = [u for u in units if u in mine]
-    ok, env = True, dict(os.environ)
-    for name, fn in units:  # each in the environment they all started from, whichever ran before it
-        t = time.time()
-        ok = fn() and ok
-        os.environ.clear()
-        os.environ.update(env)
-        print(f"[{name}: {time.time() - t:.0f}s]", flush=True)
-    return ok
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -615,14 +585,7 @@ def main():
     ap.add_argument("--sm90-bwd", action="store_true",
                     help="the wgmma backward's cases (DUALKV_CUDA_WGMMA_BWD=1 .. 6 and 8, with the wgmma forward)")
     ap.add_argument("--forward-only", action="store_true", help="with --sm90: skip the backward")
-    ap.add_argument("--part", default=None, metavar="K/N",
-                    help="with --sm90-bwd: only the K-th of N parts of its checks (so that N processes share them)")
     args = ap.parse_args()
-    if args.part is not None:
-        k, _, n = args.part.partition("/")
-        if not (k.isdigit() and n.isdigit() and 1 <= int(k) <= int(n)) or not args.sm90_bwd:
-            ap.error(f"--part: expected K/N with 1 <= K <= N, together with --sm90-bwd, got {args.part!r}")
-        args.part = (int(k), int(n))
     listed = SM90_BWD_CASES if args.sm90_bwd else CASES
     if args.only is not None and not 0 <= args.only < len(listed):
         ap.error(f"--only: expected a case index 0 .. {len(listed) - 1}, got {args.only}")
@@ -670,8 +633,14 @@ def main():
         quick = {"1": (3, 4, 6, 7), "1t": (7, 10), "2": (4,), "3": (0, 5), "4": (0,), "5": (0, 1), "6": (0, 1, 4, 5, 11),
                  "8": (3,), "6t": (0, 1, 4, 11, 15), "8t": (3, 4, 16), "9t": (0, 1),
                  "6th": (15,), "8th": (16,), "6te": (1, 15)}
-
-        def schedule(mode):  # "t": with the TMA producer; "h": items kv head major; "e": the per-tile dQ add
+        ok = check_wgmma_path()
+        ok = check_device_defaults(backward=True) and ok
+        ok = check_tma_fallback(backward=True) and ok
+        ok = check_chunk_ends() and ok
+        ok = check_reader_chunks(device_defaults=True) and ok
+        ok = check_tile_order(device_defaults=True) and ok
+        ok = check_plan_cache() and ok
+        for mode in quick:  # the schedules above; "t": with the TMA producer; "h": items kv head major
             os.environ["DUALKV_CUDA_WGMMA_BWD"] = mode[0]
             os.environ["DUALKV_CUDA_BWD_TMA"] = "1" if "t" in mode else "0"
             os.environ["DUALKV_CUDA_BWD_ITEM_ORDER"] = "1" if "h" in mode else "0"
@@ -681,20 +650,10 @@ def main():
             cases = [SM90_BWD_CASES[i] for i in quick[mode]] if args.quick else SM90_BWD_CASES
             if args.only is not None:
                 cases = [SM90_BWD_CASES[args.only]]
-            return all([run_case(**c) for c in cases])
-
-        units = [("wgmma path", check_wgmma_path),
-                 ("device defaults", lambda: check_device_defaults(backward=True)),
-                 ("tma fallback", lambda: check_tma_fallback(backward=True)),
-                 ("chunk ends", check_chunk_ends),
-                 ("reader chunks", lambda: check_reader_chunks(device_defaults=True)),
-                 ("tile order", lambda: check_tile_order(device_defaults=True)),
-                 ("plan cache", check_plan_cache),
-                 *[(f"schedule {mode}", lambda mode=mode: schedule(mode)) for mode in quick],
-                 ("bad item order", lambda: expect_error(
-                     {"DUALKV_CUDA_WGMMA_BWD": "6", "DUALKV_CUDA_BWD_TMA": "1", "DUALKV_CUDA_BWD_ITEM_ORDER": "2"}, "DUALKV_CUDA_BWD_ITEM_ORDER: expected one of 0, 1 (or unset), got '2'",
-                     "DUALKV_CUDA_BWD_ITEM_ORDER=2", **SM90_BWD_CASES[15]))]
-        ok = run_units(units, args.part)
+            ok = all([run_case(**c) for c in cases]) and ok
+        ok = expect_error({"DUALKV_CUDA_BWD_ITEM_ORDER": "2"},
+                          "DUALKV_CUDA_BWD_ITEM_ORDER: expected one of 0, 1 (or unset), got '2'",
+                          "DUALKV_CUDA_BWD_ITEM_ORDER=2", **SM90_BWD_CASES[15]) and ok
         print("ALL OK" if ok else "FAILURES")
         sys.exit(0 if ok else 1)
     cases = CASES[:2] if args.quick else CASES
