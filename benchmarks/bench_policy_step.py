@@ -221,8 +221,9 @@ def profile_step(trainer, step: int, path: Path, meta: dict, top: int = 40) -> s
     """One more step under torch.profiler, written to ``path`` under the run's card, date and command
     (``meta``), so the time an MFU figure leaves on the table can be attributed: the ``top`` ops by
     self device time (CPU time on a CPU), then the same ops split by their input shapes (which
-    tensors a copy or an element-wise kernel worked on); on a GPU also where it sat idle and what
-    the host was doing then (``benchmarks.timeline``)."""
+    tensors a copy or an element-wise kernel worked on); on a GPU also the device time by kind of
+    kernel and phase, with what ran beside the main stream, and where the GPU sat idle and what the
+    host was doing then (``benchmarks.timeline``)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
@@ -240,8 +241,9 @@ def profile_step(trainer, step: int, path: Path, meta: dict, top: int = 40) -> s
     text = head + "\n".join(f"## {title}\n\n{avg.table(sort_by=key, row_limit=top, max_name_column_width=80)}\n"
                              for title, avg in tables)
     if cuda:
-        from benchmarks.timeline import idle_report
+        from benchmarks.timeline import idle_report, kind_report
 
+        text += "\n## device time by kind and phase\n\n" + "\n".join(kind_report(prof)) + "\n"
         text += "\n## idle GPU time (host operator at each stretch's middle)\n\n" + "\n".join(idle_report(prof, 25)) + "\n"
     path.write_text(text)
     return path.name

@@ -8,8 +8,16 @@ it and, when CPU operators were recorded, the host operator running at the stret
 (innermost first, then the ``phase:`` region around it); then that idle time summed by ``phase:``
 region and by innermost host operator, so that a step's idle time can be attributed.
 
+``kind_report``: the device time of the kernels and copies summed by what they do (matrix products,
+attention forward / backward, compiled element-wise kernels, copies, the optimizer, ...), per
+``phase:`` region, and how much of it ran on streams other than the main one and overlapped it.
+
 ``host_syncs(fn)`` counts the synchronising CUDA calls one call of ``fn`` makes (torch's sync debug
 mode), each named by its innermost caller outside torch.
+
+Device events that are user annotations (a ``record_function`` region as the profiler draws it on
+the GPU's timeline, spanning the kernels launched inside it) are regions, not work: they never count
+as busy time.
 
 Phases are ``torch.profiler.record_function`` regions named ``phase:<name>`` (the trainer's
 ``PhaseTimer`` opens one per phase). A stretch inside no operator is host time spent in Python
@@ -29,10 +37,16 @@ PHASE_PREFIX = "phase:"
 NO_OP = "(between operators)"
 
 
+def device_work(prof) -> list:
+    """The kernels, copies and memsets the profile recorded on the GPU (no user annotations), by start."""
+    device = torch.autograd.DeviceType.CUDA
+    return sorted((e for e in prof.events() if e.device_type == device and not getattr(e, "is_user_annotation", False)),
+                  key=lambda e: e.time_range.start)
+
+
 def idle_stretches(prof) -> tuple[float, list[tuple[float, float, str]]]:
     """(span us, [(start us, end us, name of the device activity after it)]) in time order."""
-    device = torch.autograd.DeviceType.CUDA
-    work = sorted((e for e in prof.events() if e.device_type == device), key=lambda e: e.time_range.start)
+    work = device_work(prof)
     if not work:
         return 0.0, []
     busy_until, stretches = work[0].time_range.end, []
@@ -90,6 +104,108 @@ def idle_report(prof, top: int) -> list[str]:
     lines += [f"   {us / 1000:9.2f} ms  {name}" for name, us in sorted(by_phase.items(), key=lambda kv: -kv[1])]
     lines.append("   idle time by the host operator running then (innermost):")
     lines += [f"   {us / 1000:9.2f} ms  {name[:90]}" for name, us in sorted(by_op.items(), key=lambda kv: -kv[1])[:top]]
+    return lines
+
+
+# What a device activity does, from its name: the first kind one of whose patterns it contains (lower
+# case). The attention kernels are this project's (CUDA backend: ``dkv::dkv_*``; Triton / Gluon: their
+# function names); products are cuBLAS's (``nvjet``, ``gemm``, ``Kernel2``), CUTLASS's or Inductor's
+# templates (``triton_tem_``); Inductor's other kernels are ``triton_poi_`` / ``triton_red_`` / ....
+KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("log-prob head", ("_logprob",)),
+    ("attention forward", ("dkv_fwd", "fwd_kernel", "fwd_ws_kernel")),
+    ("attention backward", ("dkv_dkdv", "dkv_dq", "dkv_bwd_prep", "dkv_convert", "dkdv_", "dq_kernel", "dq_split",
+                            "preprocess_kernel", "reduce_kernel", "scale_cast_kernel")),
+    ("matrix products", ("nvjet", "gemm", "cutlass", "xmma", "kernel2", "cublas", "matmul", "triton_tem_")),
+    ("optimizer", ("multi_tensor_apply", "adam")),
+    ("communication", ("nccl",)),
+    ("copies and memsets", ("memcpy", "memset")),
+    ("compiled element-wise", ("triton_",)),
+)
+OTHER_KIND = "other (eager element-wise, reductions, ...)"
+
+
+def kind_of(name: str) -> str:
+    """The ``KINDS`` entry a device activity of this name belongs to, else ``OTHER_KIND``."""
+    low = name.lower()
+    for kind, patterns in KINDS:
+        if any(p in low for p in patterns):
+            return kind
+    return OTHER_KIND
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _overlap(intervals: list[tuple[float, float]], covered: list[tuple[float, float]]) -> float:
+    """The time of ``intervals`` (any order) inside the disjoint, sorted ``covered``."""
+    import bisect
+
+    starts = [c[0] for c in covered]
+    total = 0.0
+    for start, end in intervals:
+        k = max(bisect.bisect_right(starts, start) - 1, 0)
+        while k < len(covered) and covered[k][0] < end:
+            total += max(0.0, min(end, covered[k][1]) - max(start, covered[k][0]))
+            k += 1
+    return total
+
+
+def kind_report(prof) -> list[str]:
+    """Report lines: the device time of the recorded kernels and copies summed by ``kind_of``, in
+    total and per ``phase:`` region (the regions as drawn on the GPU's timeline; a kernel belongs to
+    the one its start lies in), largest first, with each kind's share and count; then the time on
+    streams other than the main one (the stream with the most device time: FSDP's copies and
+    reductions, for instance, run on their own) and how much of it overlapped the main stream's work,
+    by kind. Times add up to more than the GPU's busy span where streams overlap."""
+    work = device_work(prof)
+    if not work:
+        return ["   no device activity recorded"]
+    device = torch.autograd.DeviceType.CUDA
+    phases = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == device and getattr(e, "is_user_annotation", False)
+                     and e.name.startswith(PHASE_PREFIX)))
+    stream_of = [getattr(e, "device_resource_id", 0) for e in work]
+    busy_by_stream: dict = defaultdict(float)
+    for e, stream in zip(work, stream_of):
+        busy_by_stream[stream] += e.time_range.end - e.time_range.start
+    main = max(busy_by_stream, key=busy_by_stream.get)
+
+    table: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0]))
+    side: dict[str, list] = defaultdict(list)
+    for e, stream in zip(work, stream_of):
+        kind, start, dur = kind_of(e.name), e.time_range.start, e.time_range.end - e.time_range.start
+        phase = next((name for s, t, name in phases if s <= start < t), "(no phase)")
+        for column in ("all", phase):
+            cell = table[column][kind]
+            cell[0] += dur
+            cell[1] += 1
+        if stream != main:
+            side[kind].append((start, e.time_range.end))
+
+    lines = []
+    for column in ["all", *dict.fromkeys(name for *_, name in phases), "(no phase)"]:
+        kinds = table.get(column)
+        if not kinds:
+            continue
+        total = sum(t for t, _ in kinds.values())
+        lines.append(f"   {'every phase' if column == 'all' else column}: {total / 1000:.2f} ms of device time")
+        lines += [f"   {t / 1000:10.2f} ms  {100 * t / total:5.1f}%  {n:6d}x  {kind}"
+                  for kind, (t, n) in sorted(kinds.items(), key=lambda kv: -kv[1][0])]
+    main_busy = _union([(e.time_range.start, e.time_range.end) for e, s in zip(work, stream_of) if s == main])
+    side_total = sum(end - start for spans in side.values() for start, end in spans)
+    lines.append(f"   on streams other than the main one ({main}): {side_total / 1000:.2f} ms, "
+                 f"{_overlap([x for spans in side.values() for x in spans], main_busy) / 1000:.2f} ms of it "
+                 f"while the main stream worked")
+    lines += [f"   {sum(b - a for a, b in spans) / 1000:10.2f} ms  ({_overlap(spans, main_busy) / 1000:.2f} ms "
+              f"overlapped)  {kind}" for kind, spans in sorted(side.items(), key=lambda kv: -sum(b - a for a, b in kv[1]))]
     return lines
 
 

@@ -688,10 +688,11 @@ def _planted_profile(events):
     return SimpleNamespace(events=lambda: events)
 
 
-def _event(name, start, end, device=torch.autograd.DeviceType.CUDA):
+def _event(name, start, end, device=torch.autograd.DeviceType.CUDA, stream=7, annotation=False):
     from types import SimpleNamespace
 
-    return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end))
+    return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end),
+                           device_resource_id=stream, is_user_annotation=annotation)
 
 
 def test_timeline_idle_report_on_a_planted_timeline():
@@ -710,6 +711,75 @@ def test_timeline_idle_report_on_a_planted_timeline():
     assert lines[1] == "      300.0 us  before attn_fwd"
     assert lines[2] == "       10.0 us  before rope"
     assert timeline.idle_report(_planted_profile([]), 3) == ["   no device activity recorded"]
+
+
+def test_timeline_idle_time_is_not_hidden_by_annotations():
+    """A record_function region drawn on the GPU's timeline (a user annotation spanning the kernels
+    launched in it) is not work: the idle time inside it still counts."""
+    from benchmarks import timeline
+
+    events = [
+        _event("phase:update", 0, 1000, annotation=True),
+        _event("## Call CompiledFxGraph abc ##", 0, 900, annotation=True),
+        _event("gemm", 0, 100),
+        _event("attn_fwd", 600, 1000),  # 500 us idle inside both regions
+    ]
+    lines = timeline.idle_report(_planted_profile(events), 2)
+    assert lines[0] == "   GPU span 1.00 ms, idle 0.50 ms in 1 stretches; longest:"
+    assert lines[1] == "      500.0 us  before attn_fwd"
+
+
+def test_timeline_kind_of_names_the_step_kernels():
+    """kind_of sorts the kernels of a policy step's profile (names as the H200 profiles print them)."""
+    from benchmarks.timeline import OTHER_KIND, kind_of
+
+    assert kind_of("void dkv::dkv_fwd_sm90_kernel<dkv::Bf16, 128, true, true>(dkv::FwdParams)") == "attention forward"
+    assert kind_of("fwd_ws_kernel") == "attention forward"
+    for name in ("void dkv::dkv_dkdv_sm90_ws_kernel<dkv::Bf16, 128, true, false, true, false>(dkv::BwdParams)",
+                 "void dkv::dkv_convert_dq_kernel<dkv::Bf16>(dkv::BwdParams)", "dkdv_rows_gluon_kernel", "dq_kernel",
+                 "void dkv::dkv_bwd_prep_kernel<dkv::Bf16>(dkv::BwdParams)"):
+        assert kind_of(name) == "attention backward", name
+    assert kind_of("_logprob_fwd_kernel") == "log-prob head"  # not the attention forward's fwd_kernel
+    assert kind_of("nvjet_sm90_tst_256x152_64x4_1x2_h_bz_coopA_TNT") == "matrix products"
+    assert kind_of("triton_tem_fused_mm_0") == "matrix products"
+    assert kind_of("triton_poi_fused_mul_silu_silu_backward_0") == "compiled element-wise"
+    assert kind_of("Memcpy DtoD (Device -> Device)") == "copies and memsets"
+    assert kind_of("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<...>") == "optimizer"
+    assert kind_of("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)") == "communication"
+    assert kind_of("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>") == OTHER_KIND
+
+
+def test_timeline_kind_report_sums_by_kind_phase_and_stream():
+    """kind_report sums device time by kind, in total and per phase region of the GPU's timeline (a
+    kernel in the one its start lies in), skips annotations, and tells the time on the other streams
+    and how much of it overlapped the main stream's work."""
+    from benchmarks import timeline
+
+    events = [
+        _event("phase:ref_log_prob", 0, 1000, annotation=True),
+        _event("phase:update", 1000, 3000, annotation=True),
+        _event("nvjet_a", 0, 400),
+        _event("void dkv::dkv_fwd_sm90_kernel<>", 400, 900),
+        _event("nvjet_b", 1000, 1600),
+        _event("void dkv::dkv_dkdv_sm90_ws_kernel<>", 1600, 2600),
+        _event("triton_poi_fused_add_0", 2600, 2700),
+        _event("Memcpy DtoD (Device -> Device)", 2500, 2800, stream=20),  # 100 us beside the main stream
+        _event("Memcpy DtoD (Device -> Device)", 3500, 3600, stream=20),  # after every phase, alone
+    ]
+    lines = timeline.kind_report(_planted_profile(events))
+    assert lines[0] == "   every phase: 3.00 ms of device time"
+    assert lines[1] == "         1.00 ms   33.3%       2x  matrix products"
+    assert lines[2] == "         1.00 ms   33.3%       1x  attention backward"
+    assert lines[3] == "         0.50 ms   16.7%       1x  attention forward"
+    assert lines[4] == "         0.40 ms   13.3%       2x  copies and memsets"
+    assert lines[5] == "         0.10 ms    3.3%       1x  compiled element-wise"
+    assert lines[6] == "   phase:ref_log_prob: 0.90 ms of device time"
+    assert lines[9] == "   phase:update: 2.00 ms of device time"
+    assert lines[12] == "         0.30 ms   15.0%       1x  copies and memsets"
+    assert lines[14:16] == ["   (no phase): 0.10 ms of device time", "         0.10 ms  100.0%       1x  copies and memsets"]
+    assert lines[16] == "   on streams other than the main one (7): 0.40 ms, 0.20 ms of it while the main stream worked"
+    assert lines[17:] == ["         0.40 ms  (0.20 ms overlapped)  copies and memsets"]
+    assert timeline.kind_report(_planted_profile([])) == ["   no device activity recorded"]
 
 
 def test_timeline_names_the_host_operator_and_phase_of_each_idle_stretch():
