@@ -168,7 +168,7 @@ def run_config(args, packing: str, mb: int, meta: dict | None = None) -> dict:
             if args.profile:
                 row["profile"] = profile_step(trainer, args.warmup + args.steps,
                                               Path(args.out) / f"{args.stem or 'policy_step'}_{packing}_mb{mb}_profile.txt",
-                                              meta or {})
+                                              meta or {}, peak=peak_flops(args.peak_tflops))
             peak_gib = max((r["peak_memory_gib"] for r in recs if r.get("peak_memory_gib") is not None), default=None)
             # every measured step's three phases, so that the table shows the spread behind the median
             row["time_compute_steps"] = [r["time_compute"] for r in recs]
@@ -217,13 +217,14 @@ def _deadline_passed(start: float, deadline_s: float | None) -> bool:
     return bool(t.item())
 
 
-def profile_step(trainer, step: int, path: Path, meta: dict, top: int = 40) -> str:
+def profile_step(trainer, step: int, path: Path, meta: dict, top: int = 40, peak: float | None = None) -> str:
     """One more step under torch.profiler, written to ``path`` under the run's card, date and command
     (``meta``), so the time an MFU figure leaves on the table can be attributed: the ``top`` ops by
     self device time (CPU time on a CPU), then the same ops split by their input shapes (which
     tensors a copy or an element-wise kernel worked on); on a GPU also the device time by kind of
-    kernel and phase, with what ran beside the main stream, and where the GPU sat idle and what the
-    host was doing then (``benchmarks.timeline``)."""
+    kernel and phase, with what ran beside the main stream, each phase's speed by kind of kernel (its
+    model FLOPs against their device time; ``peak`` FLOP/s for the share), and where the GPU sat idle
+    and what the host was doing then (``benchmarks.timeline``)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
@@ -241,9 +242,11 @@ def profile_step(trainer, step: int, path: Path, meta: dict, top: int = 40) -> s
     text = head + "\n".join(f"## {title}\n\n{avg.table(sort_by=key, row_limit=top, max_name_column_width=80)}\n"
                              for title, avg in tables)
     if cuda:
-        from benchmarks.timeline import idle_report, kind_report
+        from benchmarks.timeline import idle_report, kind_report, speed_report
 
         text += "\n## device time by kind and phase\n\n" + "\n".join(kind_report(prof)) + "\n"
+        text += ("\n## speed by kind and phase (model FLOPs over device time)\n\n"
+                 + "\n".join(speed_report(prof, trainer.updater.flops_by_phase, peak=peak)) + "\n")
         text += "\n## idle GPU time (host operator at each stretch's middle)\n\n" + "\n".join(idle_report(prof, 25)) + "\n"
     path.write_text(text)
     return path.name

@@ -12,6 +12,10 @@ region and by innermost host operator, so that a step's idle time can be attribu
 attention forward / backward, compiled element-wise kernels, copies, the optimizer, ...), per
 ``phase:`` region, and how much of it ran on streams other than the main one and overlapped it.
 
+``speed_report``: per ``phase:`` region, the model FLOPs the phase ran (the trainer's count by part,
+of the tokens its packing runs) against its kernels' device time: the TFLOP/s of the matrix products, of the attention forward
+and backward, of the phase as a whole (and its share of the peak), and the time of everything else.
+
 ``host_syncs(fn)`` counts the synchronising CUDA calls one call of ``fn`` makes (torch's sync debug
 mode), each named by its innermost caller outside torch.
 
@@ -206,6 +210,59 @@ def kind_report(prof) -> list[str]:
                  f"while the main stream worked")
     lines += [f"   {sum(b - a for a, b in spans) / 1000:10.2f} ms  ({_overlap(spans, main_busy) / 1000:.2f} ms "
               f"overlapped)  {kind}" for kind, spans in sorted(side.items(), key=lambda kv: -sum(b - a for a, b in kv[1]))]
+    return lines
+
+
+# How many of a phase's forward FLOPs by part (train.metrics.forward_flops_by_part) each kind of kernel
+# runs. A pass with gradients runs the products (the head's logits too) three times (the backward
+# twice); the attention backward's five products are counted 2.5 times its forward's two, as
+# bench_attention counts them (the MFU formula counts the backward as 2 forwards, the recomputed
+# QK^T not being model FLOPs).
+SPEED_KINDS = (("matrix products", {"products": 1.0, "head": 1.0}, {"products": 3.0, "head": 3.0}),
+               ("attention forward", {"attention": 1.0}, {"attention": 1.0}),
+               ("attention backward", {}, {"attention": 2.5}))
+MODEL_FLOPS_PER_FORWARD = {False: 1.0, True: 3.0}  # no-grad pass / pass with gradients
+
+
+def speed_report(prof, flops_by_phase: dict, grad_phases: tuple[str, ...] = ("update",),
+                 peak: float | None = None) -> list[str]:
+    """Report lines: for each phase of ``flops_by_phase`` ({phase: {part: forward FLOPs}}; a phase in
+    ``grad_phases`` ran forward and backward) whose ``phase:`` region the profile holds, its device
+    time (kernels summed over every stream, by start) and model FLOPs, their rate and its share of
+    ``peak`` FLOP/s; then each kind of ``SPEED_KINDS``' time, FLOPs and useful TFLOP/s, and the time
+    of every other kind. Kernels recomputed under activation checkpointing add time, not FLOPs."""
+    device = torch.autograd.DeviceType.CUDA
+    regions = {e.name[len(PHASE_PREFIX):]: (e.time_range.start, e.time_range.end) for e in prof.events()
+               if e.device_type == device and getattr(e, "is_user_annotation", False)
+               and e.name.startswith(PHASE_PREFIX)}
+    work = device_work(prof)
+    lines = []
+    for phase, parts in flops_by_phase.items():
+        if phase not in regions:
+            lines.append(f"   {phase}: no {PHASE_PREFIX}{phase} region on the GPU's timeline")
+            continue
+        start, end = regions[phase]
+        by_kind: dict[str, float] = defaultdict(float)
+        for e in work:
+            if start <= e.time_range.start < end:
+                by_kind[kind_of(e.name)] += e.time_range.end - e.time_range.start
+        busy = sum(by_kind.values())  # us
+        grad = phase in grad_phases
+        model = MODEL_FLOPS_PER_FORWARD[grad] * sum(parts.values())
+        share = f" ({100 * model / (busy * 1e-6) / peak:.1f}% of the peak)" if peak and busy else ""
+        rate = f"{model / (busy * 1e-6) / 1e12:.0f} TFLOP/s{share}" if busy else "no device time"
+        lines.append(f"   {phase}: {busy / 1000:.1f} ms of device time, {model / 1e12:.1f} TFLOP of model FLOPs: {rate}")
+        for kind, no_grad_factors, grad_factors in SPEED_KINDS:
+            factors = grad_factors if grad else no_grad_factors
+            if not factors:
+                continue
+            flops = sum(f * parts.get(part, 0) for part, f in factors.items())
+            t = by_kind.pop(kind, 0.0)
+            speed = f"{flops / (t * 1e-6) / 1e12:6.0f} TFLOP/s" if t else "   (no kernel)"
+            lines.append(f"   {t / 1000:10.1f} ms  {100 * t / busy if busy else 0:5.1f}%  {flops / 1e12:9.1f} TFLOP  "
+                         f"{speed}  {kind}")
+        rest = sum(by_kind.values())
+        lines.append(f"   {rest / 1000:10.1f} ms  {100 * rest / busy if busy else 0:5.1f}%  every other kind")
     return lines
 
 

@@ -782,6 +782,44 @@ def test_timeline_kind_report_sums_by_kind_phase_and_stream():
     assert timeline.kind_report(_planted_profile([])) == ["   no device activity recorded"]
 
 
+def test_timeline_speed_report_turns_phase_flops_into_speeds():
+    """speed_report divides each phase's model FLOPs by its kernels' device time (every stream): the
+    whole phase against the peak, the products (logits included; x3 with gradients), the attention
+    forward (x1) and backward (x2.5, as bench_attention counts), and the time of the rest."""
+    from benchmarks import timeline
+
+    events = [
+        _event("phase:old_log_prob", 0, 1000, annotation=True),
+        _event("phase:update", 1000, 4000, annotation=True),
+        _event("nvjet_a", 0, 400),
+        _event("void dkv::dkv_fwd_sm90_kernel<>", 400, 900),
+        _event("triton_poi_fused_add_0", 900, 1000),
+        _event("nvjet_b", 1000, 2200),
+        _event("void dkv::dkv_fwd_sm90_kernel<>", 2200, 2500),
+        _event("void dkv::dkv_dkdv_sm90_ws_kernel<>", 2500, 3500),
+        _event("Memcpy DtoD (Device -> Device)", 3500, 3600, stream=20),
+    ]
+    parts = {"products": 3e11, "head": 1e11, "attention": 2e11}
+    flops = {"old_log_prob": parts, "ref_log_prob": parts, "update": parts}
+    lines = timeline.speed_report(_planted_profile(events), flops, peak=1e15)
+    assert lines == [
+        "   old_log_prob: 1.0 ms of device time, 0.6 TFLOP of model FLOPs: 600 TFLOP/s (60.0% of the peak)",
+        "          0.4 ms   40.0%        0.4 TFLOP    1000 TFLOP/s  matrix products",
+        "          0.5 ms   50.0%        0.2 TFLOP     400 TFLOP/s  attention forward",
+        "          0.1 ms   10.0%  every other kind",
+        "   ref_log_prob: no phase:ref_log_prob region on the GPU's timeline",
+        "   update: 2.6 ms of device time, 1.8 TFLOP of model FLOPs: 692 TFLOP/s (69.2% of the peak)",
+        "          1.2 ms   46.2%        1.2 TFLOP    1000 TFLOP/s  matrix products",
+        "          0.3 ms   11.5%        0.2 TFLOP     667 TFLOP/s  attention forward",
+        "          1.0 ms   38.5%        0.5 TFLOP     500 TFLOP/s  attention backward",
+        "          0.1 ms    3.8%  every other kind",
+    ]
+    # no kernel of a kind: said, not divided by zero; no peak: no share
+    lines = timeline.speed_report(_planted_profile(events[:3]), {"old_log_prob": parts})
+    assert lines[0] == "   old_log_prob: 0.4 ms of device time, 0.6 TFLOP of model FLOPs: 1500 TFLOP/s"
+    assert lines[2].endswith("   (no kernel)  attention forward")
+
+
 def test_timeline_names_the_host_operator_and_phase_of_each_idle_stretch():
     """Each idle stretch is attributed to the innermost CPU operator running at its middle and the
     phase: region around it, and sums them by each; a stretch inside no operator is counted apart."""

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from dualkv.core import PackedLayout
-from dualkv.train.metrics import MetricsLogger, PhaseTimer, attention_pairs, forward_flops, token_flops
+from dualkv.train.metrics import (MetricsLogger, PhaseTimer, attention_pairs, forward_flops, forward_flops_by_part,
+                                  token_flops)
 
 
 def _brute_pairs(layout, window):
@@ -49,6 +50,7 @@ def test_flop_formula_hand_values():
     layout = PackedLayout.from_lengths([3], [[2, 2]])
     # T=7 tokens, 4 response logits of 2*4*10, attention 4*2*2 per pair * 24 pairs
     assert forward_flops(_config(), layout) == 7 * 288 + 4 * 80 + 16 * 24
+    assert forward_flops_by_part(_config(), layout) == {"products": 7 * 288, "head": 4 * 80, "attention": 16 * 24}
 
 
 def test_logger_and_timer(tmp_path):

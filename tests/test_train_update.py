@@ -154,6 +154,35 @@ def test_old_logprob_phase_runs_only_when_needed():
         assert set(timer.reset()) == phases, update
 
 
+def test_flops_by_phase_split_the_step_flops():
+    """The updater's FLOPs by phase and part (what a profile turns into speeds) add up to the step's
+    FLOP counters, old and ref passes count the same batch, and each step starts them afresh."""
+    from dualkv.train.metrics import forward_flops_by_part
+
+    model = build_model("tiny-qwen3", seed=15)
+    batch = _rollouts(seed=16, groups=2)
+    policy, reference = copy.deepcopy(model), copy.deepcopy(model).requires_grad_(False)
+    up = PolicyUpdater(policy, torch.optim.SGD(policy.parameters(), lr=0.0), LossConfig.grpo(kl_beta=0.04),
+                       UpdateConfig(micro_batch_tokens=40, recompute_old_logprobs=True), reference=reference)
+    for _ in range(2):
+        m = up.step(batch)
+        flops = {phase: dict(parts) for phase, parts in up.flops_by_phase.items()}
+        assert set(flops) == {"old_log_prob", "ref_log_prob", "update"}
+        assert flops["old_log_prob"] == flops["ref_log_prob"] == flops["update"]
+        assert sum(flops["old_log_prob"].values()) + sum(flops["ref_log_prob"].values()) == m["forward_flops_rank"]
+        assert 3 * sum(flops["update"].values()) == m["update_flops_rank"]
+        assert all(flops["update"][part] > 0 for part in ("products", "head", "attention"))
+    # one group in one micro-batch: its parts by hand
+    one = RolloutBatch([batch.groups[0]])
+    up.step(one)
+    from dualkv.train.batching import build_micro_batch
+
+    plan = plan_micro_batches(one.groups, "dualkv", 40, 1)[0]
+    assert len(plan) == 1
+    layout = build_micro_batch(list(up.prepare(one).groups), plan[0], "dualkv", "cpu").layout
+    assert dict(up.flops_by_phase["update"]) == forward_flops_by_part(model.config, layout)
+
+
 def test_logprob_passes_take_their_own_budget(monkeypatch):
     """old / ref passes under logprob_micro_batch_tokens: one forward each instead of one per group,
     and the same loss, KL, gradients and update as under the update's budget."""

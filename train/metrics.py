@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["token_flops", "attention_pairs", "forward_flops", "peak_flops", "PhaseTimer", "MetricsLogger",
-           "peak_memory_gib"]
+__all__ = ["token_flops", "attention_pairs", "forward_flops", "forward_flops_by_part", "peak_flops", "PhaseTimer",
+           "MetricsLogger", "peak_memory_gib"]
 
 # Dense bf16 tensor-core peak per device, FLOP/s, from the vendors' data sheets.
 _PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "B200": 2250e12,
@@ -73,18 +73,24 @@ def attention_pairs(layout, window: int | None = None) -> int:
     return pairs
 
 
-def forward_flops(config, layout) -> int:
-    """Forward FLOPs of one micro-batch (see the module docstring)."""
+def forward_flops_by_part(config, layout) -> dict[str, int]:
+    """Forward FLOPs of one micro-batch by part (see the module docstring): ``products`` (T * F_token),
+    ``head`` (the log-prob head's logits) and ``attention`` (the attended pairs' two products)."""
     T = layout.total_tokens
     n_logits = sum(layout.row_lens)
-    flops = T * token_flops(config) + n_logits * 2 * config.hidden_size * config.vocab_size
-    cache: dict = {}
+    attention, cache = 0, {}
     for layer in config.layers:
         a = layer.attention
         if a.window not in cache:
             cache[a.window] = attention_pairs(layout, a.window)
-        flops += 4 * a.num_heads * a.head_dim * cache[a.window]
-    return flops
+        attention += 4 * a.num_heads * a.head_dim * cache[a.window]
+    return {"products": T * token_flops(config), "head": n_logits * 2 * config.hidden_size * config.vocab_size,
+            "attention": attention}
+
+
+def forward_flops(config, layout) -> int:
+    """Forward FLOPs of one micro-batch (see the module docstring)."""
+    return sum(forward_flops_by_part(config, layout).values())
 
 
 def peak_flops(override_tflops: float | None = None) -> float | None:

@@ -33,10 +33,13 @@ import torch.distributed as dist
 
 from .batching import PACKINGS, MicroBatch, Packing, build_micro_batch, plan_micro_batches
 from .losses import LossConfig, LossNorm, policy_loss
-from .metrics import PhaseTimer, forward_flops
+from .metrics import PhaseTimer, forward_flops_by_part
 from .rollout import RolloutBatch, RolloutGroup
 
 __all__ = ["UpdateConfig", "PolicyUpdater", "policy_logprobs", "split_mini_batches"]
+
+# The phase (PhaseTimer / profiler region) of each no-grad pass, by the field it fills.
+PASS_PHASE = {"old_logprobs": "old_log_prob", "ref_logprobs": "ref_log_prob"}
 
 
 @dataclass(frozen=True)
@@ -170,8 +173,18 @@ class PolicyUpdater:
             raise ValueError(f"reduce_grads_once: expected an FSDP2-wrapped policy (fully_shard), got a plain "
                              f"{type(policy).__name__}")
         self.reduce_grads_once = reduce_grads_once
+        # This rank's forward FLOPs of the last step, per phase and part (metrics.forward_flops_by_part):
+        # what a profile needs to turn each kind of kernel's device time into a speed.
+        self.flops_by_phase: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
 
     # ------------------------------------------------------------------ passes
+    def _count_flops(self, phase: str, config, layout) -> int:
+        """Add one micro-batch's forward FLOPs to ``flops_by_phase[phase]`` by part; returns their sum."""
+        parts = forward_flops_by_part(config, layout)
+        for part, flops in parts.items():
+            self.flops_by_phase[phase][part] += flops
+        return sum(parts.values())
+
     def _my_plan(self, groups: Sequence[RolloutGroup], budget: int | None = None) -> list[MicroBatch]:
         """This rank's micro-batches. Any budget gives each rank the same groups (they are balanced over
         the ranks before they are binned), so a pass under another budget fills every group the update
@@ -191,7 +204,7 @@ class PolicyUpdater:
         for mb in self._my_plan(groups, self.cfg.logprob_micro_batch_tokens):
             data = build_micro_batch(groups, mb, self.cfg.packing, self.device)
             queued.append((mb, policy_logprobs(model, data.layout, self.sp_group, self.cfg.temperature)))
-            counters["forward_flops"] += forward_flops(model.config, data.layout)
+            counters["forward_flops"] += self._count_flops(PASS_PHASE[field], model.config, data.layout)
         for mb, lp in queued:
             lp = lp.float().cpu()
             row = 0  # (a padding micro-batch stores too: its update pass reads them, with weight 0)
@@ -232,7 +245,7 @@ class PolicyUpdater:
                 self.policy.set_reshard_after_backward(last)
             data = build_micro_batch(groups, mb, self.cfg.packing, self.device)
             self._micro_step(data, norm, aux_scale, sums)
-            counters["update_flops"] += 3 * forward_flops(self.policy.config, data.layout)
+            counters["update_flops"] += 3 * self._count_flops("update", self.policy.config, data.layout)
             counters["tokens"] += data.tokens
         grad_norm = self._clip()
         self.optimizer.step()
@@ -269,6 +282,7 @@ class PolicyUpdater:
     def step(self, batch: RolloutBatch) -> dict[str, float]:
         """Train on ``batch`` (the same on every rank); returns metrics (summed over ranks where additive)."""
         counters: dict[str, int] = defaultdict(int)
+        self.flops_by_phase.clear()
         prepared = self.prepare(batch)
         if prepared is None:
             return {"skipped": 1.0, "groups_used": 0.0}
@@ -278,10 +292,10 @@ class PolicyUpdater:
         self.policy.train()
         reuse = self.cfg.use_rollout_logprobs
         if not (reuse and prepared.has_old_logprobs) and not self.cfg.old_logprobs_from_update:
-            with self.timer.phase("old_log_prob"):
+            with self.timer.phase(PASS_PHASE["old_logprobs"]):
                 minis = [self._logprob_pass(self.policy, m, "old_logprobs", counters) for m in minis]
         if self.loss_cfg.needs_reference and not (reuse and prepared.has_ref_logprobs):
-            with self.timer.phase("ref_log_prob"):
+            with self.timer.phase(PASS_PHASE["ref_logprobs"]):
                 minis = [self._logprob_pass(self.reference, m, "ref_logprobs", counters) for m in minis]
         results: list[dict[str, torch.Tensor]] = []
         with self.timer.phase("update"):
