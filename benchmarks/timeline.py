@@ -13,8 +13,9 @@ attention forward / backward, compiled element-wise kernels, copies, the optimiz
 ``phase:`` region, and how much of it ran on streams other than the main one and overlapped it.
 
 ``speed_report``: per ``phase:`` region, the model FLOPs the phase ran (the trainer's count by part,
-of the tokens its packing runs) against its kernels' device time: the TFLOP/s of the matrix products, of the attention forward
-and backward, of the phase as a whole (and its share of the peak), and the time of everything else.
+of the tokens its packing runs) against its kernels' device time: the TFLOP/s of the matrix products,
+of the attention forward and backward, of the phase as a whole (and its share of the peak), and the
+time of everything else.
 
 ``host_syncs(fn)`` counts the synchronising CUDA calls one call of ``fn`` makes (torch's sync debug
 mode), each named by its innermost caller outside torch.
@@ -46,6 +47,14 @@ def device_work(prof) -> list:
     device = torch.autograd.DeviceType.CUDA
     return sorted((e for e in prof.events() if e.device_type == device and not getattr(e, "is_user_annotation", False)),
                   key=lambda e: e.time_range.start)
+
+
+def phase_regions(prof) -> list[tuple[float, float, str]]:
+    """The ``phase:`` regions as the profiler drew them on the GPU's timeline: (start us, end us, name), by start."""
+    device = torch.autograd.DeviceType.CUDA
+    return sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                  if e.device_type == device and getattr(e, "is_user_annotation", False)
+                  and e.name.startswith(PHASE_PREFIX))
 
 
 def idle_stretches(prof) -> tuple[float, list[tuple[float, float, str]]]:
@@ -172,10 +181,7 @@ def kind_report(prof) -> list[str]:
     work = device_work(prof)
     if not work:
         return ["   no device activity recorded"]
-    device = torch.autograd.DeviceType.CUDA
-    phases = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                     if e.device_type == device and getattr(e, "is_user_annotation", False)
-                     and e.name.startswith(PHASE_PREFIX)))
+    phases = phase_regions(prof)
     stream_of = [getattr(e, "device_resource_id", 0) for e in work]
     busy_by_stream: dict = defaultdict(float)
     for e, stream in zip(work, stream_of):
@@ -221,7 +227,6 @@ def kind_report(prof) -> list[str]:
 SPEED_KINDS = (("matrix products", {"products": 1.0, "head": 1.0}, {"products": 3.0, "head": 3.0}),
                ("attention forward", {"attention": 1.0}, {"attention": 1.0}),
                ("attention backward", {}, {"attention": 2.5}))
-MODEL_FLOPS_PER_FORWARD = {False: 1.0, True: 3.0}  # no-grad pass / pass with gradients
 
 
 def speed_report(prof, flops_by_phase: dict, grad_phases: tuple[str, ...] = ("update",),
@@ -231,10 +236,7 @@ def speed_report(prof, flops_by_phase: dict, grad_phases: tuple[str, ...] = ("up
     time (kernels summed over every stream, by start) and model FLOPs, their rate and its share of
     ``peak`` FLOP/s; then each kind of ``SPEED_KINDS``' time, FLOPs and useful TFLOP/s, and the time
     of every other kind. Kernels recomputed under activation checkpointing add time, not FLOPs."""
-    device = torch.autograd.DeviceType.CUDA
-    regions = {e.name[len(PHASE_PREFIX):]: (e.time_range.start, e.time_range.end) for e in prof.events()
-               if e.device_type == device and getattr(e, "is_user_annotation", False)
-               and e.name.startswith(PHASE_PREFIX)}
+    regions = {name[len(PHASE_PREFIX):]: (start, end) for start, end, name in phase_regions(prof)}
     work = device_work(prof)
     lines = []
     for phase, parts in flops_by_phase.items():
@@ -248,10 +250,11 @@ def speed_report(prof, flops_by_phase: dict, grad_phases: tuple[str, ...] = ("up
                 by_kind[kind_of(e.name)] += e.time_range.end - e.time_range.start
         busy = sum(by_kind.values())  # us
         grad = phase in grad_phases
-        model = MODEL_FLOPS_PER_FORWARD[grad] * sum(parts.values())
+        model = (3.0 if grad else 1.0) * sum(parts.values())  # a pass with gradients: forward + 2 x backward
         share = f" ({100 * model / (busy * 1e-6) / peak:.1f}% of the peak)" if peak and busy else ""
         rate = f"{model / (busy * 1e-6) / 1e12:.0f} TFLOP/s{share}" if busy else "no device time"
-        lines.append(f"   {phase}: {busy / 1000:.1f} ms of device time, {model / 1e12:.1f} TFLOP of model FLOPs: {rate}")
+        lines.append(f"   {phase}: {busy / 1000:.1f} ms of device time, {model / 1e12:.1f} TFLOP of model FLOPs: "
+                     f"{rate}")
         for kind, no_grad_factors, grad_factors in SPEED_KINDS:
             factors = grad_factors if grad else no_grad_factors
             if not factors:

@@ -265,9 +265,9 @@ def test_logprob_pass_queues_every_micro_batch_before_copying_to_the_host(monkey
     batch = _rollouts(seed=4, groups=3)
     up = PolicyUpdater(model, torch.optim.SGD(model.parameters(), lr=0.0), LossConfig.grpo(kl_beta=0.0),
                        UpdateConfig(packing="dualkv", micro_batch_tokens=1))  # one group a micro-batch
-    groups = up._logprob_pass(model, list(up.prepare(batch).groups), "old_logprobs", {"forward_flops": 0})
+    groups = up._logprob_pass(model, list(up.prepare(batch).groups), "old_logprobs")
     assert events == ["forward"] * 3 + ["to host"] * 3
     for g in groups:  # each group alone through the model gives the same values
         monkeypatch.setattr(upd, "policy_logprobs", real)
-        alone = up._logprob_pass(model, [replace(g, old_logprobs=None)], "old_logprobs", {"forward_flops": 0})[0]
+        alone = up._logprob_pass(model, [replace(g, old_logprobs=None)], "old_logprobs")[0]
         assert all(torch.equal(a, b) for a, b in zip(g.old_logprobs, alone.old_logprobs))

@@ -178,12 +178,10 @@ class PolicyUpdater:
         self.flops_by_phase: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
 
     # ------------------------------------------------------------------ passes
-    def _count_flops(self, phase: str, config, layout) -> int:
-        """Add one micro-batch's forward FLOPs to ``flops_by_phase[phase]`` by part; returns their sum."""
-        parts = forward_flops_by_part(config, layout)
-        for part, flops in parts.items():
+    def _count_flops(self, phase: str, config, layout) -> None:
+        """Add one micro-batch's forward FLOPs to ``flops_by_phase[phase]`` by part."""
+        for part, flops in forward_flops_by_part(config, layout).items():
             self.flops_by_phase[phase][part] += flops
-        return sum(parts.values())
 
     def _my_plan(self, groups: Sequence[RolloutGroup], budget: int | None = None) -> list[MicroBatch]:
         """This rank's micro-batches. Any budget gives each rank the same groups (they are balanced over
@@ -193,7 +191,7 @@ class PolicyUpdater:
         return plan_micro_batches(groups, self.cfg.packing, budget, self.dp_size)[self.dp_rank]
 
     @torch.no_grad()
-    def _logprob_pass(self, model, groups: list[RolloutGroup], field: str, counters: dict) -> list[RolloutGroup]:
+    def _logprob_pass(self, model, groups: list[RolloutGroup], field: str) -> list[RolloutGroup]:
         """Fill ``field`` (old_logprobs / ref_logprobs) of this rank's groups from a no-grad forward.
 
         Every micro-batch is queued before any result is copied to the host: a copy waits for the
@@ -204,7 +202,7 @@ class PolicyUpdater:
         for mb in self._my_plan(groups, self.cfg.logprob_micro_batch_tokens):
             data = build_micro_batch(groups, mb, self.cfg.packing, self.device)
             queued.append((mb, policy_logprobs(model, data.layout, self.sp_group, self.cfg.temperature)))
-            counters["forward_flops"] += self._count_flops(PASS_PHASE[field], model.config, data.layout)
+            self._count_flops(PASS_PHASE[field], model.config, data.layout)
         for mb, lp in queued:
             lp = lp.float().cpu()
             row = 0  # (a padding micro-batch stores too: its update pass reads them, with weight 0)
@@ -232,7 +230,7 @@ class PolicyUpdater:
         if aux is not None:
             sums["aux_loss"] += aux.detach().float() * (aux_scale * data.weight)
 
-    def _update_mini_batch(self, groups: list[RolloutGroup], counters: dict) -> dict[str, torch.Tensor]:
+    def _update_mini_batch(self, groups: list[RolloutGroup], tokens: list[int]) -> dict[str, torch.Tensor]:
         plan = self._my_plan(groups)
         norm = LossNorm(num_rows=sum(g.num_responses for g in groups), num_tokens=sum(sum(g.response_lens) for g in groups))
         aux_scale = 1.0 / (len(plan) * self.dp_size)
@@ -245,8 +243,8 @@ class PolicyUpdater:
                 self.policy.set_reshard_after_backward(last)
             data = build_micro_batch(groups, mb, self.cfg.packing, self.device)
             self._micro_step(data, norm, aux_scale, sums)
-            counters["update_flops"] += 3 * self._count_flops("update", self.policy.config, data.layout)
-            counters["tokens"] += data.tokens
+            self._count_flops("update", self.policy.config, data.layout)
+            tokens.append(data.tokens)
         grad_norm = self._clip()
         self.optimizer.step()
         out = self._reduce(dict(sums))
@@ -281,7 +279,6 @@ class PolicyUpdater:
 
     def step(self, batch: RolloutBatch) -> dict[str, float]:
         """Train on ``batch`` (the same on every rank); returns metrics (summed over ranks where additive)."""
-        counters: dict[str, int] = defaultdict(int)
         self.flops_by_phase.clear()
         prepared = self.prepare(batch)
         if prepared is None:
@@ -293,17 +290,20 @@ class PolicyUpdater:
         reuse = self.cfg.use_rollout_logprobs
         if not (reuse and prepared.has_old_logprobs) and not self.cfg.old_logprobs_from_update:
             with self.timer.phase(PASS_PHASE["old_logprobs"]):
-                minis = [self._logprob_pass(self.policy, m, "old_logprobs", counters) for m in minis]
+                minis = [self._logprob_pass(self.policy, m, "old_logprobs") for m in minis]
         if self.loss_cfg.needs_reference and not (reuse and prepared.has_ref_logprobs):
             with self.timer.phase(PASS_PHASE["ref_logprobs"]):
-                minis = [self._logprob_pass(self.reference, m, "ref_logprobs", counters) for m in minis]
+                minis = [self._logprob_pass(self.reference, m, "ref_logprobs") for m in minis]
         results: list[dict[str, torch.Tensor]] = []
+        tokens: list[int] = []  # each update micro-batch's
         with self.timer.phase("update"):
             for _ in range(self.cfg.epochs):
                 for m in minis:
-                    results.append(self._update_mini_batch(m, counters))
+                    results.append(self._update_mini_batch(m, tokens))
         metrics = {k: float(sum(r[k] for r in results) / len(results)) for k in results[0]}
+        no_grad = sum(sum(self.flops_by_phase.get(phase, {}).values()) for phase in PASS_PHASE.values())
         metrics.update(skipped=0.0, groups_used=float(prepared.num_groups), optimizer_steps=float(len(results)),
-                       forward_flops_rank=float(counters["forward_flops"]),
-                       update_flops_rank=float(counters["update_flops"]), tokens_rank=float(counters["tokens"]))
+                       forward_flops_rank=float(no_grad),
+                       update_flops_rank=float(3 * sum(self.flops_by_phase["update"].values())),
+                       tokens_rank=float(sum(tokens)))
         return metrics
