@@ -26,7 +26,10 @@ the order the layout was built from (for ``from_rows``: the order of the input r
 
 Shape vocabulary: T packed tokens, S segments, G groups, B rows (responses), C context regions.
 All metadata tensors are int32 (positions int64, as embeddings and RoPE expect). Building a layout
-does at most one host synchronisation (to learn the lengths), never one per sequence.
+does at most one host synchronisation (``from_rows``, to learn the lengths), never one per sequence;
+from host lengths (``from_lengths``, ``from_groups`` of host tokens) it does none: its tensors reach the
+device by non-blocking copies from pinned memory (``to_device``), so a micro-batch can be built while
+the device still runs the one before.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
-__all__ = ["PackedLayout"]
+__all__ = ["PackedLayout", "to_device"]
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -44,8 +47,21 @@ def _check(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Host tensor ``t`` on ``device``, without waiting for the device.
+
+    A blocking copy to a GPU synchronises its stream first: the host would wait for every kernel
+    queued so far, and the device then idle while the host builds and launches the next work.
+    CUDA copies go through pinned memory instead, non-blocking (torch keeps the pinned block until
+    the copy has run)."""
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _int32(values, device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int32, device=device)
+    return to_device(torch.tensor(values, dtype=torch.int32), device)
 
 
 @dataclass(frozen=True, eq=False)
@@ -224,7 +240,10 @@ class PackedLayout:
             prompt_lens.append(prompt.numel())
             response_lens.append([r.numel() for r in responses])
         device = device if device is not None else groups[0][0].device
-        input_ids = torch.cat([p.to(device=device, dtype=torch.long) for p in pieces])
+        if all(p.device.type == "cpu" for p in pieces):  # one copy, not one per sequence
+            input_ids = to_device(torch.cat([p.long() for p in pieces]), device)
+        else:
+            input_ids = torch.cat([p.to(device=device, dtype=torch.long) for p in pieces])
         return cls.from_lengths(prompt_lens, response_lens, device=device, input_ids=input_ids)
 
     @classmethod
@@ -322,7 +341,7 @@ class PackedLayout:
             ref_rows = torch.tensor([members[g][0] for g in row_group])
             starts = torch.tensor(prompt_off[:-1])
             ref_idx = torch.repeat_interleave(starts[ref_rows] - starts, torch.tensor(row_p))
-            ref_idx = (ref_idx + torch.arange(flat_prompt.numel())).to(device)
+            ref_idx = to_device(ref_idx + torch.arange(flat_prompt.numel()), device)
             tokens = flat_ids[flat_prompt]
             bad_tok = tokens != tokens[ref_idx]
             if bool(bad_tok.any()):
@@ -393,8 +412,8 @@ class PackedLayout:
             response_lens=tuple(tuple(r) for r in response_lens),
             row_group=tuple(g for g, _ in rows),
             row_index_in_group=tuple(i for _, i in rows),
-            input_ids=None if input_ids is None else input_ids.to(device),
-            position_ids=position_ids.to(device),
+            input_ids=None if input_ids is None else to_device(input_ids, device),
+            position_ids=to_device(position_ids, device),
             cu_seqlens=_int32(cu, device),
             seg_ctx_start=_int32(seg_ctx_start, device),
             seg_ctx_len=_int32(seg_ctx_len, device),
@@ -402,10 +421,10 @@ class PackedLayout:
             ctx_key_len=_int32(ctx_key_len, device),
             ctx_reader_start=_int32(ctx_reader_start, device),
             ctx_reader_end=_int32(ctx_reader_end, device),
-            token_segment=token_segment.to(device),
+            token_segment=to_device(token_segment, device),
             row_start=_int32([seg_start_of_row[r] for r in rows], device),
             row_len=_int32([response_lens[g][i] for g, i in rows], device),
-            group_last_prompt_token=torch.tensor(last_prompt, dtype=torch.long, device=device),
+            group_last_prompt_token=to_device(torch.tensor(last_prompt, dtype=torch.long), device),
             group_uids=group_uids,
         )
 
@@ -415,18 +434,27 @@ class PackedLayout:
             self._cache[key] = fn()
         return self._cache[key]
 
-    def response_token_index(self) -> torch.Tensor:
-        """(sum R,) int64: packed position of every response token, row by row, token by token."""
+    @property
+    def row_starts(self) -> list[int]:
+        """Packed start of each row's response, in row (build) order (host ints; ``row_start`` on device)."""
+        group_start, offset = [], 0
+        for p, rs in zip(self.prompt_lens, self.response_lens):
+            group_start.append(offset)
+            offset += p + sum(rs)
+        return [group_start[g] + self.prompt_lens[g] + sum(self.response_lens[g][:i])
+                for g, i in zip(self.row_group, self.row_index_in_group)]
 
+    def _response_token_index_host(self) -> torch.Tensor:
         def build():
             lens = torch.tensor(self.row_lens)
-            starts = self.row_start.long().cpu()
-            idx = torch.repeat_interleave(starts, lens) + torch.arange(int(lens.sum())) - torch.repeat_interleave(
-                torch.cumsum(lens, 0) - lens, lens
-            )
-            return idx.to(self.device)
+            within = torch.arange(int(lens.sum())) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
+            return torch.repeat_interleave(torch.tensor(self.row_starts), lens) + within
 
-        return self._cached("response_token_index", build)
+        return self._cached("response_token_index_host", build)
+
+    def response_token_index(self) -> torch.Tensor:
+        """(sum R,) int64: packed position of every response token, row by row, token by token."""
+        return self._cached("response_token_index", lambda: to_device(self._response_token_index_host(), self.device))
 
     def logprob_index(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``src, tgt`` (sum R,) int64, row by row, token by token.
@@ -437,11 +465,11 @@ class PackedLayout:
         """
 
         def build():
-            tgt = self.response_token_index()
-            src = tgt - 1
-            row_first_pos = torch.cumsum(torch.tensor([0] + self.row_lens[:-1]), 0).to(self.device)
-            src[row_first_pos] = self.group_last_prompt_token[torch.tensor(self.row_group, device=self.device)]
-            return src, tgt
+            src = self._response_token_index_host() - 1
+            row_first_pos = torch.cumsum(torch.tensor([0] + self.row_lens[:-1]), 0)
+            last_prompt = [self.group_range(g)[0] + self.prompt_lens[g] - 1 for g in range(self.num_groups)]
+            src[row_first_pos] = torch.tensor(last_prompt)[torch.tensor(self.row_group)]
+            return to_device(src, self.device), self.response_token_index()
 
         return self._cached("logprob_index", build)
 
@@ -450,7 +478,7 @@ class PackedLayout:
             lens = torch.tensor(self.row_lens)
             rows = torch.repeat_interleave(torch.arange(self.num_rows), lens)
             cols = torch.arange(int(lens.sum())) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
-            return rows.to(self.device), cols.to(self.device)
+            return to_device(rows, self.device), to_device(cols, self.device)
 
         return self._cached("row_scatter_index", build)
 
@@ -498,7 +526,7 @@ class PackedLayout:
                 r_start = p_start + p + sum(self.response_lens[g][:i])
                 pieces += [torch.arange(p_start, p_start + p), torch.arange(r_start, r_start + r)]
                 cu.append(cu[-1] + p + r)
-            return torch.cat(pieces).to(self.device), _int32(cu, self.device)
+            return to_device(torch.cat(pieces), self.device), _int32(cu, self.device)
 
         return self._cached("replicated_index", build)
 
@@ -506,14 +534,13 @@ class PackedLayout:
         """``src, tgt`` positions in the replicated layout, in the same order as ``logprob_index``."""
 
         def build():
-            _, cu = self.replicated_index()
-            cu = cu.long().cpu()
-            src, tgt = [], []
-            for b, (g, i) in enumerate(zip(self.row_group, self.row_index_in_group)):
+            src, tgt, row_start = [], [], 0
+            for g, i in zip(self.row_group, self.row_index_in_group):
                 p, r = self.prompt_lens[g], self.response_lens[g][i]
-                t = torch.arange(int(cu[b]) + p, int(cu[b]) + p + r)
+                t = torch.arange(row_start + p, row_start + p + r)
                 tgt.append(t)
                 src.append(t - 1)
-            return torch.cat(src).to(self.device), torch.cat(tgt).to(self.device)
+                row_start += p + r
+            return to_device(torch.cat(src), self.device), to_device(torch.cat(tgt), self.device)
 
         return self._cached("replicated_logprob_index", build)

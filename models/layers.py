@@ -127,7 +127,9 @@ class ScaledEmbedding(nn.Embedding):
         x = super().forward(ids)
         if self.scale is None:
             return x
-        return x * torch.tensor(self.scale, dtype=torch.float32).to(device=x.device, dtype=self.weight.dtype)
+        # The scale rounded to the weights' dtype (as the reference implementations keep it), applied as
+        # a Python number: a tensor made on the host and copied to the device each call would synchronise.
+        return x * torch.tensor(self.scale, dtype=self.weight.dtype).item()
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, scale={self.scale}"

@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from dualkv.core import PackedLayout
+from dualkv.core.layout import to_device
 from dualkv.core.logprobs import linear_logprobs
 
 from . import gemma4, qwen3
@@ -50,7 +51,7 @@ def replication_weights(layout: PackedLayout, token_offset: int, n: int, device)
     lo, hi = token_offset, min(token_offset + n, full_T.numel())
     if hi > lo:
         out[: hi - lo] = full_T[lo:hi]
-    return out.to(device, non_blocking=True)
+    return to_device(out, device)
 
 
 class DecoderStack(nn.Module):

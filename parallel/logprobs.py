@@ -35,6 +35,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from dualkv.core.layout import to_device
+
 from .groups import as_process_group, group_size
 from .sequence import SequenceShard, shard_sequence
 
@@ -129,17 +131,6 @@ class LogprobPlan:
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layout -> {(rank, size): plan}
 
 
-def _host_row_starts(layout) -> list[int]:
-    group_start, offset = [], 0
-    for p, rs in zip(layout.prompt_lens, layout.response_lens):
-        group_start.append(offset)
-        offset += p + sum(rs)
-    return [
-        group_start[g] + layout.prompt_lens[g] + sum(layout.response_lens[g][:i])
-        for g, i in zip(layout.row_group, layout.row_index_in_group)
-    ]
-
-
 def plan_logprobs(layout, shard: SequenceShard) -> LogprobPlan:
     """Plan this rank's slots from the layout's host lengths (no device synchronisation)."""
     if shard.total_tokens != layout.total_tokens:
@@ -148,7 +139,7 @@ def plan_logprobs(layout, shard: SequenceShard) -> LogprobPlan:
     key = (shard.rank, shard.size)
     if key not in cache:
         lens_B = torch.tensor(layout.row_lens)
-        starts_B = torch.tensor(_host_row_starts(layout))
+        starts_B = torch.tensor(layout.row_starts)
         within_N = torch.arange(int(lens_B.sum())) - torch.repeat_interleave(torch.cumsum(lens_B, 0) - lens_B, lens_B)
         target_N = torch.repeat_interleave(starts_B, lens_B) + within_N
         slot_N = target_N - 1
@@ -156,7 +147,8 @@ def plan_logprobs(layout, shard: SequenceShard) -> LogprobPlan:
         source_N = torch.where(within_N == 0, shard.local_tokens + group_N, slot_N - shard.start)
         item = ((slot_N >= shard.start) & (slot_N < shard.end)).nonzero().squeeze(1)
         dev = layout.device
-        cache[key] = LogprobPlan(item=item.to(dev), source=source_N[item].to(dev), target=target_N[item].to(dev))
+        cache[key] = LogprobPlan(item=to_device(item, dev), source=to_device(source_N[item], dev),
+                                 target=to_device(target_N[item], dev))
     return cache[key]
 
 

@@ -28,6 +28,7 @@ from typing import Literal
 import torch
 
 from dualkv.core import PackedLayout
+from dualkv.core.layout import to_device
 
 from .rollout import RolloutBatch, RolloutGroup
 
@@ -148,7 +149,7 @@ def _pad_rows(values: list[torch.Tensor], width: int, device) -> torch.Tensor:
     out = torch.zeros(len(values), width, dtype=torch.float32)
     for b, v in enumerate(values):
         out[b, : v.numel()] = v
-    return out.to(device)
+    return to_device(out, device)
 
 
 def build_micro_batch(groups: Sequence[RolloutGroup], mb: MicroBatch, packing: Packing,
@@ -169,7 +170,7 @@ def build_micro_batch(groups: Sequence[RolloutGroup], mb: MicroBatch, packing: P
             return None
         return _pad_rows([v for g in groups for v in getattr(g, name)], width, device)
 
-    adv = None if groups[0].advantages is None else torch.cat([g.advantages.float() for g in groups]).to(device)
+    adv = None if groups[0].advantages is None else to_device(torch.cat([g.advantages.float() for g in groups]), device)
     return MicroBatchData(layout=layout, mask=layout.response_mask(), advantages=adv,
                           old_logprobs=rows_of("old_logprobs"), ref_logprobs=rows_of("ref_logprobs"),
                           weight=0.0 if mb.padding else 1.0, rows=layout.num_rows, tokens=layout.total_tokens)
