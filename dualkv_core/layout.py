@@ -496,10 +496,7 @@ class PackedLayout:
 
     def response_mask(self) -> torch.Tensor:
         """(B, R_max) bool: True on real response tokens of the ``unpack_logprobs`` output."""
-        rows, cols = self._row_scatter_index()
-        mask = torch.zeros(self.num_rows, self.max_response_len, dtype=torch.bool, device=self.device)
-        mask[rows, cols] = True
-        return mask
+        return torch.arange(self.max_response_len, device=self.device)[None, :] < self.row_len[:, None]
 
     def pack_rows(self, x: torch.Tensor) -> torch.Tensor:
         """(B, L, ...) values on the padded rows of ``from_rows`` -> (T, ...) packed (prompt taken once)."""

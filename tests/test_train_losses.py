@@ -77,6 +77,11 @@ def test_aggregations_hand_values():
     # explicit mini-batch denominators
     assert aggregate(values, mask, "token-mean", LossNorm(num_rows=4, num_tokens=8)).item() == pytest.approx(10 / 8)
     assert aggregate(values, mask, "seq-mean-token-sum", LossNorm(num_rows=4, num_tokens=8)).item() == pytest.approx(10 / 4)
+    # a row without tokens (even NaN ones) adds 0 in every mode and still counts as a row
+    empty = torch.tensor([[True, True, True], [False, False, False]])
+    assert aggregate(values, empty, "seq-mean-token-mean").item() == pytest.approx(2 / 2)
+    assert aggregate(values, empty, "seq-mean-token-sum").item() == pytest.approx(6 / 2)
+    assert aggregate(values, empty, "token-mean").item() == pytest.approx(6 / 3)
 
 
 def test_grpo_kl_term_and_gradient():

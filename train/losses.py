@@ -161,7 +161,9 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: KLEstimat
 def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: Aggregation, norm: LossNorm | None = None) -> torch.Tensor:
     """Reduce per-token ``values`` (B, R) over real tokens; ``norm`` gives the mini-batch denominators.
 
-    With ``norm=None`` the batch is its own mini-batch. Padded tokens never contribute (even if NaN).
+    With ``norm=None`` the batch is its own mini-batch. Padded tokens never contribute (even if NaN);
+    a row without tokens contributes 0 in every mode (it still counts in ``norm.num_rows``). Nothing
+    here reads device values on the host: the update queues its micro-batches without a sync.
     """
     _check_same_shape(mask, values=values)
     norm = norm if norm is not None else LossNorm.of(mask)
@@ -171,9 +173,7 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: Aggregation, norm:
     if mode == "seq-mean-token-sum":
         return masked.sum() / norm.num_rows
     if mode == "seq-mean-token-mean":
-        lens = mask.sum(dim=1)
-        if bool((lens == 0).any()):
-            raise ValueError("mask: a row has no response tokens; seq-mean-token-mean needs >= 1 token per row")
+        lens = mask.sum(dim=1).clamp(min=1)
         return (masked.sum(dim=1) / lens).sum() / norm.num_rows
     raise ValueError(f"aggregation: expected one of {_AGG}, got {mode!r}")
 
