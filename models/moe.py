@@ -156,17 +156,18 @@ class Experts(nn.Module):
         gate_nF, up_nF = h_n2F.chunk(2, dim=-1)
         return gated_activation(gate_nF, up_nF, self.activation)
 
-    def _grouped(self, x_nD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    def _grouped(self, x_nD: torch.Tensor, ends_E: torch.Tensor) -> torch.Tensor:
         grouped_mm = _grouped_mm_fn()
         if grouped_mm is None:
             raise RuntimeError("backend 'grouped' needs torch.nn.functional.grouped_mm or torch._grouped_mm (torch >= 2.8)")
-        offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
+        offs_E = ends_E.to(torch.int32)
         h_n2F = grouped_mm(x_nD, self.gate_up_proj.transpose(-2, -1), offs=offs_E)
         return grouped_mm(self._glu(h_n2F), self.down_proj.transpose(-2, -1), offs=offs_E)
 
-    def _loop(self, x_nD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    def _loop(self, x_nD: torch.Tensor, ends_E: torch.Tensor) -> torch.Tensor:
         outs, start = [], 0
-        for e, c in enumerate(counts_E.tolist()):
+        counts_E = torch.diff(ends_E, prepend=ends_E.new_zeros(1))
+        for e, c in enumerate(counts_E.tolist()):  # one host sync per layer: the loop needs the counts
             if c:
                 h_c2F = F.linear(x_nD[start:start + c], self.gate_up_proj[e])
                 outs.append(F.linear(self._glu(h_c2F), self.down_proj[e]))
@@ -180,10 +181,12 @@ class Experts(nn.Module):
         flat_n = idx_Tk.reshape(-1)
         order_n = torch.argsort(flat_n, stable=True)
         token_n = order_n // k
-        counts_E = torch.bincount(flat_n, minlength=self.cfg.num_experts)
+        # where each expert's rows end in expert order; bincount would read its input's maximum on the host
+        experts_E = torch.arange(self.cfg.num_experts, device=flat_n.device, dtype=flat_n.dtype)
+        ends_E = torch.searchsorted(flat_n[order_n], experts_E, right=True)
         use_grouped = self.backend == "grouped" or (self.backend == "auto" and grouped_mm_available(x_TD))
         x_nD = x_TD[token_n]
-        y_nD = self._grouped(x_nD, counts_E) if use_grouped else self._loop(x_nD, counts_E)
+        y_nD = self._grouped(x_nD, ends_E) if use_grouped else self._loop(x_nD, ends_E)
         # back to (token, slot) order, weight, and sum each token's k outputs in fp32: no atomics
         y_TkD = y_nD.new_empty(y_nD.shape).index_copy(0, order_n, y_nD).view(*idx_Tk.shape, -1)
         y_TkD = (y_TkD * weight_Tk[..., None]).to(x_TD.dtype)
