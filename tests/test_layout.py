@@ -71,6 +71,7 @@ def test_from_rows_round_trip(seed, G, shuffle):
     ids, attn, resp_mask, uid, rows = padded_rows(groups, rng, shuffle=shuffle)
     layout = PackedLayout.from_rows(ids, attn, resp_mask, uid)
     assert layout.num_rows == len(rows)
+    assert layout.row_starts == layout.row_start.tolist()  # the host index's starts, rows in any order
     # Packed tokens: group by group in first-appearance order, each prompt once.
     order = list(dict.fromkeys(g for g, _ in rows))
     expect = []
