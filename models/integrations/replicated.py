@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 
 from dualkv.core import PackedLayout
+from dualkv.core.layout import to_device
 from dualkv.core.logprobs import gather_logprobs
 
 __all__ = ["ReplicatedBatch", "replicated_batch", "replicated_response_logprobs"]
@@ -41,14 +42,15 @@ def replicated_batch(layout: PackedLayout, pad_token_id: int = 0) -> ReplicatedB
         raise ValueError("layout: expected a dualkv.core.PackedLayout carrying input_ids (from_groups / from_rows)")
     index, cu = layout.replicated_index()
     cu = cu.long()
-    lens = cu[1:] - cu[:-1]
-    B, L = layout.num_rows, int(lens.max())
-    flat = torch.arange(int(cu[-1]), device=layout.device)
+    # sizes from the host lengths: reading them off ``cu`` would wait for the device
+    lens = [layout.prompt_lens[g] + layout.response_lens[g][i] for g, i in zip(layout.row_group, layout.row_index_in_group)]
+    B, L = layout.num_rows, max(lens)
+    flat = torch.arange(layout.replicated_tokens, device=layout.device)
     padded = _to_padded(flat, cu, L)
     input_ids = torch.full((B * L,), pad_token_id, dtype=layout.input_ids.dtype, device=layout.device)
     input_ids[padded] = layout.input_ids[index]
-    mask = torch.zeros(B * L, dtype=torch.long, device=layout.device)
-    mask[padded] = 1
+    lens_B = to_device(torch.tensor(lens), layout.device)
+    mask = (torch.arange(L, device=layout.device)[None, :] < lens_B[:, None]).long().view(-1)
     position_ids = torch.arange(L, device=layout.device).expand(B, L).contiguous()
     src, tgt = layout.replicated_logprob_index()
     return ReplicatedBatch(
