@@ -141,13 +141,14 @@ def flash_attn_dualkv_varlen_func(
             raise ValueError(f"{name}: expected a (N+1,) int32 tensor, got {getattr(cu, 'shape', cu)!r}")
         if cu.device != q.device:
             raise ValueError(f"{name}: expected device {q.device}, got {cu.device}")
+    not_equal = "cu_seqlens_k_decoded: expected it to equal cu_seqlens_q (decoded queries attend their own keys)"
     if cu_seqlens_q.shape != cu_seqlens_k_decoded.shape:
-        raise ValueError("cu_seqlens_k_decoded: expected it to equal cu_seqlens_q (decoded queries attend their own keys)")
+        raise ValueError(not_equal)
     # the value checks read the device once (three reads would be three host syncs a layer)
     first, last, differ = torch.stack([cu_seqlens_q[0], cu_seqlens_q[-1],
                                        (cu_seqlens_q != cu_seqlens_k_decoded).any().int()]).tolist()
     if differ:
-        raise ValueError("cu_seqlens_k_decoded: expected it to equal cu_seqlens_q (decoded queries attend their own keys)")
+        raise ValueError(not_equal)
     if last != q.shape[0] or first != 0:
         raise ValueError(f"cu_seqlens_q: expected to run from 0 to total_q={q.shape[0]}, got {[first, last]}")
     scale, window, softcap = check_options(q.shape[2], softmax_scale, window, softcap)

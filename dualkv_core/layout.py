@@ -437,11 +437,7 @@ class PackedLayout:
     @property
     def row_starts(self) -> list[int]:
         """Packed start of each row's response, in row (build) order (host ints; ``row_start`` on device)."""
-        group_start, offset = [], 0
-        for p, rs in zip(self.prompt_lens, self.response_lens):
-            group_start.append(offset)
-            offset += p + sum(rs)
-        return [group_start[g] + self.prompt_lens[g] + sum(self.response_lens[g][:i])
+        return [self.group_range(g)[0] + self.prompt_lens[g] + sum(self.response_lens[g][:i])
                 for g, i in zip(self.row_group, self.row_index_in_group)]
 
     def _response_token_index_host(self) -> torch.Tensor:
@@ -516,11 +512,10 @@ class PackedLayout:
 
         def build():
             pieces, cu = [], [0]
-            for b, (g, i) in enumerate(zip(self.row_group, self.row_index_in_group)):
+            for g, i, r_start in zip(self.row_group, self.row_index_in_group, self.row_starts):
                 p_start = self.group_range(g)[0]
                 p = self.prompt_lens[g]
                 r = self.response_lens[g][i]
-                r_start = p_start + p + sum(self.response_lens[g][:i])
                 pieces += [torch.arange(p_start, p_start + p), torch.arange(r_start, r_start + r)]
                 cu.append(cu[-1] + p + r)
             return to_device(torch.cat(pieces), self.device), _int32(cu, self.device)

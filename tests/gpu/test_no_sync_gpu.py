@@ -13,7 +13,6 @@ import functools
 from collections import defaultdict
 
 import pytest
-
 import torch
 
 import dualkv.models as M
