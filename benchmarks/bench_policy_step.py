@@ -242,11 +242,13 @@ def profile_step(trainer, step: int, path: Path, meta: dict, top: int = 40, peak
     text = head + "\n".join(f"## {title}\n\n{avg.table(sort_by=key, row_limit=top, max_name_column_width=80)}\n"
                              for title, avg in tables)
     if cuda:
-        from benchmarks.timeline import idle_report, kind_report, speed_report
+        from benchmarks.timeline import idle_report, kind_report, minor_kernels_report, speed_report
 
         text += "\n## device time by kind and phase\n\n" + "\n".join(kind_report(prof)) + "\n"
         text += ("\n## speed by kind and phase (model FLOPs over device time)\n\n"
                  + "\n".join(speed_report(prof, trainer.updater.flops_by_phase, peak=peak)) + "\n")
+        text += ("\n## the other kinds' largest kernels (launching operator; ms per phase)\n\n"
+                 + "\n".join(minor_kernels_report(prof, 10)) + "\n")
         text += "\n## idle GPU time (host operator at each stretch's middle)\n\n" + "\n".join(idle_report(prof, 25)) + "\n"
     path.write_text(text)
     return path.name

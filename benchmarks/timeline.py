@@ -12,6 +12,9 @@ region and by innermost host operator, so that a step's idle time can be attribu
 attention forward / backward, compiled element-wise kernels, copies, the optimizer, ...), per
 ``phase:`` region, and how much of it ran on streams other than the main one and overlapped it.
 
+``minor_kernels_report``: the kernels of every kind but the products and attention, the largest by
+device time, each with the operator that launched it and its time per phase.
+
 ``speed_report``: per ``phase:`` region, the model FLOPs the phase ran (the trainer's count by part,
 of the tokens its packing runs) against its kernels' device time: the TFLOP/s of the matrix products,
 of the attention forward and backward, of the phase as a whole (and its share of the peak), and the
@@ -218,6 +221,44 @@ def kind_report(prof) -> list[str]:
               f"overlapped)  {kind}" for kind, spans in sorted(side.items(), key=lambda kv: -sum(b - a for a, b in kv[1]))]
     return lines
 
+
+
+def launching_ops(prof) -> dict[tuple[str, float], str]:
+    """{(kernel name, duration us): the CPU operator whose correlation launched it} for the kernels the
+    profiler tied to an operator (``FunctionEvent.kernels``); the innermost such operator wins."""
+    cpu = torch.autograd.DeviceType.CPU
+    ops = sorted((e for e in prof.events() if e.device_type == cpu and getattr(e, "kernels", None)),
+                 key=lambda e: e.time_range.start)
+    return {(k.name, float(k.duration)): e.name for e in ops for k in e.kernels}
+
+
+def minor_kernels_report(prof, top: int = 8, skip: tuple[str, ...] = ("matrix products", "attention forward",
+                                                                   "attention backward")) -> list[str]:
+    """Report lines: for each kind of ``kind_of`` not in ``skip`` (the kinds ``speed_report`` leaves
+    as "every other kind"), largest first, its ``top`` kernels by device time over the whole profile,
+    each with its count, its time in every phase and the operator that launched it (where the profiler
+    tied one), so that the time left beside the products and attention can be traced to code."""
+    work = [e for e in device_work(prof) if kind_of(e.name) not in skip]
+    if not work:
+        return ["   no device activity recorded outside " + ", ".join(skip)]
+    phases = phase_regions(prof)
+    launched = launching_ops(prof)
+    table: dict[str, dict[tuple[str, str], list]] = defaultdict(dict)
+    for e in work:
+        dur = e.time_range.end - e.time_range.start
+        op = launched.get((e.name, float(dur)), "?")
+        phase = next((name[len(PHASE_PREFIX):] for s, t, name in phases if s <= e.time_range.start < t), "-")
+        cell = table[kind_of(e.name)].setdefault((e.name, op), [0.0, 0, defaultdict(float)])
+        cell[0] += dur
+        cell[1] += 1
+        cell[2][phase] += dur
+    lines = []
+    for kind, rows in sorted(table.items(), key=lambda kv: -sum(c[0] for c in kv[1].values())):
+        lines.append(f"   {kind}: {sum(c[0] for c in rows.values()) / 1000:.2f} ms in {len(rows)} kernel / operator pairs")
+        for (name, op), (t, n, by_phase) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:top]:
+            where = ", ".join(f"{ph} {us / 1000:.1f}" for ph, us in sorted(by_phase.items(), key=lambda kv: -kv[1]))
+            lines.append(f"   {t / 1000:10.2f} ms {n:6d}x  {name[:80]}  [{op[:40]}; {where}]")
+    return lines
 
 # How many of a phase's forward FLOPs by part (train.metrics.forward_flops_by_part) each kind of kernel
 # runs. A pass with gradients runs the products (the head's logits too) three times (the backward
