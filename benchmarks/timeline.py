@@ -223,13 +223,26 @@ def kind_report(prof) -> list[str]:
 
 
 
+# Named regions around an operator that say which part of the step launched it (FSDP's gathers and
+# reductions, a compiled graph, an autograd node, the optimizer).
+CONTEXT_PREFIXES = ("FSDP::", "## Call CompiledFxGraph", "autograd::engine::evaluate_function", "Optimizer.")
+
+
 def launching_ops(prof) -> dict[tuple[str, float], str]:
     """{(kernel name, duration us): the CPU operator whose correlation launched it} for the kernels the
-    profiler tied to an operator (``FunctionEvent.kernels``); the innermost such operator wins."""
+    profiler tied to an operator (``FunctionEvent.kernels``), with the nearest enclosing region of
+    ``CONTEXT_PREFIXES`` after a "<" (``cpu_parent`` links); the innermost such operator wins."""
     cpu = torch.autograd.DeviceType.CPU
     ops = sorted((e for e in prof.events() if e.device_type == cpu and getattr(e, "kernels", None)),
                  key=lambda e: e.time_range.start)
-    return {(k.name, float(k.duration)): e.name for e in ops for k in e.kernels}
+
+    def named(e) -> str:
+        parent = getattr(e, "cpu_parent", None)
+        while parent is not None and not parent.name.startswith(CONTEXT_PREFIXES):
+            parent = getattr(parent, "cpu_parent", None)
+        return e.name if parent is None else f"{e.name} < {parent.name}"
+
+    return {(k.name, float(k.duration)): named(e) for e in ops for k in e.kernels}
 
 
 def minor_kernels_report(prof, top: int = 8, skip: tuple[str, ...] = ("matrix products", "attention forward",
@@ -257,7 +270,7 @@ def minor_kernels_report(prof, top: int = 8, skip: tuple[str, ...] = ("matrix pr
         lines.append(f"   {kind}: {sum(c[0] for c in rows.values()) / 1000:.2f} ms in {len(rows)} kernel / operator pairs")
         for (name, op), (t, n, by_phase) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:top]:
             where = ", ".join(f"{ph} {us / 1000:.1f}" for ph, us in sorted(by_phase.items(), key=lambda kv: -kv[1]))
-            lines.append(f"   {t / 1000:10.2f} ms {n:6d}x  {name[:80]}  [{op[:40]}; {where}]")
+            lines.append(f"   {t / 1000:10.2f} ms {n:6d}x  {name[:80]}  [{op[:80]}; {where}]")
     return lines
 
 # How many of a phase's forward FLOPs by part (train.metrics.forward_flops_by_part) each kind of kernel

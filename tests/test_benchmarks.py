@@ -950,8 +950,8 @@ def test_tile_waste_counts_the_forward_walk(capsys):
 
 def test_timeline_minor_kernels_report_lists_the_rest_by_kernel_and_operator():
     """minor_kernels_report leaves out the products and attention, sums the other kinds' kernels by
-    (name, launching operator), largest first within each kind, with their time per phase; a kernel
-    the profiler tied to no operator shows "?"."""
+    (name, launching operator and the FSDP / compiled-graph / autograd region around it), largest first
+    within each kind, with their time per phase; a kernel the profiler tied to no operator shows "?"."""
     from types import SimpleNamespace
 
     from benchmarks import timeline
@@ -960,6 +960,8 @@ def test_timeline_minor_kernels_report_lists_the_rest_by_kernel_and_operator():
     add1, add2 = _event("add_kernel", 1100, 1300), _event("add_kernel", 1400, 1500)
     copy = _event("Memcpy DtoD (Device -> Device)", 1500, 1550)
     op = _event("aten::add_", 1090, 1410, device=cpu)
+    op.cpu_parent = SimpleNamespace(name="aten::something", cpu_parent=SimpleNamespace(
+        name="FSDP::post_backward_reduce (layers.0)", cpu_parent=None))
     op.kernels = [SimpleNamespace(name="add_kernel", duration=200), SimpleNamespace(name="add_kernel", duration=100)]
     events = [
         _event("phase:ref_log_prob", 0, 1000, annotation=True),
@@ -971,7 +973,7 @@ def test_timeline_minor_kernels_report_lists_the_rest_by_kernel_and_operator():
     ]
     lines = timeline.minor_kernels_report(_planted_profile(events), top=5)
     assert lines[0] == "   other (eager element-wise, reductions, ...): 0.35 ms in 2 kernel / operator pairs"
-    assert lines[1] == "         0.30 ms      2x  add_kernel  [aten::add_; update 0.3]"
+    assert lines[1] == "         0.30 ms      2x  add_kernel  [aten::add_ < FSDP::post_backward_reduce (layers.0); update 0.3]"
     assert lines[2] == "         0.05 ms      1x  add_kernel  [?; ref_log_prob 0.1]"
     assert lines[3] == "   copies and memsets: 0.05 ms in 1 kernel / operator pairs"
     assert lines[4].endswith("1x  Memcpy DtoD (Device -> Device)  [?; update 0.1]")
