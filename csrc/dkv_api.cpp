@@ -374,53 +374,6 @@ bool bwd_items_by_kv_head() {
   return choice != "0";
 }
 
-// DUALKV_CUDA_BWD_ITEM_LPT: the order the dK/dV kernels' work counter hands out their items in the default
-// (atomic) backward. 0 (unset): the numbering itself (per segment its context tiles, then its own);
-// 1: longest first (longest_first_items). Not a kernel form: the CPU emulation takes it too.
-bool bwd_items_longest_first() {
-  const std::string choice = env_value("DUALKV_CUDA_BWD_ITEM_LPT");
-  DKV_CHECK(choice.empty() || choice == "0" || choice == "1", kOps,
-            ": DUALKV_CUDA_BWD_ITEM_LPT: expected one of 0, 1 (or unset), got '", choice, "'");
-  return choice == "1";
-}
-
-// The dK/dV items (default mode) in the order the work counter hands them out: longest first, by the query
-// rows an item walks (a context tile: its reader chunk's rows; a segment's own key tile j: the rows from
-// that tile's first key on), ties in the kernel's own numbering (kv head major or not), so the blocks in
-// flight still serve one kv head. The blocks are persistent and take the next item when done, so in the
-// numbering's order a block that takes one of the last context tiles (a chunk's rows long) runs on alone
-// while the others end on short response tiles; longest first, the launch ends on the shortest items.
-// The number of items is known only on the device (item_prefix[S] per kv head), so the list is built over
-// `bound` >= it tile items a head; the entries past the count sort last and are never handed out.
-Tensor longest_first_items(const Tensor& item_prefix, const Tensor& cu_seqlens, const Tensor& seg_ctx_len,
-                           const Tensor& chunk_end, int64_t bound, int kv_block, int64_t nheads_kv, bool head_major) {
-  const int64_t S = seg_ctx_len.size(0);
-  const auto lng = item_prefix.options().dtype(at::kLong);
-  const Tensor prefix = item_prefix.to(at::kLong), cu = cu_seqlens.to(at::kLong), ends = chunk_end.to(at::kLong);
-  const Tensor t = at::arange(bound, lng);
-  const Tensor n_tiles = prefix.narrow(0, S, 1);  // tile items a kv head
-  const Tensor grp = (at::searchsorted(prefix, t, /*out_int32=*/false, /*right=*/true) - 1).clamp(0, S - 1);
-  const Tensor li = t - prefix.index_select(0, grp);
-  const Tensor leads = ends.gt(at::arange(S, lng));
-  const Tensor n_ctx = at::where(leads, at::div(seg_ctx_len.to(at::kLong) + (kv_block - 1), kv_block, "floor"),
-                                 at::zeros({S}, lng)).index_select(0, grp);
-  const Tensor chunk_rows = (cu.index_select(0, ends) - cu.narrow(0, 0, S)).index_select(0, grp);
-  const Tensor own_rows = (cu.narrow(0, 1, S) - cu.narrow(0, 0, S)).index_select(0, grp) - (li - n_ctx) * kv_block;
-  Tensor rows = at::where(li.lt(n_ctx), chunk_rows, own_rows);
-  rows = at::where(t.lt(n_tiles), rows, at::full_like(rows, -1));
-  const Tensor heads = at::arange(nheads_kv, lng);
-  Tensor ids, keys;
-  if (head_major) {
-    ids = (heads.unsqueeze(1) * n_tiles + t.unsqueeze(0)).flatten();
-    keys = rows.unsqueeze(0).expand({nheads_kv, bound}).flatten();
-  } else {
-    ids = (t.unsqueeze(1) * nheads_kv + heads.unsqueeze(0)).flatten();
-    keys = rows.unsqueeze(1).expand({bound, nheads_kv}).flatten();
-  }
-  const Tensor perm = std::get<1>(at::sort(keys, /*stable=*/true, /*dim=*/0, /*descending=*/true));
-  return ids.index_select(0, perm).to(at::kInt);
-}
-
 QueryTiles query_tiles(const Tensor& seg_len, const Tensor& seg_ctx_len, int block, bool by_readers) {
   QueryTiles tiles;
   if (!by_readers || seg_len.size(0) < 2) {
@@ -840,12 +793,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
   const int kv_block = sm90 ? sm90_dkdv_block_n(args.head_dim) : dkdv_config(args.head_dim).block_n;
   const bool by_readers = tile_order_by_readers();
   const int64_t chunk_rows = deterministic ? 0 : reader_chunk_rows();
-  const bool longest_first = !deterministic && bwd_items_longest_first();
-  const bool head_major = bwd_items_by_kv_head();
   const PlanCache::Plan plan = plan_cache().get(
       {cu_seqlens, seg_ctx_start, seg_ctx_len, ctx_key_len},
-      {1, dq_block, kv_block, by_readers, deterministic, args.ctx_separate, chunk_rows, longest_first, head_major},
-      [&] {
+      {1, dq_block, kv_block, by_readers, deterministic, args.ctx_separate, chunk_rows}, [&] {
         const Tensor seg_len = segment_lengths(cu_seqlens);
         const QueryTiles q_tiles = query_tiles(seg_len, seg_ctx_len, dq_block, by_readers);
         // dkdv items per segment: its own key tiles (+ its context tiles, by default); deterministic
@@ -861,15 +811,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
         if (deterministic && args.ctx_separate) {
           groups = at::cat({per_seg, at::div(ctx_key_len + (kv_block - 1), kv_block, "floor")});
         }
-        const Tensor item_prefix = prefix_of(groups, 1);
-        Tensor order;
-        if (longest_first) {  // tile items a kv head: at most ceil(T / kv_block) + S own, S * ceil(total_ctx / kv_block) context
-          const int64_t S = seg_len.size(0);
-          const int64_t bound = (T + kv_block - 1) / kv_block + S + S * ((args.total_ctx + kv_block - 1) / kv_block);
-          order = longest_first_items(item_prefix, cu_seqlens, seg_ctx_len, chunk_end, bound, kv_block, args.nheads_kv,
-                                      head_major);
-        }
-        return PlanCache::Plan{q_tiles.prefix, q_tiles.order, item_prefix, chunk_end, order};
+        return PlanCache::Plan{q_tiles.prefix, q_tiles.order, prefix_of(groups, 1), chunk_end};
       });
   const QueryTiles q_tiles{plan[0], plan[1]};
   const Tensor& kv_item_prefix = plan[2];
@@ -902,8 +844,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
   p.kv_item_prefix = kv_item_prefix.data_ptr<int>();
   p.chunk_end = deterministic ? nullptr : chunk_end.data_ptr<int>();
   p.num_item_groups = static_cast<int>(kv_item_prefix.size(0) - 1);
-  p.kv_head_major = head_major;
-  p.item_order = longest_first ? plan[4].data_ptr<int>() : nullptr;
+  p.kv_head_major = bwd_items_by_kv_head();
   p.work_counter = work_counter.data_ptr<int>();
   p.deterministic = deterministic;
   p.dq_accum = fused_dq ? dq_accum.data_ptr<float>() : nullptr;

@@ -380,7 +380,6 @@ DKV_DEV void reader_segments(const BwdParams& p, int c, int& begin, int& end) {
 
 template <int kBlockN>
 DKV_DEV KvItem decode_item(const BwdParams& p, int item) {
-  if (p.item_order != nullptr) item = p.item_order[item];  // the work counter's value -> the item
   KvItem it;
   int tile_item;
   if (p.kv_head_major) {  // every tile of kv head 0, then of head 1, ...

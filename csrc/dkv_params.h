@@ -105,9 +105,6 @@ struct BwdParams : AttnArgs {
   const int* chunk_end = nullptr;
   int num_item_groups = 0;              // S, or S + C (deterministic, separate context)
   bool kv_head_major = false;           // decode_item: every tile of kv head 0, then head 1, ... (else a tile's
-  // dkdv kernels, default (atomic) mode, DUALKV_CUDA_BWD_ITEM_LPT=1: (at least total items,) the item each
-  // value of the work counter stands for (longest first, dkv_api.cpp longest_first_items); null: itself
-  const int* item_order = nullptr;
                                         // kv heads side by side); DUALKV_CUDA_BWD_ITEM_ORDER
   int* work_counter = nullptr;          // dynamic scheduler of the dkdv kernel (zeroed)
   bool deterministic = false;

@@ -512,11 +512,10 @@ def check_reader_chunks(device_defaults: bool) -> bool:
     """The default backward's reader chunks (DUALKV_CUDA_BWD_CHUNK_ROWS): every segment its own chunk
     (0), runs cut into several chunks (40 rows: chunks of one to three responses, ragged), and whole
     groups in one chunk (the default, 8192) match the reference, with several groups, GQA, a window and
-    a separate context; so do the items handed out longest first (DUALKV_CUDA_BWD_ITEM_LPT=1) over those
-    chunks, and over two kv heads in both item orders; a bad value of either variable is an error
-    naming it. device_defaults: the kernels an sm_90 GPU runs (else mma.sync)."""
+    a separate context; a bad value is an error naming the variable. device_defaults: the kernels an
+    sm_90 GPU runs (else mma.sync)."""
     names = ("DUALKV_CUDA_WGMMA", "DUALKV_CUDA_WGMMA_BWD", "DUALKV_CUDA_BWD_TMA", "DUALKV_EMULATE_DEVICE_DEFAULTS",
-             "DUALKV_CUDA_BWD_CHUNK_ROWS", "DUALKV_CUDA_BWD_ITEM_LPT", "DUALKV_CUDA_BWD_ITEM_ORDER")
+             "DUALKV_CUDA_BWD_CHUNK_ROWS")
     saved = {n: os.environ.get(n) for n in names}
     cases = [dict(d=128, dtype=torch.bfloat16, prompts=[70, 9], responses=[[33, 20, 45, 1, 7], [17, 80]], H=2, Hkv=1),
              dict(d=64, dtype=torch.float16, prompts=[90], responses=[[40, 3, 25, 60]], H=2, Hkv=1, window=50),
@@ -536,19 +535,6 @@ def check_reader_chunks(device_defaults: bool) -> bool:
         ok = expect_error({"DUALKV_CUDA_BWD_CHUNK_ROWS": "many"},
                           "DUALKV_CUDA_BWD_CHUNK_ROWS: expected a number of rows >= 0 (0: one chunk a segment), got 'many'",
                           "DUALKV_CUDA_BWD_CHUNK_ROWS=many", **cases[1]) and ok
-        os.environ["DUALKV_CUDA_BWD_ITEM_LPT"] = "1"
-        two_heads = dict(d=64, dtype=torch.float16, prompts=[130, 5], responses=[[70, 1], [66]], H=4, Hkv=2)
-        for rows, order, batch in (("40", "1", cases), ("0", "1", [two_heads]), (None, "0", [two_heads])):
-            os.environ.pop("DUALKV_CUDA_BWD_CHUNK_ROWS", None)
-            if rows is not None:
-                os.environ["DUALKV_CUDA_BWD_CHUNK_ROWS"] = rows
-            os.environ["DUALKV_CUDA_BWD_ITEM_ORDER"] = order
-            print(f"items longest first: DUALKV_CUDA_BWD_ITEM_LPT=1 DUALKV_CUDA_BWD_CHUNK_ROWS={rows or 'unset'} "
-                  f"DUALKV_CUDA_BWD_ITEM_ORDER={order}{' (device defaults)' if device_defaults else ''}", flush=True)
-            ok = all([run_case(**c) for c in batch]) and ok
-        ok = expect_error({"DUALKV_CUDA_BWD_ITEM_LPT": "2"},
-                          "DUALKV_CUDA_BWD_ITEM_LPT: expected one of 0, 1 (or unset), got '2'",
-                          "DUALKV_CUDA_BWD_ITEM_LPT=2", **cases[1]) and ok
         return ok
     finally:
         _restore_env(saved)
