@@ -5,7 +5,9 @@ on every call, as do the Triton backend's (``DUALKV_TRITON_BWD_HEAD_MAJOR``, ``D
 with ``--backend triton``), so one process can time several values on the same inputs. Per layout the values
 take turns for ``--rounds`` rounds (the order reversed every other round, so that clock or thermal
 drift does not favour one value); each sample is the mean of ``--calls`` calls. Printed per value:
-the median ms, the minimum, and the median relative to the first value. The value ``unset`` removes the
+the median ms, the minimum, the median relative to the first value and, in brackets, the range of
+the per-round ratios (each round's sample over the first value's of the same round): where that range
+straddles 1, the rounds do not agree on which value is faster. The value ``unset`` removes the
 variable (the package's own default). ``--out DIR`` also writes ``<stem>.json`` (card, date, versions,
 command, every sample) and a bar plot of the ratios, ``<stem>.png``.
 
@@ -81,15 +83,37 @@ def time_values(fn, var: str, values: list[str], rounds: int, calls: int) -> dic
     return times
 
 
+def round_ratios(times: dict[str, list[float]], values: list[str]) -> dict[str, list[float]]:
+    """Each value's sample of a round over the first value's sample of the same round. The two ran back
+    to back, so clock and power drift between rounds cancel in the ratio, and the spread of these ratios
+    says how firmly the values differ, which the medians alone do not."""
+    base = times[values[0]]
+    return {v: [t / b for t, b in zip(times[v], base)] for v in values}
+
+
 def ratio_row(name: str, times: dict[str, list[float]], values: list[str]) -> dict:
-    """A layout's row: each value's samples, median ms and median over the first value's."""
+    """A layout's row: each value's samples, median ms, median over the first value's, and the range of
+    its per-round ratios (``round_ratios``)."""
     base = statistics.median(times[values[0]])
+    per_round = round_ratios(times, values)
     row = {"layout": name}
     for v in values:
         row[v] = statistics.median(times[v])
         row[f"{v}_ratio"] = row[v] / base
         row[f"{v}_samples"] = times[v]
+        row[f"{v}_round_ratio_range"] = [min(per_round[v]), max(per_round[v])]
     return row
+
+
+def format_row(row: dict, values: list[str]) -> str:
+    """The printed line of a layout: per value its median ms, minimum, median ratio and (after the
+    first value) the range of its per-round ratios."""
+    cells = []
+    for i, v in enumerate(values):
+        lo, hi = row[f"{v}_round_ratio_range"]
+        spread = f" [{lo:5.3f}-{hi:5.3f}]" if i else ""
+        cells.append(f"{v}: {row[v]:8.2f} (min {min(row[f'{v}_samples']):8.2f}) {row[f'{v}_ratio']:5.3f}{spread}")
+    return f"{row['layout']:18s} | " + " | ".join(cells)
 
 
 def make_case(spec: str, heads: tuple[int, int], d: int, seed: int, backend: str, forward: bool):
@@ -149,18 +173,16 @@ def main(argv=None) -> None:
         raise SystemExit("env_ab: needs a CUDA device")
     d = args.head_dim
     print(f"{args.var}: {', '.join(values)} ({'forward' if args.forward else 'backward'}, {args.backend}, "
-          f"H={H}, H_kv={Hkv}, d={d}; median ms (min) and median / the first value's)", flush=True)
+          f"H={H}, H_kv={Hkv}, d={d}; median ms (min), median / the first value's and [the range of the "
+          f"rounds' own ratios])", flush=True)
     rows = []
     for spec in args.layouts.split(";"):
         if not spec.strip():
             continue
         name, fn, tensors = make_case(spec, (H, Hkv), d, args.seed, args.backend, args.forward)
         times = time_values(fn, args.var, values, args.rounds, args.calls)
-        base = statistics.median(times[values[0]])
-        cells = [f"{v}: {statistics.median(times[v]):8.2f} (min {min(times[v]):8.2f}) {statistics.median(times[v]) / base:5.3f}"
-                 for v in values]
-        print(f"{name:18s} | " + " | ".join(cells), flush=True)
         rows.append(ratio_row(name, times, values))
+        print(format_row(rows[-1], values), flush=True)
         del fn, tensors
         torch.cuda.empty_cache()
     if args.out and rows:

@@ -581,6 +581,21 @@ def test_logprob_head_benchmark_bad_arguments(argv, match, capsys):
     assert match in capsys.readouterr().err
 
 
+def test_env_ab_rows_give_each_rounds_own_ratio():
+    """ratio_row keeps the ratio of medians and adds the range of the per-round ratios (each round's
+    sample over the baseline's of the same round); format_row prints that range after the baseline."""
+    from benchmarks import env_ab
+
+    times = {"0": [10.0, 12.0, 11.0], "1": [11.0, 12.0, 9.9]}  # rounds: 1.1, 1.0, 0.9
+    assert env_ab.round_ratios(times, ["0", "1"])["1"] == [1.1, 1.0, 0.9]
+    row = env_ab.ratio_row("(2,64,8)", times, ["0", "1"])
+    assert row["1"] == 11.0 and row["1_ratio"] == 1.0
+    assert row["1_round_ratio_range"] == [0.9, 1.1] and row["0_round_ratio_range"] == [1.0, 1.0]
+    line = env_ab.format_row(row, ["0", "1"])
+    assert line.startswith("(2,64,8)           | 0:    11.00 (min    10.00) 1.000 | 1:")
+    assert line.endswith("1:    11.00 (min     9.90) 1.000 [0.900-1.100]")
+
+
 def test_env_ab_layouts_and_cpu_refusal(monkeypatch):
     from benchmarks import env_ab
 
@@ -610,7 +625,8 @@ def test_env_ab_rows_and_library_refusal():
 
     row = env_ab.ratio_row("(x)", {"unset": [2.0, 4.0, 3.0], "1": [6.0, 6.0, 9.0]}, ["unset", "1"])
     assert row == {"layout": "(x)", "unset": 3.0, "unset_ratio": 1.0, "unset_samples": [2.0, 4.0, 3.0],
-                   "1": 6.0, "1_ratio": 2.0, "1_samples": [6.0, 6.0, 9.0]}
+                   "1": 6.0, "1_ratio": 2.0, "1_samples": [6.0, 6.0, 9.0],
+                   "unset_round_ratio_range": [1.0, 1.0], "1_round_ratio_range": [1.5, 3.0]}
 
     with pytest.raises(SystemExit, match="a process loads one library; .*benchmarks.build_ab"):
         env_ab.main(["--var", "DUALKV_CUDA_LIBRARY", "--values", "/a.so,/b.so", "--layouts", "2,64,8"])
