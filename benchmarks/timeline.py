@@ -228,21 +228,23 @@ def kind_report(prof) -> list[str]:
 CONTEXT_PREFIXES = ("FSDP::", "## Call CompiledFxGraph", "autograd::engine::evaluate_function", "Optimizer.")
 
 
+def op_context(e) -> str:
+    """A CPU operator's name, with the nearest enclosing region of ``CONTEXT_PREFIXES`` after a "<"
+    (found through the profiler's ``cpu_parent`` links)."""
+    parent = getattr(e, "cpu_parent", None)
+    while parent is not None and not parent.name.startswith(CONTEXT_PREFIXES):
+        parent = getattr(parent, "cpu_parent", None)
+    return e.name if parent is None else f"{e.name} < {parent.name}"
+
+
 def launching_ops(prof) -> dict[tuple[str, float], str]:
-    """{(kernel name, duration us): the CPU operator whose correlation launched it} for the kernels the
-    profiler tied to an operator (``FunctionEvent.kernels``), with the nearest enclosing region of
-    ``CONTEXT_PREFIXES`` after a "<" (``cpu_parent`` links); the innermost such operator wins."""
+    """{(kernel name, duration us): ``op_context`` of the CPU operator whose correlation launched it} for
+    the kernels the profiler tied to an operator (``FunctionEvent.kernels``); the innermost such
+    operator wins."""
     cpu = torch.autograd.DeviceType.CPU
     ops = sorted((e for e in prof.events() if e.device_type == cpu and getattr(e, "kernels", None)),
                  key=lambda e: e.time_range.start)
-
-    def named(e) -> str:
-        parent = getattr(e, "cpu_parent", None)
-        while parent is not None and not parent.name.startswith(CONTEXT_PREFIXES):
-            parent = getattr(parent, "cpu_parent", None)
-        return e.name if parent is None else f"{e.name} < {parent.name}"
-
-    return {(k.name, float(k.duration)): named(e) for e in ops for k in e.kernels}
+    return {(k.name, float(k.duration)): op_context(e) for e in ops for k in e.kernels}
 
 
 def minor_kernels_report(prof, top: int = 8, skip: tuple[str, ...] = ("matrix products", "attention forward",

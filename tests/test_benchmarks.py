@@ -964,6 +964,22 @@ def test_tile_waste_counts_the_forward_walk(capsys):
         tile_waste.computed_scores(prompts, responses, 0, 16)
 
 
+def test_timeline_op_context_on_a_real_cpu_profile():
+    """op_context walks a real torch.profiler run's parent links: an operator inside an FSDP-named
+    region (through a plain region between them) is named with that region; one outside any is not."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from benchmarks import timeline
+
+    a = torch.randn(8, 8)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with record_function("FSDP::all_gather_copy_in"), record_function("inner"):
+            torch.mm(a, a)
+        torch.mm(a, a)
+    mms = sorted((e for e in prof.events() if e.name == "aten::mm"), key=lambda e: e.time_range.start)
+    assert [timeline.op_context(e) for e in mms] == ["aten::mm < FSDP::all_gather_copy_in", "aten::mm"]
+
+
 def test_timeline_minor_kernels_report_lists_the_rest_by_kernel_and_operator():
     """minor_kernels_report leaves out the products and attention, sums the other kinds' kernels by
     (name, launching operator and the FSDP / compiled-graph / autograd region around it), largest first
