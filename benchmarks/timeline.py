@@ -240,7 +240,9 @@ def op_context(e) -> str:
 def launching_ops(prof) -> dict[tuple[str, float], str]:
     """{(kernel name, duration us): ``op_context`` of the CPU operator whose correlation launched it} for
     the kernels the profiler tied to an operator (``FunctionEvent.kernels``); the innermost such
-    operator wins."""
+    operator wins. The profiler's kernel records carry a name and a duration but no start, so
+    kernels of one name and the same duration launched by different operators are all named after
+    one of them."""
     cpu = torch.autograd.DeviceType.CPU
     ops = sorted((e for e in prof.events() if e.device_type == cpu and getattr(e, "kernels", None)),
                  key=lambda e: e.time_range.start)
@@ -274,6 +276,7 @@ def minor_kernels_report(prof, top: int = 8, skip: tuple[str, ...] = ("matrix pr
             where = ", ".join(f"{ph} {us / 1000:.1f}" for ph, us in sorted(by_phase.items(), key=lambda kv: -kv[1]))
             lines.append(f"   {t / 1000:10.2f} ms {n:6d}x  {name[:80]}  [{op[:80]}; {where}]")
     return lines
+
 
 # How many of a phase's forward FLOPs by part (train.metrics.forward_flops_by_part) each kind of kernel
 # runs. A pass with gradients runs the products (the head's logits too) three times (the backward
