@@ -60,6 +60,11 @@ def phase_regions(prof) -> list[tuple[float, float, str]]:
                   and e.name.startswith(PHASE_PREFIX))
 
 
+def phase_at(phases: list[tuple[float, float, str]], t: float, default: str | None = None) -> str | None:
+    """The name of the ``phase_regions`` region that time ``t`` (us) lies in, else ``default``."""
+    return next((name for start, end, name in phases if start <= t < end), default)
+
+
 def idle_stretches(prof) -> tuple[float, list[tuple[float, float, str]]]:
     """(span us, [(start us, end us, name of the device activity after it)]) in time order."""
     work = device_work(prof)
@@ -195,7 +200,7 @@ def kind_report(prof) -> list[str]:
     side: dict[str, list] = defaultdict(list)
     for e, stream in zip(work, stream_of):
         kind, start, dur = kind_of(e.name), e.time_range.start, e.time_range.end - e.time_range.start
-        phase = next((name for s, t, name in phases if s <= start < t), "(no phase)")
+        phase = phase_at(phases, start, "(no phase)")
         for column in ("all", phase):
             cell = table[column][kind]
             cell[0] += dur
@@ -220,7 +225,6 @@ def kind_report(prof) -> list[str]:
     lines += [f"   {sum(b - a for a, b in spans) / 1000:10.2f} ms  ({_overlap(spans, main_busy) / 1000:.2f} ms "
               f"overlapped)  {kind}" for kind, spans in sorted(side.items(), key=lambda kv: -sum(b - a for a, b in kv[1]))]
     return lines
-
 
 
 # Named regions around an operator that say which part of the step launched it (FSDP's gathers and
@@ -264,7 +268,8 @@ def minor_kernels_report(prof, top: int = 8, skip: tuple[str, ...] = ("matrix pr
     for e in work:
         dur = e.time_range.end - e.time_range.start
         op = launched.get((e.name, float(dur)), "?")
-        phase = next((name[len(PHASE_PREFIX):] for s, t, name in phases if s <= e.time_range.start < t), "-")
+        region = phase_at(phases, e.time_range.start)
+        phase = region[len(PHASE_PREFIX):] if region else "-"
         cell = table[kind_of(e.name)].setdefault((e.name, op), [0.0, 0, defaultdict(float)])
         cell[0] += dur
         cell[1] += 1
