@@ -436,9 +436,19 @@ class PackedLayout:
 
     @property
     def row_starts(self) -> list[int]:
-        """Packed start of each row's response, in row (build) order (host ints; ``row_start`` on device)."""
-        return [self.group_range(g)[0] + self.prompt_lens[g] + sum(self.response_lens[g][:i])
-                for g, i in zip(self.row_group, self.row_index_in_group)]
+        """Packed start of each row's response, in row (build) order (host ints; ``row_start`` on device).
+        Computed once, in one pass over the groups (the index builders and the log-prob plans read it)."""
+
+        def build():
+            start, offset = {}, 0
+            for g, (p, rs) in enumerate(zip(self.prompt_lens, self.response_lens)):
+                offset += p
+                for i, r in enumerate(rs):
+                    start[g, i] = offset
+                    offset += r
+            return [start[g, i] for g, i in zip(self.row_group, self.row_index_in_group)]
+
+        return self._cached("row_starts", build)
 
     def _response_token_index_host(self) -> torch.Tensor:
         def build():
