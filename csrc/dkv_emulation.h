@@ -8,18 +8,22 @@
 // cp.async.bulk.wait_group), shfl.sync.bfly, bar.sync, and wgmma.mma_async m64nNk16 with
 // 128-byte-swizzled shared-memory operands (executed at issue: a missing wgmma.wait_group is not
 // caught; the layouts are those csrc/dkv_wgmma.cuh documents, checked on a GPU by
-// tests/gpu/test_wgmma_gpu.py). Every warp collective waits for all 32
+// tests/gpu/test_wgmma_gpu.py), and thread block clusters (launch_cluster: the blocks of a cluster run
+// at once; barrier.cluster, mapa, st.async and mbarrier arrivals into a peer's shared memory,
+// multicast bulk tensor copies; csrc/dkv_cluster.cuh). Every warp collective waits for all 32
 // lanes (a divergent collective deadlocks instead of silently passing). Slow by design: a debugging
 // tool for small shapes, never a product path.
 #pragma once
 
 #include <atomic>
 #include <barrier>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <functional>
 #include <map>
+#include <optional>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -79,9 +83,23 @@ struct PendingReduce {
   int count;
 };
 
+// The blocks of one cluster, run at once: each block's shared memory (at the same size), the cluster's
+// barrier (barrier.cluster over all their threads) and each block's threads still running (a block's
+// shared memory may not be reached from a peer once the block has exited).
+struct Cluster {
+  int size = 1;
+  size_t smem_bytes = 0;
+  std::vector<unsigned char*> smem;
+  std::unique_ptr<std::barrier<>> bar;
+  std::unique_ptr<std::atomic<int>[]> running;
+};
+
 struct Thread {
   int tid = 0, lane = 0;
   dim3 block, grid, bdim;
+  Cluster* cluster = nullptr;
+  int cta_rank = 0;                                         // %cluster_ctarank
+  std::optional<std::barrier<>::arrival_token> cluster_arrival;  // barrier.cluster.arrive without its wait yet
   Warp* warp = nullptr;
   WarpGroup* wg = nullptr;  // null when the block is not a multiple of 128 threads
   std::barrier<>* block_bar = nullptr;
@@ -91,7 +109,6 @@ struct Thread {
   std::vector<PendingCopy> open;                 // copies not yet committed
   std::vector<std::vector<PendingReduce>> bulk_groups;  // committed bulk groups, oldest first
   std::vector<PendingReduce> bulk_open;                 // bulk reductions not yet committed
-  std::map<uint64_t*, int64_t> tma_bytes;               // bulk tensor copies' bytes still to land, per mbarrier
 };
 
 inline thread_local Thread self;
@@ -330,10 +347,19 @@ inline void mbar_arrive(uint64_t* bar) {
     if (word.compare_exchange_weak(v, next)) return;
   }
 }
+// A wait that sees no completion for kWaitLimit ends the process with a message (a phase that never
+// completes would otherwise hang the emulation for good).
+constexpr std::chrono::seconds kWaitLimit{300};
 inline void mbar_wait_parity(uint64_t* bar, int parity) {
   require_aligned(bar, 8, "mbarrier");
   std::atomic_ref<uint64_t> word(*bar);
-  while (static_cast<int>(word.load() >> 63) == parity) std::this_thread::yield();
+  const auto start = std::chrono::steady_clock::now();
+  for (uint64_t spins = 1; static_cast<int>(word.load() >> 63) == parity; ++spins) {
+    std::this_thread::yield();
+    if (spins % (1 << 20) == 0 && std::chrono::steady_clock::now() - start > kWaitLimit)
+      throw std::runtime_error("emulated mbarrier: a phase did not complete in 300 s (a deadlock: arrivals or "
+                               "transaction bytes that never come)");
+  }
 }
 
 // Bulk reduce-add from shared to global memory (cp.reduce.async.bulk, bulk_group): deferred until a
@@ -358,11 +384,14 @@ inline void bulk_wait(int n) {
   }
 }
 
-// Bulk tensor copies (TMA) completing on an mbarrier. mbarrier.arrive.expect_tx by this thread announces
-// `bytes`; each copy lands at once (synchronously) and counts them down; the arrival itself is made when
-// they have all landed, so waiters see the phase complete only with the data in place (on the device
-// the phase completes when the arrival and the transaction count are both done). A copy onto a
-// barrier this thread announced nothing on, or more bytes than announced, is an error.
+// Bulk tensor copies (TMA) and st.async completing on an mbarrier: its transaction count. An
+// arrival with expect_tx announces `bytes`; each copy lands at once (synchronously) and counts them
+// down; the announcing arrivals of a phase are made when its count is back at zero, so waiters see
+// the phase complete only with the data in place (on the device the phase completes when the arrivals
+// and the transaction count are both done). Bytes may land before they are announced when a cluster
+// peer sends them (st.async, multicast copies): the count goes below zero until the announcement.
+// A copy of this block's own onto a barrier nobody announced the bytes on, or more bytes than
+// announced, is an error; so are bytes still expected when the launch ends.
 //
 // The emulated descriptors (dkv::TmaDesc words), word 7 their kind. Kind 0, a 3-D view of 16-bit
 // elements: 0 the base pointer, 1 the row stride, 2 the head stride (elements), 3 rows, 4 heads, 5
@@ -372,21 +401,70 @@ inline void bulk_wait(int n) {
 // 2 the box length; a box starts at a multiple of 4 elements (16 bytes); elements past the end read
 // as zeros.
 constexpr uint64_t kTmaBox3d = 0, kTmaVec = 1;
+
+struct Transactions {
+  int64_t bytes = 0;  // announced and not yet landed (below zero: landed before their announcement)
+  int arrivals = 0;   // announcing arrivals waiting for the count to reach zero
+};
+struct TransactionTable {
+  std::mutex m;
+  std::map<const uint64_t*, Transactions> bars;
+};
+inline TransactionTable& transactions() {
+  static TransactionTable table;
+  return table;
+}
+
 inline void tma_expect_tx(uint64_t* bar, int bytes) {
   require_aligned(bar, 8, "mbarrier");
-  self.tma_bytes[bar] += bytes;
-}
-// A copy of `bytes` onto `bar` has landed: count them down; the announced arrival once all have.
-inline void tma_landed(uint64_t* bar, int64_t bytes) {
-  auto it = self.tma_bytes.find(bar);
-  if (it == self.tma_bytes.end() || it->second < bytes)
-    throw std::runtime_error("emulated bulk tensor copy: more bytes than the mbarrier was told to expect");
-  if ((it->second -= bytes) == 0) {
-    self.tma_bytes.erase(it);
+  TransactionTable& t = transactions();
+  std::lock_guard<std::mutex> lock(t.m);
+  Transactions& tx = t.bars[bar];
+  tx.bytes += bytes;
+  if (tx.bytes == 0) {  // a peer's bytes all came first
+    t.bars.erase(bar);
     mbar_arrive(bar);
+  } else {
+    ++tx.arrivals;
   }
 }
-inline void tma_load_box(void* dst, const uint64_t* desc, int col, int head, int row, uint64_t* bar) {
+// `bytes` have landed in the shared memory of `bar`'s block. `own`: a copy this block issued onto its
+// own barrier, which must have been announced first.
+inline void complete_tx(uint64_t* bar, int64_t bytes, bool own) {
+  TransactionTable& t = transactions();
+  std::lock_guard<std::mutex> lock(t.m);
+  Transactions& tx = t.bars[bar];
+  if (own && tx.bytes < bytes) {
+    t.bars.erase(bar);
+    throw std::runtime_error("emulated bulk tensor copy: more bytes than the mbarrier was told to expect");
+  }
+  tx.bytes -= bytes;
+  if (tx.bytes == 0) {
+    const int arrivals = tx.arrivals;
+    t.bars.erase(bar);
+    for (int i = 0; i < arrivals; ++i) mbar_arrive(bar);
+  }
+}
+inline void tma_landed(uint64_t* bar, int64_t bytes) { complete_tx(bar, bytes, true); }
+// The barriers in [lo, hi) whose transactions never finished (and forgets them): at a launch's end.
+inline int unfinished_transactions(const unsigned char* lo, const unsigned char* hi) {
+  TransactionTable& t = transactions();
+  std::lock_guard<std::mutex> lock(t.m);
+  int n = 0;
+  for (auto it = t.bars.begin(); it != t.bars.end();) {
+    const auto* p = reinterpret_cast<const unsigned char*>(it->first);
+    if (p >= lo && p < hi) {
+      ++n;
+      it = t.bars.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  return n;
+}
+
+// One box of a kind-0 descriptor into 128B-swizzled shared memory at `dst`; returns its bytes.
+inline int64_t copy_box(void* dst, const uint64_t* desc, int col, int head, int row) {
   require_aligned(dst, 1024, "bulk tensor copy destination (128B swizzle)");
   const auto* base = reinterpret_cast<const uint16_t*>(desc[0]);
   const int64_t row_stride = static_cast<int64_t>(desc[1]), head_stride = static_cast<int64_t>(desc[2]);
@@ -406,7 +484,10 @@ inline void tma_load_box(void* dst, const uint64_t* desc, int col, int head, int
         std::memset(d, 0, 16);
     }
   }
-  tma_landed(bar, static_cast<int64_t>(box_rows) * 128);
+  return static_cast<int64_t>(box_rows) * 128;
+}
+inline void tma_load_box(void* dst, const uint64_t* desc, int col, int head, int row, uint64_t* bar) {
+  tma_landed(bar, copy_box(dst, desc, col, head, row));
 }
 inline void tma_load_vec(float* dst, const uint64_t* desc, int start, uint64_t* bar) {
   require_aligned(dst, 128, "bulk tensor copy destination");
@@ -447,47 +528,147 @@ inline bool warp_any(bool pred) {
   return any;
 }
 
-// Runs every block of the grid in turn, each with one OS thread per CUDA thread.
-inline void launch(dim3 grid, dim3 block, size_t smem_bytes, const std::function<void()>& body) {
+// Thread block clusters. A shared-memory address of this block mapped to the same offset in the
+// block of rank `rank` of its cluster (mapa); the cluster's barrier, split into its arrival and its wait
+// (barrier.cluster.arrive / .wait: the wait completes once every thread of the cluster has arrived).
+inline unsigned char* map_shared_rank(const void* p, int rank) {
+  const Cluster& c = *self.cluster;
+  const auto* q = static_cast<const unsigned char*>(p);
+  if (q < self.smem || q >= self.smem + c.smem_bytes)
+    throw std::runtime_error("emulated mapa: the address is not in this block's shared memory");
+  if (rank < 0 || rank >= c.size) throw std::runtime_error("emulated mapa: no block of that rank in the cluster");
+  return c.smem[rank] + (q - self.smem);
+}
+// The rank of the block whose shared memory holds `p` (an address mapa returned); its threads must
+// still be running.
+inline int peer_of(const void* p, const char* what) {
+  const Cluster& c = *self.cluster;
+  const auto* q = static_cast<const unsigned char*>(p);
+  for (int r = 0; r < c.size; ++r)
+    if (q >= c.smem[r] && q < c.smem[r] + c.smem_bytes) {
+      if (c.running[r].load() == 0)
+        throw std::runtime_error(std::string("emulated ") + what + ": the target block of the cluster has exited");
+      return r;
+    }
+  throw std::runtime_error(std::string("emulated ") + what + ": the address is in no shared memory of this cluster");
+}
+inline void cluster_arrive() {
+  if (self.cluster_arrival) throw std::runtime_error("emulated barrier.cluster: arrived twice without waiting");
+  self.cluster_arrival.emplace(self.cluster->bar->arrive());
+}
+inline void cluster_wait() {
+  if (!self.cluster_arrival) throw std::runtime_error("emulated barrier.cluster: a wait without an arrival");
+  self.cluster->bar->wait(std::move(*self.cluster_arrival));
+  self.cluster_arrival.reset();
+}
+// st.async.shared::cluster.mbarrier::complete_tx::bytes of `bytes` (4, 8 or 16) to a peer's shared
+// memory, counted down on the peer's mbarrier `bar` (both addresses from map_shared_rank).
+inline void st_async(void* dst, const void* src, int bytes, uint64_t* bar) {
+  require_aligned(dst, bytes, "st.async destination");
+  require_aligned(bar, 8, "mbarrier");
+  const int r = peer_of(dst, "st.async");
+  if (peer_of(bar, "st.async's mbarrier") != r)
+    throw std::runtime_error("emulated st.async: the data and the mbarrier are in different blocks");
+  std::memcpy(dst, src, bytes);
+  complete_tx(bar, bytes, false);
+}
+// mbarrier.arrive.release.cluster on a barrier of any block of the cluster (an address from map_shared_rank).
+inline void mbar_arrive_cluster(uint64_t* bar) {
+  (void)peer_of(bar, "mbarrier arrival");
+  mbar_arrive(bar);
+}
+// A multicast bulk tensor copy: the box lands at dst's offset in every block of `mask` and counts down
+// the mbarrier at bar's offset in each of them.
+inline void tma_load_box_multicast(void* dst, const uint64_t* desc, int col, int head, int row, uint64_t* bar,
+                                   uint16_t mask) {
+  const Cluster& c = *self.cluster;
+  if (mask == 0 || (mask >> c.size) != 0) throw std::runtime_error("emulated multicast copy: a mask outside the cluster");
+  for (int r = 0; r < c.size; ++r) {
+    if (!(mask >> r & 1)) continue;
+    auto* peer_bar = reinterpret_cast<uint64_t*>(map_shared_rank(bar, r));
+    (void)peer_of(peer_bar, "multicast copy");
+    complete_tx(peer_bar, copy_box(map_shared_rank(dst, r), desc, col, head, row), r == self.cta_rank);
+  }
+}
+
+// One block's state while it runs: shared memory (garbage, as on the device), barriers, warps.
+struct Block {
+  std::vector<unsigned char> smem_buf;
+  unsigned char* smem = nullptr;
+  std::barrier<> block_bar;
+  NamedBarriers named;
+  std::vector<Warp> warps;
+  std::vector<WarpGroup> groups;
+  Block(size_t smem_bytes, int nthreads) : smem_buf(smem_bytes + 1024, 0xCD), block_bar(nthreads), warps(nthreads / 32) {
+    smem = smem_buf.data() + (1024 - reinterpret_cast<uintptr_t>(smem_buf.data()) % 1024) % 1024;
+    for (auto& w : warps) w.bar = std::make_unique<std::barrier<>>(32);
+    groups = std::vector<WarpGroup>(nthreads % 128 == 0 ? nthreads / 128 : 0);
+    for (auto& wg : groups) wg.bar = std::make_unique<std::barrier<>>(128);
+  }
+};
+
+// Runs the grid cluster by cluster (clusters of cluster_x consecutive blocks along x, which must divide
+// grid.x), the blocks of a cluster at once, each block with one OS thread per CUDA thread.
+inline void launch_cluster(dim3 grid, dim3 block, int cluster_x, size_t smem_bytes, const std::function<void()>& body) {
   const int nthreads = static_cast<int>(block.x * block.y * block.z);
   if (nthreads % 32 != 0) throw std::runtime_error("emulated launch: block size must be a multiple of 32");
+  if (cluster_x < 1 || cluster_x > 8 || grid.x % cluster_x != 0)
+    throw std::runtime_error("emulated launch: the cluster size must be 1 .. 8 and divide the grid's x");
   for (unsigned bz = 0; bz < grid.z; ++bz)
     for (unsigned by = 0; by < grid.y; ++by)
-      for (unsigned bx = 0; bx < grid.x; ++bx) {
-        std::vector<unsigned char> smem(smem_bytes + 1024, 0xCD);  // garbage, as on the device
-        unsigned char* smem_base = smem.data() + (1024 - reinterpret_cast<uintptr_t>(smem.data()) % 1024) % 1024;
-        std::barrier<> block_bar(nthreads);
-        NamedBarriers named;
-        std::vector<Warp> warps(nthreads / 32);
-        for (auto& w : warps) w.bar = std::make_unique<std::barrier<>>(32);
-        std::vector<WarpGroup> groups(nthreads % 128 == 0 ? nthreads / 128 : 0);
-        for (auto& wg : groups) wg.bar = std::make_unique<std::barrier<>>(128);
-        std::vector<std::thread> threads;
-        threads.reserve(nthreads);
-        for (int t = 0; t < nthreads; ++t) {
-          threads.emplace_back([&, t] {
-            self = Thread{};
-            self.tid = t;
-            self.lane = t % 32;
-            self.block = dim3(bx, by, bz);
-            self.grid = grid;
-            self.bdim = block;
-            self.warp = &warps[t / 32];
-            self.wg = groups.empty() ? nullptr : &groups[t / 128];
-            self.block_bar = &block_bar;
-            self.named = &named;
-            self.smem = smem_base;
-            body();
-            cp_commit();
-            cp_wait(0);
-            if (!self.bulk_open.empty() || !self.bulk_groups.empty())
-              throw std::runtime_error("emulated bulk reduction: a thread exited before waiting for it");
-            if (!self.tma_bytes.empty())
-              throw std::runtime_error("emulated mbarrier: a thread exited with announced bytes that never landed");
-          });
+      for (unsigned bx0 = 0; bx0 < grid.x; bx0 += cluster_x) {
+        std::vector<std::unique_ptr<Block>> blocks;
+        Cluster cluster;
+        cluster.size = cluster_x;
+        cluster.smem_bytes = smem_bytes;
+        cluster.bar = std::make_unique<std::barrier<>>(cluster_x * nthreads);
+        cluster.running = std::make_unique<std::atomic<int>[]>(cluster_x);
+        for (int r = 0; r < cluster_x; ++r) {
+          blocks.push_back(std::make_unique<Block>(smem_bytes, nthreads));
+          cluster.smem.push_back(blocks.back()->smem);
+          cluster.running[r].store(nthreads);
         }
+        std::vector<std::thread> threads;
+        threads.reserve(cluster_x * nthreads);
+        for (int r = 0; r < cluster_x; ++r)
+          for (int t = 0; t < nthreads; ++t) {
+            threads.emplace_back([&, r, t] {
+              Block& b = *blocks[r];
+              self = Thread{};
+              self.tid = t;
+              self.lane = t % 32;
+              self.block = dim3(bx0 + r, by, bz);
+              self.grid = grid;
+              self.bdim = block;
+              self.cluster = &cluster;
+              self.cta_rank = r;
+              self.warp = &b.warps[t / 32];
+              self.wg = b.groups.empty() ? nullptr : &b.groups[t / 128];
+              self.block_bar = &b.block_bar;
+              self.named = &b.named;
+              self.smem = b.smem;
+              body();
+              cp_commit();
+              cp_wait(0);
+              if (!self.bulk_open.empty() || !self.bulk_groups.empty())
+                throw std::runtime_error("emulated bulk reduction: a thread exited before waiting for it");
+              if (self.cluster_arrival)
+                throw std::runtime_error("emulated barrier.cluster: a thread exited between its arrival and its wait");
+              cluster.running[r].fetch_sub(1);
+            });
+          }
         for (auto& th : threads) th.join();
+        int unfinished = 0;
+        for (int r = 0; r < cluster_x; ++r) unfinished += unfinished_transactions(cluster.smem[r], cluster.smem[r] + smem_bytes);
+        if (unfinished > 0)
+          throw std::runtime_error("emulated mbarrier: the launch ended with a transaction count not at zero (bytes "
+                                   "announced that never landed, or landed and never announced)");
       }
+}
+
+// Runs every block of the grid in turn (clusters of one block).
+inline void launch(dim3 grid, dim3 block, size_t smem_bytes, const std::function<void()>& body) {
+  launch_cluster(grid, block, 1, smem_bytes, body);
 }
 
 }  // namespace dkv_emu

@@ -64,26 +64,30 @@ def test_every_kernel_translation_unit_compiles_for_sm80_and_sm90a(tmp_path):
         print(f"{name}: {secs:.1f}s", file=sys.stderr)
 
 
-def test_wgmma_check_kernels_compile_for_sm90a(tmp_path):
-    """csrc/dkv_wgmma.cuh and its GPU check kernels (tests/gpu/wgmma_check.cu) compile for sm_90a."""
+@pytest.mark.parametrize("name", ["wgmma_check", "cluster_check"])
+def test_gpu_check_kernels_compile_for_sm90a(tmp_path, name):
+    """csrc/dkv_wgmma.cuh and csrc/dkv_cluster.cuh with their GPU check kernels (tests/gpu/wgmma_check.cu,
+    tests/gpu/cluster_check.cu) compile for sm_90a."""
     nvcc = _nvcc()
     if nvcc is None:
         pytest.skip("nvcc is not installed")
-    src = ROOT / "tests" / "gpu" / "wgmma_check.cu"
+    src = ROOT / "tests" / "gpu" / f"{name}.cu"
     cmd = [nvcc, "-std=c++17", "--expt-relaxed-constexpr", "-gencode=arch=compute_90a,code=sm_90a", "-I", str(CSRC),
-           "-c", str(src), "-o", str(tmp_path / "wgmma_check.o")]
+           "-c", str(src), "-o", str(tmp_path / f"{name}.o")]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", [["--wgmma"], ["--sm90", "--forward-only", "--quick"], ["--sm90-bwd", "--quick"]],
-                         ids=["wgmma", "sm90-forward", "sm90-backward"])
+@pytest.mark.parametrize("mode", [["--wgmma"], ["--cluster"], ["--sm90", "--forward-only", "--quick"], ["--sm90-bwd", "--quick"]],
+                         ids=["wgmma", "cluster", "sm90-forward", "sm90-backward"])
 def test_wgmma_building_blocks_and_kernels_on_the_cpu_emulation(mode):
-    """The wgmma check kernels, the wgmma forward and the wgmma dK/dV kernel on the host emulation
-    (csrc/emulation/emulate.py --wgmma / --sm90 --quick / --sm90-bwd --quick): tile layout, descriptors,
-    fragment packing, the forward's masking and online softmax, and the dK/dV reader walk agree with
-    torch and the reference; the GPU tests check that the hardware reads the layouts the same way.
+    """The wgmma and cluster check kernels, the wgmma forward and the wgmma dK/dV kernel on the host
+    emulation (csrc/emulation/emulate.py --wgmma / --cluster / --sm90 --quick / --sm90-bwd --quick): tile
+    layout, descriptors, fragment packing, the exchange between the blocks of a cluster, the forward's
+    masking and online softmax, and the dK/dV reader walk agree with torch and the reference (and the
+    emulation refuses a planted transaction-count bug); the GPU tests check that the hardware reads the
+    layouts the same way.
     One test per mode, so that test workers (pytest -n) run them side by side."""
     if shutil.which("c++") is None and shutil.which("g++") is None:
         pytest.skip("no C++ compiler for the emulation build")

@@ -6,3 +6,4 @@
 #include "../dkv_fwd_hdim256.cu"
 #include "../dkv_fwd_hdim512.cu"
 #include "../dkv_fwd_sm90.cu"
+#include "../dkv_tma.cu"

@@ -8,6 +8,7 @@ per CUDA thread): keep the shapes tiny.
     python csrc/emulation/emulate.py            # the default case list, and the reader chunks
     python csrc/emulation/emulate.py --quick    # two cases
     python csrc/emulation/emulate.py --wgmma    # the wgmma building blocks (csrc/dkv_wgmma.cuh) only
+    python csrc/emulation/emulate.py --cluster  # the thread block cluster building blocks (csrc/dkv_cluster.cuh) only
     python csrc/emulation/emulate.py --sm90     # the wgmma forward (DUALKV_CUDA_WGMMA=1, 2, 3; 176-key tiles; persistent; merged walk)
     python csrc/emulation/emulate.py --sm90 --quick  # the same, the opt-in forms on fewer cases
     python csrc/emulation/emulate.py --sm90-bwd # the wgmma dQ and dK/dV kernels (DUALKV_CUDA_WGMMA_BWD=1 .. 6, 8)
@@ -35,7 +36,7 @@ from dualkv.core.reference import AttnMeta, reference_attention_backward_meta, r
 
 
 def build():
-    srcs = [str(HERE / n) for n in ("emu_api.cc", "emu_fwd.cc", "emu_bwd.cc", "emu_wgmma.cc")]
+    srcs = [str(HERE / n) for n in ("emu_api.cc", "emu_fwd.cc", "emu_bwd.cc", "emu_wgmma.cc", "emu_cluster.cc")]
     os.environ.setdefault("MAX_JOBS", "2")
     digest = hashlib.sha256()
     for path in sorted([*HERE.parent.glob("*"), *HERE.glob("*.cc")]):
@@ -576,11 +577,44 @@ def run_wgmma_checks(seed: int = 0) -> bool:
     return ok
 
 
+def run_cluster_checks(seed: int = 0) -> bool:
+    """The cluster check kernels (csrc/dkv_cluster_check.cuh, clusters of two blocks) against torch, and a
+    planted bug (each block announcing half the bytes its peer sends, one round) that the emulation must refuse."""
+    g = torch.Generator().manual_seed(seed)
+    rounds = 3
+    a = torch.randn(rounds, 2, 64, 64, generator=g)
+    src = torch.randn(64 * rounds, 64, generator=g).to(torch.bfloat16)
+    ok = True
+    got = torch.ops.dualkv_cuda_emu.cluster_pair_sum(a, 64 * 32 * 4)
+    err = (got - a.sum(dim=1)).abs().max().item()
+    good = err <= 1e-6
+    ok &= good
+    print(f"{'ok' if good else 'FAIL'} cluster pair_sum ({rounds} rounds: st.async into the peer, remote arrivals): "
+          f"max error {err:.2e}", flush=True)
+    got = torch.ops.dualkv_cuda_emu.cluster_multicast(src, rounds)
+    want = src.view(rounds, 1, 64, 64).expand(rounds, 2, 64, 64)
+    good = torch.equal(got, want)
+    ok &= good
+    print(f"{'ok' if good else 'FAIL'} cluster multicast ({rounds} rounds, issued by each block in turn): "
+          f"{'equal' if good else 'differs'}", flush=True)
+    try:
+        torch.ops.dualkv_cuda_emu.cluster_pair_sum(a[:1], 64 * 32 * 2)
+        good = False
+        why = "ran"
+    except RuntimeError as e:
+        why = str(e).splitlines()[0]
+        good = "transaction count not at zero" in why
+    ok &= good
+    print(f"{'ok' if good else 'FAIL'} cluster pair_sum with half the bytes announced is refused: {why}", flush=True)
+    return ok
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", type=int, default=None, help="one case of the list (with --sm90-bwd: of its list)")
     ap.add_argument("--wgmma", action="store_true", help="only the wgmma building blocks")
+    ap.add_argument("--cluster", action="store_true", help="only the thread block cluster building blocks")
     ap.add_argument("--sm90", action="store_true", help="the wgmma forward kernels' cases (DUALKV_CUDA_WGMMA=1, 2, 3)")
     ap.add_argument("--sm90-bwd", action="store_true",
                     help="the wgmma backward's cases (DUALKV_CUDA_WGMMA_BWD=1 .. 6 and 8, with the wgmma forward)")
@@ -592,8 +626,8 @@ def main():
     t = time.time()
     build()
     print(f"built in {time.time() - t:.0f}s", flush=True)
-    if args.wgmma:
-        ok = run_wgmma_checks()
+    if args.wgmma or args.cluster:
+        ok = run_wgmma_checks() if args.wgmma else run_cluster_checks()
         print("ALL OK" if ok else "FAILURES")
         sys.exit(0 if ok else 1)
     torch.manual_seed(0)
