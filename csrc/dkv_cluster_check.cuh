@@ -29,7 +29,7 @@ struct PairArgs {
   const float* a;  // (rounds, 2, 64, 64): round r's tile of block b at a[r][b]
   float* out;      // (rounds, 64, 64): a[r][0] + a[r][1]
   int rounds;
-  int announce;    // the bytes each block announces per round (kStageBytes; fewer plants a bug)
+  int announce;    // the bytes each block announces per round (kStageBytes; fewer, with one round, plants a bug)
 };
 
 struct MulticastArgs {
@@ -58,6 +58,9 @@ DKV_GLOBAL void DKV_CLUSTER_DIMS(2) DKV_LAUNCH_BOUNDS(128) pair_sum(const DKV_GR
     const float* mine = p.a + ((static_cast<int64_t>(r) * 2 + rank) * kT + row) * kT + kHalf * half;
     // An owner announces: a sender could run a round ahead and announce into the phase still open.
     if (t == rank) sm90::mbar_arrive_expect_tx(full, p.announce);
+    // (the planted bug) announced before any byte lands, so that the count deterministically ends below
+    // zero instead of, with the bytes first, never reaching it (a hang)
+    if (p.announce != kStageBytes) sm90::cluster_sync();
     if (!owner) {
       if (r > 0) sm90::mbar_wait(freed, (r - 1) & 1);
       for (int c = 0; c < kHalf; c += 4)
