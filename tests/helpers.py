@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import random
+import shutil
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -210,3 +213,14 @@ def compile_for_hopper(specs: dict, tmp_path, dtypes=("bf16",)) -> list[tuple[st
     lines = [line.split(" ", 2) for line in run.stdout.splitlines() if line.startswith("compiled ")]
     assert len(lines) == len(launches), run.stdout[-2000:]
     return [(name, json.loads(rest.rsplit(" ", 1)[0]), rest.endswith(" warp-specialised")) for _, name, rest in lines]
+
+
+def compute_sanitizer() -> str | None:
+    """The compute-sanitizer executable (on PATH, or under CUDA_HOME or /usr/local/cuda), or None."""
+    found = shutil.which("compute-sanitizer")
+    if found:
+        return found
+    for home in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if home and (Path(home) / "bin" / "compute-sanitizer").is_file():
+            return str(Path(home) / "bin" / "compute-sanitizer")
+    return None

@@ -2,15 +2,20 @@
 blocks exchanging fp32 rows through each other's shared memory (st.async counted on the peer's
 mbarrier, remote arrivals freeing the next send; the exchange a paired-block dQ would make) and a bulk
 tensor copy multicast to both blocks. tests/gpu/cluster_check.cu holds the launchers; the CPU emulation
-runs the same kernels (csrc/emulation/emulate.py --cluster, tests/test_cuda_build.py)."""
+runs the same kernels (csrc/emulation/emulate.py --cluster, tests/test_cuda_build.py). Both kernels also
+run under compute-sanitizer's memcheck and racecheck."""
 
 from __future__ import annotations
 
 import functools
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import compute_sanitizer
 
 pytestmark = pytest.mark.gpu
 
@@ -86,3 +91,39 @@ def test_multicast_lands_in_both_blocks(ext, rounds):
     got = ext.multicast(src, rounds)
     torch.cuda.synchronize()
     assert torch.equal(got, src.view(rounds, 1, 64, 64).expand(rounds, 2, 64, 64))
+
+
+SANITIZER_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import torch
+    sys.path.insert(0, {here!r})
+    import test_cluster_gpu as t
+    ext = t._ext()
+    a = torch.randn(5, 2, 64, 64, device="cuda")
+    assert torch.equal(ext.pair_sum(a), a[:, 0] + a[:, 1])
+    src = torch.randn(4 * 64, 64, device="cuda").to(torch.bfloat16)
+    assert torch.equal(ext.multicast(src, 4), src.view(4, 1, 64, 64).expand(4, 2, 64, 64))
+    torch.cuda.synchronize()
+    print("sanitizer script done")
+    """
+)
+
+
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
+def test_cluster_checks_under_compute_sanitizer(ext, tool, tmp_path):
+    """The exchange through the peer's shared memory and the multicast copy, clean under memcheck and
+    racecheck (the extension is built by the fixture first, so the sanitizer only runs the kernels)."""
+    sanitizer = compute_sanitizer()
+    if sanitizer is None:
+        pytest.skip("compute-sanitizer is not installed")
+    script = tmp_path / "case.py"
+    script.write_text(SANITIZER_SCRIPT.format(here=str(HERE)))
+    proc = subprocess.run([sanitizer, "--tool", tool, "--error-exitcode", "3", sys.executable, str(script)],
+                          capture_output=True, text=True, timeout=600)
+    log = proc.stdout + proc.stderr
+    if "Device not supported" in log:
+        pytest.skip("compute-sanitizer cannot attach to this device (sandboxed runtime)")
+    assert "sanitizer script done" in log, log[-4000:]
+    clean = "ERROR SUMMARY: 0 errors" in log or "RACECHECK SUMMARY: 0 hazards displayed (0 errors" in log
+    assert proc.returncode == 0 and clean, log[-4000:]

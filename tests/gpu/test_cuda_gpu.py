@@ -21,6 +21,7 @@ import torch
 
 from dualkv.core import AttnMeta, PackedLayout, dualkv_attention, flash_attn_dualkv_varlen_func
 from dualkv.core.reference import reference_attention_backward_meta, reference_attention_meta
+from helpers import compute_sanitizer
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
@@ -647,16 +648,6 @@ SANITIZER_SCRIPT = textwrap.dedent(
 )
 
 
-def _sanitizer():
-    found = shutil.which("compute-sanitizer")
-    if found:
-        return found
-    for home in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
-        if home and (Path(home) / "bin" / "compute-sanitizer").is_file():
-            return str(Path(home) / "bin" / "compute-sanitizer")
-    return None
-
-
 # Kernel paths under the sanitizer: the defaults (on sm_90 the wgmma forward and backward), the opt-in
 # Hopper forms (the in-turn forward with the overlapped wgmma backward; the warp-specialised forward at
 # every head dim, 256 included, where it is opt-in, with cp.async at 64 / 128 (the bulk tensor copies,
@@ -683,7 +674,7 @@ SANITIZER_PATHS = {"default": {}, "hopper-opt-in": {"DUALKV_CUDA_WGMMA": "1", "D
 @pytest.mark.parametrize("paths", list(SANITIZER_PATHS))
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
 def test_compute_sanitizer_small_case(cuda_backend, tool, paths, tmp_path):
-    sanitizer = _sanitizer()
+    sanitizer = compute_sanitizer()
     if sanitizer is None:
         pytest.skip("compute-sanitizer is not installed")
     if paths != "default" and torch.cuda.get_device_capability()[0] != 9:
