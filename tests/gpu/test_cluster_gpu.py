@@ -97,7 +97,7 @@ SANITIZER_SCRIPT = textwrap.dedent(
     """
     import sys
     import torch
-    sys.path.insert(0, {here!r})
+    sys.path[:0] = [{here!r}, {tests!r}]
     import test_cluster_gpu as t
     ext = t._ext()
     a = torch.randn(5, 2, 64, 64, device="cuda")
@@ -118,7 +118,7 @@ def test_cluster_checks_under_compute_sanitizer(ext, tool, tmp_path):
     if sanitizer is None:
         pytest.skip("compute-sanitizer is not installed")
     script = tmp_path / "case.py"
-    script.write_text(SANITIZER_SCRIPT.format(here=str(HERE)))
+    script.write_text(SANITIZER_SCRIPT.format(here=str(HERE), tests=str(HERE.parent)))
     proc = subprocess.run([sanitizer, "--tool", tool, "--error-exitcode", "3", sys.executable, str(script)],
                           capture_output=True, text=True, timeout=600)
     log = proc.stdout + proc.stderr
