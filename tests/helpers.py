@@ -224,3 +224,18 @@ def compute_sanitizer() -> str | None:
         if home and (Path(home) / "bin" / "compute-sanitizer").is_file():
             return str(Path(home) / "bin" / "compute-sanitizer")
     return None
+
+
+def check_sanitizer_log(proc, done: str) -> None:
+    """Judge a compute-sanitizer run (a finished subprocess) of a script that prints `done` at its end:
+    skip where the sanitizer cannot attach, else require the script to finish and the tool's summary to
+    be clean (memcheck: "ERROR SUMMARY: 0 errors"; racecheck: "RACECHECK SUMMARY: 0 hazards displayed
+    (0 errors, ...)")."""
+    import pytest
+
+    log = proc.stdout + proc.stderr
+    if "Device not supported" in log:
+        pytest.skip("compute-sanitizer cannot attach to this device (sandboxed runtime)")
+    assert done in log, log[-4000:]
+    clean = "ERROR SUMMARY: 0 errors" in log or "RACECHECK SUMMARY: 0 hazards displayed (0 errors" in log
+    assert proc.returncode == 0 and clean, log[-4000:]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import compute_sanitizer
+from helpers import check_sanitizer_log, compute_sanitizer
 
 pytestmark = pytest.mark.gpu
 
@@ -121,9 +121,4 @@ def test_cluster_checks_under_compute_sanitizer(ext, tool, tmp_path):
     script.write_text(SANITIZER_SCRIPT.format(here=str(HERE), tests=str(HERE.parent)))
     proc = subprocess.run([sanitizer, "--tool", tool, "--error-exitcode", "3", sys.executable, str(script)],
                           capture_output=True, text=True, timeout=600)
-    log = proc.stdout + proc.stderr
-    if "Device not supported" in log:
-        pytest.skip("compute-sanitizer cannot attach to this device (sandboxed runtime)")
-    assert "sanitizer script done" in log, log[-4000:]
-    clean = "ERROR SUMMARY: 0 errors" in log or "RACECHECK SUMMARY: 0 hazards displayed (0 errors" in log
-    assert proc.returncode == 0 and clean, log[-4000:]
+    check_sanitizer_log(proc, "sanitizer script done")
