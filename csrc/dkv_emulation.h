@@ -87,9 +87,8 @@ struct PendingReduce {
 // barrier (barrier.cluster over all their threads) and each block's threads still running (a block's
 // shared memory may not be reached from a peer once the block has exited).
 struct Cluster {
-  int size = 1;
   size_t smem_bytes = 0;
-  std::vector<unsigned char*> smem;
+  std::vector<unsigned char*> smem;  // one per block: its size is the cluster's
   std::unique_ptr<std::barrier<>> bar;
   std::unique_ptr<std::atomic<int>[]> running;
 };
@@ -357,8 +356,8 @@ inline void mbar_wait_parity(uint64_t* bar, int parity) {
   for (uint64_t spins = 1; static_cast<int>(word.load() >> 63) == parity; ++spins) {
     std::this_thread::yield();
     if (spins % (1 << 20) == 0 && std::chrono::steady_clock::now() - start > kWaitLimit)
-      throw std::runtime_error("emulated mbarrier: a phase did not complete in 300 s (a deadlock: arrivals or "
-                               "transaction bytes that never come)");
+      throw std::runtime_error("emulated mbarrier: a phase did not complete in " + std::to_string(kWaitLimit.count()) +
+                               " s (a deadlock: arrivals or transaction bytes that never come)");
   }
 }
 
@@ -536,7 +535,7 @@ inline unsigned char* map_shared_rank(const void* p, int rank) {
   const auto* q = static_cast<const unsigned char*>(p);
   if (q < self.smem || q >= self.smem + c.smem_bytes)
     throw std::runtime_error("emulated mapa: the address is not in this block's shared memory");
-  if (rank < 0 || rank >= c.size) throw std::runtime_error("emulated mapa: no block of that rank in the cluster");
+  if (rank < 0 || rank >= static_cast<int>(c.smem.size())) throw std::runtime_error("emulated mapa: no block of that rank in the cluster");
   return c.smem[rank] + (q - self.smem);
 }
 // The rank of the block whose shared memory holds `p` (an address mapa returned); its threads must
@@ -544,11 +543,11 @@ inline unsigned char* map_shared_rank(const void* p, int rank) {
 inline int peer_of(const void* p, const char* what) {
   const Cluster& c = *self.cluster;
   const auto* q = static_cast<const unsigned char*>(p);
-  for (int r = 0; r < c.size; ++r)
+  for (size_t r = 0; r < c.smem.size(); ++r)
     if (q >= c.smem[r] && q < c.smem[r] + c.smem_bytes) {
       if (c.running[r].load() == 0)
         throw std::runtime_error(std::string("emulated ") + what + ": the target block of the cluster has exited");
-      return r;
+      return static_cast<int>(r);
     }
   throw std::runtime_error(std::string("emulated ") + what + ": the address is in no shared memory of this cluster");
 }
@@ -582,8 +581,9 @@ inline void mbar_arrive_cluster(uint64_t* bar) {
 inline void tma_load_box_multicast(void* dst, const uint64_t* desc, int col, int head, int row, uint64_t* bar,
                                    uint16_t mask) {
   const Cluster& c = *self.cluster;
-  if (mask == 0 || (mask >> c.size) != 0) throw std::runtime_error("emulated multicast copy: a mask outside the cluster");
-  for (int r = 0; r < c.size; ++r) {
+  const int size = static_cast<int>(c.smem.size());
+  if (mask == 0 || (mask >> size) != 0) throw std::runtime_error("emulated multicast copy: a mask outside the cluster");
+  for (int r = 0; r < size; ++r) {
     if (!(mask >> r & 1)) continue;
     auto* peer_bar = reinterpret_cast<uint64_t*>(map_shared_rank(bar, r));
     (void)peer_of(peer_bar, "multicast copy");
@@ -619,7 +619,6 @@ inline void launch_cluster(dim3 grid, dim3 block, int cluster_x, size_t smem_byt
       for (unsigned bx0 = 0; bx0 < grid.x; bx0 += cluster_x) {
         std::vector<std::unique_ptr<Block>> blocks;
         Cluster cluster;
-        cluster.size = cluster_x;
         cluster.smem_bytes = smem_bytes;
         cluster.bar = std::make_unique<std::barrier<>>(cluster_x * nthreads);
         cluster.running = std::make_unique<std::atomic<int>[]>(cluster_x);

@@ -23,6 +23,7 @@ torch::Tensor cluster_pair_sum(const torch::Tensor& a, int64_t announce) {
 }
 
 torch::Tensor cluster_multicast(const torch::Tensor& src, int64_t rounds) {
+  TORCH_CHECK(rounds >= 1, "rounds: expected at least 1, got ", rounds);
   TORCH_CHECK(src.device().is_cpu() && src.scalar_type() == torch::kBFloat16 && src.is_contiguous() && src.dim() == 2 &&
                   src.size(0) >= cc::kT * rounds && src.size(1) == cc::kT,
               "src: expected a contiguous CPU bf16 tensor of shape (>= 64 rounds, 64), got ", src.sizes());

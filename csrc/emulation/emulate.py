@@ -606,6 +606,18 @@ def run_cluster_checks(seed: int = 0) -> bool:
         good = "transaction count not at zero" in why
     ok &= good
     print(f"{'ok' if good else 'FAIL'} cluster pair_sum with half the bytes announced is refused: {why}", flush=True)
+    for name, call, expected in (
+            ("a tile of the wrong shape", lambda: torch.ops.dualkv_cuda_emu.cluster_pair_sum(a[:, :, :32], 8192),
+             "a: expected a contiguous CPU fp32 tensor of shape (rounds, 2, 64, 64)"),
+            ("no rounds", lambda: torch.ops.dualkv_cuda_emu.cluster_multicast(src, 0), "rounds: expected at least 1")):
+        try:
+            call()
+            why = "ran"
+        except RuntimeError as e:
+            why = str(e).splitlines()[0]
+        good = expected in why
+        ok &= good
+        print(f"{'ok' if good else 'FAIL'} cluster check op with {name} is refused: {why}", flush=True)
     return ok
 
 
