@@ -362,15 +362,9 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
   // (kLateAdd) the staged tile whose fence, barrier and reduce-add are still to come (m_valid < 0: none)
   int late_hq = 0, late_row = 0, late_m = -1;
   // (kLateAdd) staging buffers used: tile t's rows go to buffer n_stage % 2 (kPair: one is skipped where a
-  // paired unit would start on buffer 1); (kPair) paired tiles on each buffer so far
-  int n_stage = 0, pair_uses[2] = {0, 0};
-  // (kPair) the peer's staging buffers and its recv / send_ok barriers (remote addresses)
-  sm90::RemoteSmem peer_stage, peer_recv, peer_send_ok;
-  if constexpr (kPair) {
-    peer_stage = sm90::remote(sStage, peer);
-    peer_recv = sm90::remote(recv, peer);
-    peer_send_ok = sm90::remote(send_ok, peer);
-  }
+  // paired unit would start on buffer 1); (kPair) bit b: the parity of the paired tiles on buffer b so far
+  // (the phase of recv[b] and send_ok[b] they wait for; one register, not an array in local memory)
+  int n_stage = 0, pair_phase = 0;
   auto issue_pending_dq = [&] {       // (not committed) once the other consumer's dS of the tile is stored
     if constexpr (kParts == 2)
       if (pend.t >= 0) sm90::mbar_wait(&ds_full[(1 - wg) * 2 + (pend.t & 1)], (pend.t >> 1) & 1);
@@ -446,7 +440,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
           if constexpr (kLateAdd)
             if ((thread_idx() & 127) == 0) {
               sm90::bulk_wait_read<0>();
-              if (kPair && paired && wg == rank) sm90::mbar_arrive_remote(sm90::offset(peer_send_ok, 8 * sb));
+              if (kPair && paired && wg == rank) sm90::mbar_arrive_remote(sm90::remote(&send_ok[sb], peer));
             }
           sm90::named_sync<256>(4);
           if constexpr (kLateAdd) {  // the previous tile's staging: fenced with this tile's dS, met since
@@ -465,20 +459,19 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
               fdq.template store_rows<true>(stage, warp, g, tq, slot.row);
             } else if (wg == rank) {  // (kPair) the owner: the peer's rows of these columns, plus its own
               if ((thread_idx() & 127) == 0) sm90::mbar_arrive_expect_tx(&recv[sb], K::kPairTxBytes);
-              sm90::mbar_wait_cluster(&recv[sb], pair_uses[sb] & 1);
+              sm90::mbar_wait_cluster(&recv[sb], (pair_phase >> sb) & 1);
               fdq.template for_each_pair<true>(warp, g, tq, slot.row, [&](int at, int i) {
                 store_f32x2(stage + at, stage[at] + fdq.dq[i], stage[at + 1] + fdq.dq[i + 1]);
               });
             } else {  // (kPair) the sender: its rows into the peer's buffer once the peer is ready; none to add
-              sm90::mbar_wait_cluster(&send_ok[sb], pair_uses[sb] & 1);
-              const sm90::RemoteSmem dst = sm90::offset(peer_stage, static_cast<int>((stage - sStage) * 4));
-              const sm90::RemoteSmem bar = sm90::offset(peer_recv, 8 * sb);
+              sm90::mbar_wait_cluster(&send_ok[sb], (pair_phase >> sb) & 1);
+              const sm90::RemoteSmem dst = sm90::remote(stage, peer), bar = sm90::remote(&recv[sb], peer);
               fdq.template for_each_pair<true>(warp, g, tq, slot.row, [&](int at, int i) {
                 sm90::st_async_f32x2(sm90::offset(dst, at * 4), fdq.dq[i], fdq.dq[i + 1], bar);
               });
               late_m = -1;
             }
-            if (paired) ++pair_uses[sb];
+            if (paired) pair_phase ^= 1 << sb;
             ++n_stage;
           } else {
             fdq.add(p, sStage, wg, warp, g, tq, slot.hq, slot.row, slot.desc.m_valid);
