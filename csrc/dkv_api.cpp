@@ -793,33 +793,25 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
   const int kv_block = sm90 ? sm90_dkdv_block_n(args.head_dim) : dkdv_config(args.head_dim).block_n;
   const bool by_readers = tile_order_by_readers();
   const int64_t chunk_rows = deterministic ? 0 : reader_chunk_rows();
-  const bool late_dq_add = kernel_choice("DUALKV_CUDA_BWD_LATE_DQ_ADD", "01", 1) == 1;
-  // DUALKV_CUDA_BWD_PAIR=1: the late add's kernel on clusters of two blocks (DkdvSm90Ws::kPair), where its
-  // context tiles have the same readers two by two: d = 128, no window (and, below, bulk tensor copies)
-  const bool pair = kernel_choice("DUALKV_CUDA_BWD_PAIR", "01", 0) == 1 && late_dq_add && sm90 == 6 &&
-                    args.head_dim == 128 && args.window == kNoWindow;
   const PlanCache::Plan plan = plan_cache().get(
       {cu_seqlens, seg_ctx_start, seg_ctx_len, ctx_key_len},
-      {1, dq_block, kv_block, by_readers, deterministic, args.ctx_separate, chunk_rows, pair}, [&] {
+      {1, dq_block, kv_block, by_readers, deterministic, args.ctx_separate, chunk_rows}, [&] {
         const Tensor seg_len = segment_lengths(cu_seqlens);
         const QueryTiles q_tiles = query_tiles(seg_len, seg_ctx_len, dq_block, by_readers);
         // dkdv items per segment: its own key tiles (+ its context tiles, by default); deterministic
         // with a separate context adds one group per context region.
         Tensor per_seg = at::div(seg_len + (kv_block - 1), kv_block, "floor");
-        Tensor chunk_end, units;
+        Tensor chunk_end;
         if (!deterministic) {  // a chunk's context tiles are its leader's items
           chunk_end = reader_chunk_end(cu_seqlens, seg_ctx_start, seg_ctx_len, chunk_rows);
           const Tensor leads = chunk_end.gt(at::arange(chunk_end.size(0), chunk_end.options()));
-          const Tensor ctx_tiles = at::div(seg_ctx_len + (kv_block - 1), kv_block, "floor") * leads;
-          // (pair) a group's units: its context tiles two by two, then its own tiles two by two (decode_unit)
-          if (pair) units = prefix_of(at::div(ctx_tiles + 1, 2, "floor") + at::div(per_seg + 1, 2, "floor"), 1);
-          per_seg = per_seg + ctx_tiles;
+          per_seg = per_seg + at::div(seg_ctx_len + (kv_block - 1), kv_block, "floor") * leads;
         }
         Tensor groups = per_seg;
         if (deterministic && args.ctx_separate) {
           groups = at::cat({per_seg, at::div(ctx_key_len + (kv_block - 1), kv_block, "floor")});
         }
-        return PlanCache::Plan{q_tiles.prefix, q_tiles.order, prefix_of(groups, 1), chunk_end, units};
+        return PlanCache::Plan{q_tiles.prefix, q_tiles.order, prefix_of(groups, 1), chunk_end};
       });
   const QueryTiles q_tiles{plan[0], plan[1]};
   const Tensor& kv_item_prefix = plan[2];
@@ -856,6 +848,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
   p.work_counter = work_counter.data_ptr<int>();
   p.deterministic = deterministic;
   p.dq_accum = fused_dq ? dq_accum.data_ptr<float>() : nullptr;
+  const bool late_dq_add = kernel_choice("DUALKV_CUDA_BWD_LATE_DQ_ADD", "01", 1) == 1;
   p.tma = use_bwd_tma(sm90, args.head_dim, H, T);
   if (p.tma) {
     // As the forward: asked for (DUALKV_CUDA_BWD_TMA=1), a map the driver cannot build is an error
@@ -886,8 +879,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
   // (DUALKV_CUDA_BWD_LATE_DQ_ADD) only schedule 6's kernel with the TMA producer adds late, at
   // kDqAccumPitchLate (dq_accum, allocated at kDqAccumPitch, has room); every other kernel adds at kDqAccumPitch
   p.late_dq_add = late_dq_add && sm90 == 6 && p.tma;
-  const Tensor& kv_unit_prefix = plan[4];
-  if (pair && p.late_dq_add) p.kv_unit_prefix = kv_unit_prefix.data_ptr<int>();
 
   const cudaStream_t st = current_stream();
   const bool bf16 = q.scalar_type() == at::kBFloat16;

@@ -79,10 +79,6 @@ cudaError_t launch_dkdv_sm90_schedule(const BwdParams& p, cudaStream_t stream, i
     case 4:
     case 5: return launch_persistent<DkdvSm90Ws<D>, &dkv_dkdv_sm90_ws_kernel<E, D>>(p, stream);
     case 6:
-      if constexpr (D == 128)  // (the binding sets kv_unit_prefix with late_dq_add only)
-        if (p.kv_unit_prefix)
-          return launch_persistent_pairs<DkdvSm90Ws<D, true, false, true, false, true, true>,
-                                         &dkv_dkdv_sm90_ws_kernel<E, D, true, false, true, false, true, true>>(p, stream);
       if (p.late_dq_add)  // (the binding sets it with p.tma only)
         return launch_persistent<DkdvSm90Ws<D, true, false, true, false, true>,
                                  &dkv_dkdv_sm90_ws_kernel<E, D, true, false, true, false, true>>(p, stream);

@@ -674,20 +674,14 @@ struct FusedDq {
   // pitch 72 (a half-warp's 4 rows 8 words apart); dkv_convert_dq_kernel turns them back.
   template <bool kRotate = false>
   DKV_DEV void store_rows(float* stage, int warp, int g, int tq, int row = 0) const {
-    for_each_pair<kRotate>(warp, g, tq, row, [&](int at, int i) { store_f32x2(stage + at, dq[i], dq[i + 1]); });
-  }
-  // The staged place of each of this thread's pairs of columns: f(at, i) for dq[i], dq[i + 1] at float
-  // `at` of the warpgroup's staging rows (store_rows; the cluster pair's exchange, dkv_bwd_sm90_ws.cuh).
-  template <bool kRotate, class F>
-  DKV_DEV static void for_each_pair(int warp, int g, int tq, int row, F&& f) {
     const int rot = kRotate ? 8 * ((row + g) & 3) : 0;  // rows 16 warp + g + 8 r: one t % 4
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const int at = (16 * warp + g + 8 * r) * kPitch;
+      float* dst = stage + (16 * warp + g + 8 * r) * kPitch;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const int col = kRotate ? (8 * j + 2 * tq + rot) & 63 : 8 * j + 2 * tq;
-        f(at + col, 4 * j + 2 * r);
+        store_f32x2(dst + col, dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]);
       }
     }
   }

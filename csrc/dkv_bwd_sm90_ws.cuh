@@ -6,7 +6,6 @@
 #pragma once
 
 #include "dkv_bwd_sm90.cuh"
-#include "dkv_cluster.cuh"
 
 namespace dkv {
 
@@ -65,25 +64,11 @@ namespace dkv {
 // banks, and the backward took 1.07-1.13x the per-tile add's time on an H100, against 0.94-0.96x
 // rotated (benchmarks/results/raw/cuda_bwd_late_dq_add_s48b.log). With one buffer (first tried) a
 // tile's stores waited for the add issued just before them: 1.09-1.15x (raw/cuda_bwd_late_dq_add_s48.log).
-//
-// kPair = true (with kLateAdd at d = 128, DUALKV_CUDA_BWD_PAIR=1; BwdParams::kv_unit_prefix): clusters of
-// two blocks. A cluster takes work units (its rank 0 fetches them and hands them to rank 1 through
-// rank 1's shared memory): two context tiles of a group, which have the same readers (no window: the
-// binding pairs nothing else), walked together, or two own tiles, one a block, walked apart. On a
-// paired tile both blocks compute dQ for the same reader rows, each from its own keys, and each block
-// adds only half of the columns: block r's consumer r owns columns 64 r .. 64 r + 63, and the other
-// consumer sends its rows of the peer's columns into the peer's staging buffer by st.async (counted on
-// the peer's recv[buffer] mbarrier) instead of adding them. The owner adds its rows on top of what it
-// received and issues the reduce-add as the late add does: half the bytes added. The owner's issuer
-// frees its buffer for the peer's next rows (the peer's send_ok[buffer]) at each paired tile's meeting,
-// once its earlier adds have read the buffer. Both blocks of a paired unit start it on staging buffer
-// 0 (the pending add is issued first where a buffer is skipped), so their buffers pair up.
 template <int kHeadDim_, bool kDq_ = false, bool kSplit_ = false, bool kTma_ = false, bool kDefer_ = false,
-          bool kLateAdd_ = false, bool kPair_ = false>
+          bool kLateAdd_ = false>
 struct DkdvSm90Ws {
-  static constexpr bool kDq = kDq_, kSplit = kSplit_, kTma = kTma_, kDefer = kDefer_, kLateAdd = kLateAdd_, kPair = kPair_;
+  static constexpr bool kDq = kDq_, kSplit = kSplit_, kTma = kTma_, kDefer = kDefer_, kLateAdd = kLateAdd_;
   static_assert(!kLateAdd || (kDq && !kDefer), "(kLateAdd) schedule 6's dQ add, split around the next tile's products");
-  static_assert(!kPair || (kLateAdd && kTma && kHeadDim_ == 128), "(kPair) the late add's kernel at d = 128: a column half a block");
   static_assert(!kTma || kDq || kSplit, "(kTma) the bulk-tensor-copy producer: schedules 6 and 8");
   static_assert(!kDefer || (kDq && kTma), "(kDefer) the deferred dQ: schedule 6 with the TMA producer");
   static_assert(!(kDq && kSplit), "the split waits only without dQ (schedule 8; with dQ it measured no faster)");
@@ -102,7 +87,7 @@ struct DkdvSm90Ws {
     int item, flags, row, hq, vec_off = 0;
   };
   using Slot = std::conditional_t<kDq, SlotWithRows, SlotPlain>;
-  static constexpr int kTile = 1, kLast = 2, kDone = 4, kPaired = 8;  // kPaired: a tile of a paired unit
+  static constexpr int kTile = 1, kLast = 2, kDone = 4;
   // Shared memory, in bytes from the 1024-aligned base: K, V; the Q and dO buffers; (kDq) two dS tiles
   // and both consumers' dQ staging; the lse_log2 and dsum buffers; the full, empty and kv_empty
   // barriers (8-byte aligned); the slots (16-byte aligned); the producer's item; then the base's
@@ -117,15 +102,11 @@ struct DkdvSm90Ws {
   static_assert(kVecBox == kSm90DkdvVecBox, "the binding's lse_log2 / dsum maps have boxes of kVecBox floats");
   static constexpr int kOffL = kOffStage + kStageBytes, kOffD = kOffL + kStages * kVecPitch * 4;
   static constexpr int kOffBars = kOffD + kStages * kVecPitch * 4;
-  // (kDefer) ds_full[consumer][tile parity], ds_empty[tile parity]; (kPair) recv[buffer], send_ok[buffer],
-  // unit_full, unit_empty
-  static constexpr int kBars = 2 * kStages + 1 + (kDefer ? 6 : 0) + (kPair ? 6 : 0);
+  // (kDefer) ds_full[consumer][tile parity], ds_empty[tile parity]
+  static constexpr int kBars = 2 * kStages + 1 + (kDefer ? 6 : 0);
   static constexpr int kOffSlots = kOffBars + (kBars * 8 + 15) / 16 * 16;
   static constexpr int kOffItem = kOffSlots + kStages * static_cast<int>(sizeof(Slot));
-  static constexpr int kOffUnit = kOffItem + 16;  // (kPair) rank 1's copy of the cluster's unit
-  static constexpr int kSmemBytes = kOffUnit + (kPair ? 16 : 0) + 1024;
-  // (kPair) the bytes of a consumer's rows a peer sends a paired tile: 64 rows x 64 columns of fp32
-  static constexpr int kPairTxBytes = kBlockM * 64 * 4;
+  static constexpr int kSmemBytes = kOffItem + 16 + 1024;
   static_assert(kOffQ % 1024 == 0 && kOffDo % 1024 == 0 && kQTile * 2 % 1024 == 0,
                 "128-byte-swizzled tiles start on 1024-byte boundaries");
   static_assert(kOffBars % 8 == 0 && kOffSlots % 16 == 0, "mbarriers 8-byte, slots 16-byte aligned");
@@ -138,51 +119,10 @@ struct DkdvSm90Ws {
   static constexpr int kTileTxBytes = 2 * kQTile * 2 + 2 * kVecBox * 4, kKvTxBytes = 2 * kKvTile * 2;
 };
 
-// (kPair) What a cluster's work unit gives the block of rank `rank`: its item (-1: none), whether the two
-// blocks walk their items together, or the end (every unit handed out). Unit u of a group covers its
-// context tiles 2u and 2u + 1 (a chunk leader's, decode_item: paired when both exist), then two of its
-// own tiles at a time; over kv heads as decode_item's items.
-struct PairUnit {
-  int item;
-  bool paired, done;
-};
-
-template <int kBlockN>
-DKV_DEV PairUnit decode_unit(const BwdParams& p, int unit, int rank) {
-  const int n_units = p.kv_unit_prefix[p.num_item_groups];
-  if (unit >= n_units * p.nheads_kv) return PairUnit{-1, false, true};
-  int hk, tile_unit;
-  if (p.kv_head_major) {
-    hk = unit / n_units;
-    tile_unit = unit - hk * n_units;
-  } else {
-    hk = unit % p.nheads_kv;
-    tile_unit = unit / p.nheads_kv;
-  }
-  const int s = find_bucket(p.kv_unit_prefix, p.num_item_groups, tile_unit);  // a segment: never deterministic
-  const int k = tile_unit - p.kv_unit_prefix[s];
-  const int n_ctx = p.chunk_end[s] > s ? ceil_div(p.layout.seg_ctx_len[s], kBlockN) : 0;
-  const int n_tiles = p.kv_item_prefix[s + 1] - p.kv_item_prefix[s];
-  const int ctx_units = (n_ctx + 1) / 2;
-  const bool ctx = k < ctx_units;
-  const int li = ctx ? 2 * k + rank : n_ctx + 2 * (k - ctx_units) + rank;
-  if (li >= (ctx ? n_ctx : n_tiles)) return PairUnit{-1, false, false};
-  const int tile_item = p.kv_item_prefix[s] + li;
-  const int all_tiles = p.kv_item_prefix[p.num_item_groups];
-  return PairUnit{p.kv_head_major ? hk * all_tiles + tile_item : tile_item * p.nheads_kv + hk, ctx && 2 * k + 1 < n_ctx,
-                  false};
-}
-
-DKV_DEV float int_bits_as_float(int v) {
-  float f;
-  memcpy(&f, &v, 4);
-  return f;
-}
-
 template <class E, int D, bool kDq = false, bool kSplit = false, bool kTma = false, bool kDefer = false,
-          bool kLateAdd = false, bool kPair = false>
+          bool kLateAdd = false>
 DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CONSTANT BwdParams p) {
-  using K = DkdvSm90Ws<D, kDq, kSplit, kTma, kDefer, kLateAdd, kPair>;
+  using K = DkdvSm90Ws<D, kDq, kSplit, kTma, kDefer, kLateAdd>;
   using Slot = typename K::Slot;
   constexpr int kBlockM = K::kBlockM, kBlockN = K::kBlockN, kParts = K::kParts, kStages = K::kStages;
   const int rep = p.nheads / p.nheads_kv;
@@ -203,17 +143,8 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
   uint64_t* kv_empty = empty + kStages;
   uint64_t* ds_full = kv_empty + 1;   // (kDefer) [consumer * 2 + tile parity]: its dS of the tile is stored
   uint64_t* ds_empty = ds_full + 4;  // (kDefer) [tile parity]: both consumers' dQ products that read it are done
-  // (kPair) recv[b]: the peer's rows for this block's columns landed in staging buffer b (announced by the
-  // owner); send_ok[b]: the peer's owner is ready for this block's rows in its buffer b; unit_full (rank
-  // 1): rank 0's unit landed; unit_empty (rank 0): rank 1 has read it.
-  uint64_t* recv = kv_empty + 1 + (kDefer ? 6 : 0);
-  uint64_t* send_ok = recv + 2;
-  uint64_t* unit_full = send_ok + 2;
-  uint64_t* unit_empty = unit_full + 1;
   Slot* slots = reinterpret_cast<Slot*>(smem + K::kOffSlots);
   int* s_item = reinterpret_cast<int*>(smem + K::kOffItem);
-  int* s_unit = reinterpret_cast<int*>(smem + K::kOffUnit);  // (kPair)
-  const int rank = kPair ? sm90::cluster_rank() : 0, peer = rank ^ 1;
 
   if (thread_idx() == 0) {
     sm90::mbar_init(kv_empty, 256);
@@ -221,39 +152,16 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
       for (int i = 0; i < 4; ++i) sm90::mbar_init(&ds_full[i], 128);
       for (int i = 0; i < 2; ++i) sm90::mbar_init(&ds_empty[i], 256);
     }
-    if constexpr (kPair) {
-      for (int i = 0; i < 6; ++i) sm90::mbar_init(&recv[i], 1);
-      sm90::fence_mbar_init_cluster();
-    }
   }
   sm90::init_ring(full, empty, kStages, kTma ? 1 : 128);
-  if constexpr (kPair) sm90::cluster_sync();  // the peer's barriers are initialised before any remote use
 
   // The 24 / 240 split where the consumers need 240 (d = 128 with TMA); at d = 64 they fit in 232 and
   // the one producer thread, which then has a tile to issue twice as often, keeps 40 (at 24 it spills).
   constexpr bool kWideSplit = kTma && D == 128;
   if (thread_idx() < 128) {  // the producer warpgroup (kTma: its first thread alone, bulk tensor copies)
     sm90::setmaxnreg_dec<kWideSplit ? sm90::kTmaProducerRegs : sm90::kProducerRegs>();
-    if (!kTma || thread_idx() == 0) [&] {
+    if (kTma && thread_idx() != 0) return;
     const int pt = thread_idx();
-    // (kPair) the cluster's next unit, the n-th: rank 0 fetches it and writes it into rank 1's s_unit
-    // once rank 1 has read the previous one
-    int n_units = 0;
-    auto next_unit = [&]() -> int {
-      const int n = n_units++;
-      if (rank == 0) {
-        const int u = atomic_add_i32(p.work_counter, 1);
-        if (n > 0) sm90::mbar_wait_cluster(unit_empty, (n - 1) & 1);
-        const float f = int_bits_as_float(u);
-        sm90::st_async_f32x4(sm90::remote(s_unit, 1), f, f, f, f, sm90::remote(unit_full, 1));
-        return u;
-      }
-      sm90::mbar_arrive_expect_tx(unit_full, 16);
-      sm90::mbar_wait_cluster(unit_full, n & 1);
-      const int u = *reinterpret_cast<volatile int*>(s_unit);
-      sm90::mbar_arrive_remote(sm90::remote(unit_empty, 0));
-      return u;
-    };
     int n_slots = 0;  // slots published so far: slot i goes to buffer i % kStages
     auto open_slot = [&]() -> int {  // the next buffer, once the consumers are done with its last use
       const int b = n_slots % kStages;
@@ -279,20 +187,9 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
       ++n_slots;
     };
     for (int n_items = 0;; ++n_items) {
-      int item;
-      [[maybe_unused]] bool paired = false;
-      if constexpr (kPair) {  // the units' items for this block; units without one are passed over
-        PairUnit u;
-        do {
-          u = decode_unit<kBlockN>(p, next_unit(), rank);
-        } while (!u.done && u.item < 0);
-        item = u.done ? total_items : u.item;
-        paired = u.paired;
-      } else {
-        item = next_item(p, s_item, [] {
-          if constexpr (!kTma) sm90::warpgroup_sync(0);  // the producer warpgroup (kTma: this thread alone)
-        });
-      }
+      const int item = next_item(p, s_item, [] {
+        if constexpr (!kTma) sm90::warpgroup_sync(0);  // the producer warpgroup (kTma: this thread alone)
+      });
       if (n_items > 0) sm90::mbar_wait(kv_empty, (n_items - 1) & 1);  // K / V of the last item are read
       if (item >= total_items) {
         publish(open_slot(), ReaderTile{}, item, K::kDone);
@@ -311,7 +208,7 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
           const ReaderTile rt = reader_tile(cur, it, rep);
           have = cur.advance(p, it, rep);
           const int si = rt.hq * p.total_q + rt.row;  // the binding keeps nheads * total_q below 2^31
-          write_slot(b, rt, item, K::kTile | (have ? 0 : K::kLast) | (paired ? K::kPaired : 0), si & 3);
+          write_slot(b, rt, item, K::kTile | (have ? 0 : K::kLast), si & 3);
           uint64_t* bar = &full[b];
           sm90::mbar_arrive_expect_tx(bar, K::kTileTxBytes + (first ? K::kKvTxBytes : 0));
           if (first) {
@@ -337,11 +234,6 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
         }
       }
     }
-    }();
-    if constexpr (kPair) {  // every thread of both blocks: no block leaves while its peer may reach it
-      sm90::warp_sync();
-      sm90::cluster_sync();
-    }
     return;
   }
 
@@ -361,10 +253,6 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
   bool add_dq = false;                // (kDefer) dQ of pend: its product is done, to be staged and added
   // (kLateAdd) the staged tile whose fence, barrier and reduce-add are still to come (m_valid < 0: none)
   int late_hq = 0, late_row = 0, late_m = -1;
-  // (kLateAdd) staging buffers used: tile t's rows go to buffer n_stage % 2 (kPair: one is skipped where a
-  // paired unit would start on buffer 1); (kPair) bit b: the parity of the paired tiles on buffer b so far
-  // (the phase of recv[b] and send_ok[b] they wait for; one register, not an array in local memory)
-  int n_stage = 0, pair_phase = 0;
   auto issue_pending_dq = [&] {       // (not committed) once the other consumer's dS of the tile is stored
     if constexpr (kParts == 2)
       if (pend.t >= 0) sm90::mbar_wait(&ds_full[(1 - wg) * 2 + (pend.t & 1)], (pend.t >> 1) & 1);
@@ -384,20 +272,10 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
   for (int n_slots = 0;;) {  // one item a pass
     w.zero_dkdv();
     Slot slot;
-    for (bool first = true;; first = false) {  // its slots
+    for (;;) {  // its slots
       const int b = warp_uniform(n_slots % kStages);
       sm90::mbar_wait(&full[b], (n_slots / kStages) & 1);
       slot = slots[b];
-      // (kPair) both blocks start a paired unit on staging buffer 0: a skipped buffer 1 is the pending
-      // tile's, so its add is issued now (as at the end)
-      const bool paired = kPair && (slot.flags & K::kPaired);
-      if constexpr (kPair) {
-        if (paired && first && (n_stage & 1)) {
-          if (late_m >= 0) fdq.commit(p, fdq.staging(sStage, wg, (n_stage - 1) & 1), wg, late_hq, late_row, late_m);
-          late_m = -1;
-          ++n_stage;
-        }
-      }
       if (slot.flags & K::kTile) {
         // S^T = K Q^T and dP^T = V dO^T, then dV += P^T dO and dK += dS^T Q (as dkv_dkdv_sm90_kernel).
         sm90::wgmma_fence();
@@ -434,17 +312,12 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
           // dV, then dQ once both consumers' dS are stored (a tile later the other buffer: its readers
           // are done), then dK in a group of its own: dQ is staged and added while dK still runs.
           products.issue_dv(w.dv, w.pa, b);
-          // (kLateAdd) the adds before the last have read their buffers (the one tile t's stores go to);
-          // (kPair) the owner's buffer is then ready for the peer's rows
-          const int sb = n_stage & 1;
+          // (kLateAdd) the adds before the last have read their buffers (the one tile t's stores go to)
           if constexpr (kLateAdd)
-            if ((thread_idx() & 127) == 0) {
-              sm90::bulk_wait_read<0>();
-              if (kPair && paired && wg == rank) sm90::mbar_arrive_remote(sm90::remote(&send_ok[sb], peer));
-            }
+            if ((thread_idx() & 127) == 0) sm90::bulk_wait_read<0>();
           sm90::named_sync<256>(4);
           if constexpr (kLateAdd) {  // the previous tile's staging: fenced with this tile's dS, met since
-            if (late_m >= 0) fdq.issue_add(p, fdq.staging(sStage, wg, sb ^ 1), wg, late_hq, late_row, late_m);
+            if (late_m >= 0) fdq.issue_add(p, fdq.staging(sStage, wg, (n_tiles - 1) & 1), wg, late_hq, late_row, late_m);
           }
           fdq.issue(sDs, sK, wg);
           sm90::wgmma_commit();
@@ -453,26 +326,9 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
           sm90::wgmma_wait<1>();
           sm90::fence_operand<32>(fdq.dq);
           if constexpr (kLateAdd) {  // the buffer's last add has read it: waited for before the meeting
-            float* stage = fdq.staging(sStage, wg, sb);
+            float* stage = fdq.staging(sStage, wg, n_tiles & 1);
+            fdq.template store_rows<true>(stage, warp, g, tq, slot.row);
             late_hq = slot.hq, late_row = slot.row, late_m = slot.desc.m_valid;
-            if (!paired) {
-              fdq.template store_rows<true>(stage, warp, g, tq, slot.row);
-            } else if (wg == rank) {  // (kPair) the owner: the peer's rows of these columns, plus its own
-              if ((thread_idx() & 127) == 0) sm90::mbar_arrive_expect_tx(&recv[sb], K::kPairTxBytes);
-              sm90::mbar_wait_cluster(&recv[sb], (pair_phase >> sb) & 1);
-              fdq.template for_each_pair<true>(warp, g, tq, slot.row, [&](int at, int i) {
-                store_f32x2(stage + at, stage[at] + fdq.dq[i], stage[at + 1] + fdq.dq[i + 1]);
-              });
-            } else {  // (kPair) the sender: its rows into the peer's buffer once the peer is ready; none to add
-              sm90::mbar_wait_cluster(&send_ok[sb], (pair_phase >> sb) & 1);
-              const sm90::RemoteSmem dst = sm90::remote(stage, peer), bar = sm90::remote(&recv[sb], peer);
-              fdq.template for_each_pair<true>(warp, g, tq, slot.row, [&](int at, int i) {
-                sm90::st_async_f32x2(sm90::offset(dst, at * 4), fdq.dq[i], fdq.dq[i + 1], bar);
-              });
-              late_m = -1;
-            }
-            if (paired) pair_phase ^= 1 << sb;
-            ++n_stage;
           } else {
             fdq.add(p, sStage, wg, warp, g, tq, slot.hq, slot.row, slot.desc.m_valid);
           }
@@ -514,10 +370,9 @@ DKV_GLOBAL void DKV_LAUNCH_BOUNDS(384) dkv_dkdv_sm90_ws_kernel(const DKV_GRID_CO
     store_dkdv_rows<E, kParts>(p, decode_item<kBlockN>(p, slot.item), w.key_in_tile, tq, w.dk, w.dv);
   }
   if constexpr (kLateAdd) {
-    if (late_m >= 0) fdq.commit(p, fdq.staging(sStage, wg, (n_stage - 1) & 1), wg, late_hq, late_row, late_m);
+    if (late_m >= 0) fdq.commit(p, fdq.staging(sStage, wg, (n_tiles - 1) & 1), wg, late_hq, late_row, late_m);
   }
   if constexpr (kDq) sm90::bulk_wait<0>();  // the dQ rows this thread added
-  if constexpr (kPair) sm90::cluster_sync();  // (with the producer's) no block leaves while its peer may reach it
 }
 
 }  // namespace dkv

@@ -12,14 +12,11 @@
 //   RemoteSmem remote(p, rank)     the address p of this block's shared memory at the same offset in
 //                                  block `rank` (mapa.shared::cluster)
 //   st_async_f32x4(dst, v, bar)    16 bytes into a peer's shared memory, counted down on the peer's
-//                                  mbarrier `bar` as transaction bytes (st.async ... complete_tx);
-//                                  st_async_f32x2 8 bytes
+//                                  mbarrier `bar` as transaction bytes (st.async ... complete_tx)
 //   mbar_arrive_remote(bar)        an arrival on a peer's mbarrier (release at cluster scope)
-//   mbar_wait_cluster(bar, parity) mbar_wait acquiring at cluster scope: after a peer's remote arrival
 //   tma_load_box_multicast(...)    one bulk tensor copy landing at the same offset in every block of
 //                                  `mask`, counting down the mbarrier at the same offset in each
 //   fence_mbar_init_cluster()      makes mbarrier inits visible to the cluster (before its barrier)
-//   warp_sync()                    the lanes of a warp meet (before a .aligned barrier.cluster)
 //
 // A block announces the bytes its own mbarrier will receive (mbar_arrive_expect_tx, dkv_wgmma.cuh);
 // a peer's bytes may land before the announcement: the phase completes when the arrivals are all in and
@@ -72,15 +69,6 @@ DKV_DEV void cluster_sync() {
   cluster_wait();
 }
 
-// The lanes of this warp meet (a .aligned cluster barrier after lanes went different ways).
-DKV_DEV void warp_sync() {
-#if defined(DKV_EMULATE)
-  dkv_emu::warp_sync();
-#elif DKV_HAS_WGMMA
-  __syncwarp();
-#endif
-}
-
 DKV_DEV void fence_mbar_init_cluster() {
 #if !defined(DKV_EMULATE) && DKV_HAS_WGMMA
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -131,35 +119,6 @@ DKV_DEV void st_async_f32x4(RemoteSmem dst, float a, float b, float c, float d, 
                : "memory");
 #else
   (void)dst, (void)a, (void)b, (void)c, (void)d, (void)bar;
-#endif
-}
-
-DKV_DEV void st_async_f32x2(RemoteSmem dst, float a, float b, RemoteSmem bar) {
-#if defined(DKV_EMULATE)
-  const float v[2] = {a, b};
-  dkv_emu::st_async(dst.p, v, 8, reinterpret_cast<uint64_t*>(bar.p));
-#elif DKV_HAS_WGMMA
-  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];\n" ::"r"(dst.addr),
-               "f"(a), "f"(b), "r"(bar.addr)
-               : "memory");
-#else
-  (void)dst, (void)a, (void)b, (void)bar;
-#endif
-}
-
-// A wait on this block's mbarrier whose arrivals come from a peer (their release at cluster scope).
-DKV_DEV void mbar_wait_cluster(uint64_t* bar, int parity) {
-#if defined(DKV_EMULATE)
-  mbar_wait(bar, parity);
-#elif DKV_HAS_WGMMA
-  asm volatile(
-      "{\n.reg .pred done;\nwait_%=:\n"
-      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra wait_%=;\n}\n" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(bar))),
-      "r"(parity)
-      : "memory");
-#else
-  (void)bar, (void)parity;
 #endif
 }
 

@@ -607,9 +607,6 @@ struct Block {
   }
 };
 
-// Launches with clusters of more than one block so far (a check that a cluster kernel ran, not a fallback).
-inline std::atomic<int64_t> cluster_launches{0};
-
 // Runs the grid cluster by cluster (clusters of cluster_x consecutive blocks along x, which must divide
 // grid.x), the blocks of a cluster at once, each block with one OS thread per CUDA thread.
 inline void launch_cluster(dim3 grid, dim3 block, int cluster_x, size_t smem_bytes, const std::function<void()>& body) {
@@ -617,7 +614,6 @@ inline void launch_cluster(dim3 grid, dim3 block, int cluster_x, size_t smem_byt
   if (nthreads % 32 != 0) throw std::runtime_error("emulated launch: block size must be a multiple of 32");
   if (cluster_x < 1 || cluster_x > 8 || grid.x % cluster_x != 0)
     throw std::runtime_error("emulated launch: the cluster size must be 1 .. 8 and divide the grid's x");
-  if (cluster_x > 1) cluster_launches.fetch_add(1);
   for (unsigned bz = 0; bz < grid.z; ++bz)
     for (unsigned by = 0; by < grid.y; ++by)
       for (unsigned bx0 = 0; bx0 < grid.x; bx0 += cluster_x) {

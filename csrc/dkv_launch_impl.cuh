@@ -74,45 +74,6 @@ cudaError_t launch_persistent(const Params& p, cudaStream_t stream) {
   return last_error();
 }
 
-// (kPair kernels) Launches the persistent kKernel on clusters of two blocks, as many as can run at once
-// (the cluster dimension set at launch: the kernel is compiled without one).
-template <class K, auto kKernel, class Params>
-cudaError_t launch_persistent_pairs(const Params& p, cudaStream_t stream) {
-  static const cudaError_t attr = allow_smem(kKernel, K::kSmemBytes);
-  if (attr != cudaSuccess) return attr;
-#ifdef DKV_EMULATE
-  (void)stream;
-  dkv_emu::launch_cluster(dim3(4), dim3(K::kThreads), 2, K::kSmemBytes, [&] { kKernel(p); });
-  return cudaSuccess;
-#else
-  cudaLaunchConfig_t config = {};
-  cudaLaunchAttribute cluster[1];
-  cluster[0].id = cudaLaunchAttributeClusterDimension;
-  cluster[0].val.clusterDim.x = 2;
-  cluster[0].val.clusterDim.y = 1;
-  cluster[0].val.clusterDim.z = 1;
-  config.blockDim = dim3(K::kThreads);
-  config.dynamicSmemBytes = K::kSmemBytes;
-  config.stream = stream;
-  config.attrs = cluster;
-  config.numAttrs = 1;
-  static const int blocks = [&] {
-    int dev = 0, sms = 2, clusters = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    cudaLaunchConfig_t probe = config;
-    probe.gridDim = dim3(sms / 2 * 2);
-    if (cudaOccupancyMaxActiveClusters(&clusters, kKernel, &probe) != cudaSuccess || clusters < 1) {
-      cudaGetLastError();  // (a failed query is not the launch's error)
-      clusters = sms / 2;
-    }
-    return 2 * clusters;
-  }();
-  config.gridDim = dim3(blocks);
-  return cudaLaunchKernelEx(&config, kKernel, p);
-#endif
-}
-
 template <class E, int D>
 cudaError_t run_fwd(const FwdParams& p, cudaStream_t stream) {
   constexpr TileConfig c = fwd_config(D);

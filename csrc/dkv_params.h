@@ -118,10 +118,6 @@ struct BwdParams : AttnArgs {
   // (schedule 6 with tma, DUALKV_CUDA_BWD_LATE_DQ_ADD unset or 1) DkdvSm90Ws::kLateAdd, which stages and adds
   // dq_accum's rows at kDqAccumPitchLate (else kDqAccumPitch), their columns rotated (FusedDq::store_rows<true>)
   bool late_dq_add = false;
-  // (late_dq_add at head dim 128 without a window, DUALKV_CUDA_BWD_PAIR=1) the dK/dV kernel on clusters of
-  // two blocks (DkdvSm90Ws::kPair): (num_item_groups + 1,) prefix over the groups of their units, each
-  // two context tiles walked together or two own tiles walked apart; null: one block a work item.
-  const int* kv_unit_prefix = nullptr;
   TmaDesc tma_q, tma_dout, tma_k, tma_v, tma_k_ctx, tma_v_ctx, tma_lse_log2, tma_dsum, tma_q_reader, tma_dout_reader;
 };
 

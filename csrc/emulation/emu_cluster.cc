@@ -2,8 +2,7 @@
 //   torch.ops.dualkv_cuda_emu.cluster_pair_sum(a, announce): a (rounds, 2, 64, 64) fp32 -> (rounds, 64, 64),
 //     each block announcing `announce` bytes a round (8192; fewer plants a bug the emulation must catch);
 //   torch.ops.dualkv_cuda_emu.cluster_multicast(src, rounds): src (64 rounds, 64) bf16 -> (rounds, 2, 64, 64),
-//     round r's rows as each block of the pair received them;
-//   torch.ops.dualkv_cuda_emu.cluster_launches(): launches with clusters of two or more blocks so far.
+//     round r's rows as each block of the pair received them.
 #include <torch/extension.h>
 
 #include "../dkv_cluster_check.cuh"
@@ -38,12 +37,9 @@ torch::Tensor cluster_multicast(const torch::Tensor& src, int64_t rounds) {
   return out;
 }
 
-int64_t cluster_launches() { return dkv_emu::cluster_launches.load(); }
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dualkv_cuda_emu, m) {
   m.def("cluster_pair_sum(Tensor a, int announce) -> Tensor", &cluster_pair_sum);
   m.def("cluster_multicast(Tensor src, int rounds) -> Tensor", &cluster_multicast);
-  m.def("cluster_launches() -> int", &cluster_launches);
 }

@@ -251,11 +251,10 @@ def _fwd_kernel(dtype: str, d: int, ws: bool, tma: bool, wide: bool = False, per
     return f"dkv_fwd_sm90_kernel<dkv::{dtype}, {d}, {flags}>"
 
 
-def _dkdv_ws_kernel(dtype: str, d: int, dq: bool, split: bool, tma: bool, defer: bool = False, late: bool = False,
-                    pair: bool = False) -> str:
+def _dkdv_ws_kernel(dtype: str, d: int, dq: bool, split: bool, tma: bool, defer: bool = False, late: bool = False) -> str:
     """The profiler's name of the sm_90 warp-specialised dK/dV kernel (dkv_dkdv_sm90_ws_kernel and its
     template flags, the trailing '>' included, so that a name with other flags never matches)."""
-    flags = ", ".join(str(f).lower() for f in (dq, split, tma, defer, late, pair))
+    flags = ", ".join(str(f).lower() for f in (dq, split, tma, defer, late))
     return f"dkv_dkdv_sm90_ws_kernel<dkv::{dtype}, {d}, {flags}>"
 
 
@@ -325,10 +324,9 @@ def test_wgmma_forward_with_growing_scores(cuda_backend, case, mode, monkeypatch
     _check_against_reference(case, torch.bfloat16, r)
 
 
-@pytest.mark.parametrize("mode", [None, "1", "2", "3", "4", "5", "6", "8", "6t", "8t", "9t", "6te", "6tp"],
+@pytest.mark.parametrize("mode", [None, "1", "2", "3", "4", "5", "6", "8", "6t", "8t", "9t", "6te"],
                          ids=["default", "in-turn", "overlap", "fused-dq", "ws", "ws-both", "ws-fused-dq", "ws-split",
-                              "ws-fused-dq-tma", "ws-split-tma", "ws-deferred-dq-tma", "ws-fused-dq-tma-tile-add",
-                              "ws-fused-dq-tma-pair"])
+                              "ws-fused-dq-tma", "ws-split-tma", "ws-deferred-dq-tma", "ws-fused-dq-tma-tile-add"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", [c for c in GRID if c[4] in (64, 128)], ids=lambda c: _ids(c))
@@ -342,15 +340,13 @@ def test_wgmma_backward_matches_reference(cuda_backend, case, dtype, determinist
     default; "6" / "8" set it to 0, the producer warpgroup's cp.async), =9 with it ("9t": 6 with each
     tile's dQ product deferred a tile; deterministic=True falls back to 5), "6te" (6t with
     DUALKV_CUDA_BWD_LATE_DQ_ADD=0: each tile's dQ reduce-add issued in the tile, not at the next one as by
-    default), "6tp" (6t with DUALKV_CUDA_BWD_PAIR=1: clusters of two blocks at d = 128 without a window),
-    on the grid against the fp32 reference, in both accumulation modes, and the profiler shows which
-    kernels ran."""
+    default), on the grid against the fp32 reference, in both accumulation modes, and the profiler
+    shows which kernels ran."""
     tma = mode is None or "t" in mode
     if mode == "6te":
         monkeypatch.setenv("DUALKV_CUDA_BWD_LATE_DQ_ADD", "0")
     else:
         monkeypatch.delenv("DUALKV_CUDA_BWD_LATE_DQ_ADD", raising=False)
-    monkeypatch.setenv("DUALKV_CUDA_BWD_PAIR", "1" if mode == "6tp" else "0")
     _choose_hopper_kernels(monkeypatch, "DUALKV_CUDA_WGMMA_BWD", mode and mode[0], "the wgmma backward")
     if mode is None:
         monkeypatch.delenv("DUALKV_CUDA_BWD_TMA", raising=False)
@@ -367,50 +363,13 @@ def test_wgmma_backward_matches_reference(cuda_backend, case, dtype, determinist
     if runs in ("5", "6", "8", "9"):  # the kernel's template flags: dQ inside (6, 9), split waits (8; 5's kernel
         split = runs == "8" and case[6] is None  # under a softcap), bulk tensor copies (6, 8 and 9 as such, when
         copies = tma and (runs in ("6", "9") or split)  # asked), the deferred dQ (9)
-        late = copies and runs == "6" and mode != "6te"  # (6t) the late dQ add
-        pair = late and mode == "6tp" and case[4] == 128 and case[5] is None  # (6tp) on clusters of two blocks
         name = _dkdv_ws_kernel("Bf16" if dtype == torch.bfloat16 else "Fp16", case[4], runs in ("6", "9"), split, copies,
-                               runs == "9", late, pair)
+                               runs == "9", copies and runs == "6" and mode != "6te")  # (6t) the late dQ add
         assert any(name in k for k in kernels), (name, sorted(kernels))
     if fused:  # no dQ kernel of any schedule
         assert not any("dkv_dq_" in name for name in kernels), sorted(kernels)
     else:
         assert any(dq in name for name in kernels), sorted(kernels)
-
-
-# Layouts whose prompts have several key tiles, for the cluster pair (DUALKV_CUDA_BWD_PAIR=1): prompts of
-# an odd and an even number of tiles, own tiles in odd and even counts, a chunked reader walk (8 responses
-# of up to 1023 rows; the default chunk is 8192 rows), a long prompt under a softcap, GQA and MQA.
-PAIR_CASES = [
-    ([1000, 300], [[513, 1, 200, 77], [129, 1023]], 8, 2, 128, None, None),
-    ([640], [[1023] * 8 + [65] * 3], 4, 4, 128, None, None),
-    ([4000], [[2048, 1500, 700, 64]], 4, 1, 128, None, 30.0),
-]
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("case", PAIR_CASES, ids=[_ids(c) for c in PAIR_CASES])
-def test_pair_backward_matches_reference(cuda_backend, case, dtype, monkeypatch):
-    """DUALKV_CUDA_BWD_PAIR=1: the default dK/dV kernel at d = 128 on clusters of two blocks, two context
-    tiles walked together and dQ's columns added half by each block (DkdvSm90Ws::kPair). The gradients
-    match the fp32 reference, the profiler shows the pair's kernel, and they match the unpaired kernel's
-    to within the order of the fp32 sums."""
-    _choose_hopper_kernels(monkeypatch, "DUALKV_CUDA_WGMMA_BWD", None, "the cluster pair")
-    for name in ("DUALKV_CUDA_BWD_TMA", "DUALKV_CUDA_BWD_LATE_DQ_ADD"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("DUALKV_CUDA_BWD_PAIR", "1")
-    r, kernels = _kernels_of(case, dtype)
-    _check_against_reference(case, dtype, r)
-    kind = "Bf16" if dtype == torch.bfloat16 else "Fp16"
-    name = _dkdv_ws_kernel(kind, 128, dq=True, split=False, tma=True, late=True, pair=True)
-    assert any(name in k for k in kernels), (name, sorted(kernels))
-    monkeypatch.setenv("DUALKV_CUDA_BWD_PAIR", "0")
-    r0, kernels0 = _kernels_of(case, dtype)
-    assert not any(name in k for k in kernels0), sorted(kernels0)
-    for g in ("dq", "dk", "dv"):
-        scale = r0[g].float().abs().max().item()
-        err = (r[g].float() - r0[g].float()).abs().max().item()
-        assert err <= (1e-2 if dtype == torch.bfloat16 else 2e-3) * max(scale, 1.0), (g, err, scale)
 
 
 @pytest.mark.parametrize("rows", ["0", "300", None], ids=["one-a-response", "300-rows", "default"])
@@ -667,16 +626,12 @@ def test_non_contiguous_inputs(cuda_backend):
 # ------------------------------------------------------------------------------------ sanitizer
 SANITIZER_SCRIPT = textwrap.dedent(
     """
-    import os
     import torch
     from dualkv.core import PackedLayout, dualkv_attention, flash_attn_dualkv_varlen_func
     torch.manual_seed(0)
     cases = ((64, False, None), (128, True, 40), (128, False, None), (256, False, None), (512, False, None), (512, True, 30))
-    prompts = [70, 5]
-    if os.environ.get("DUALKV_CUDA_BWD_PAIR") == "1":  # the cluster pair: a prompt of three key tiles
-        cases, prompts = ((128, False, None),), [300, 5]
     for d, det, window in cases:
-        layout = PackedLayout.from_lengths(prompts, [[33, 9], [17]], device="cuda")
+        layout = PackedLayout.from_lengths([70, 5], [[33, 9], [17]], device="cuda")
         T = layout.total_tokens
         q = torch.randn(T, 4, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         k = torch.randn(T, 2, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -703,8 +658,7 @@ SANITIZER_SCRIPT = textwrap.dedent(
 # exchange dS through mbarriers; the persistent TMA forward, whose rings run on across query tiles; the
 # forward walking context and own keys as one range (its shared tile loaded as 16-row boxes);
 # every backward kernel's cp.async form, the split ones at d = 256
-# included; the dK/dV kernel on clusters of two blocks, on a prompt of three key tiles alone) and the
-# mma.sync kernels; all but the first differ from
+# included) and the mma.sync kernels; all but the first differ from
 # the defaults only on an sm_90 GPU.
 SANITIZER_PATHS = {"default": {}, "hopper-opt-in": {"DUALKV_CUDA_WGMMA": "1", "DUALKV_CUDA_WGMMA_BWD": "2"},
                    "ws-forward": {"DUALKV_CUDA_WGMMA": "2"}, "forward-128": {"DUALKV_CUDA_FWD_BLOCK_N": "128"},
@@ -713,7 +667,7 @@ SANITIZER_PATHS = {"default": {}, "hopper-opt-in": {"DUALKV_CUDA_WGMMA": "1", "D
                    "ws-both": {"DUALKV_CUDA_WGMMA_BWD": "5"}, "ws-fused-dq": {"DUALKV_CUDA_WGMMA_BWD": "6", "DUALKV_CUDA_BWD_TMA": "0"},
                    "ws-split": {"DUALKV_CUDA_WGMMA_BWD": "8", "DUALKV_CUDA_BWD_TMA": "0"},
                    "ws-deferred-dq": {"DUALKV_CUDA_WGMMA_BWD": "9"}, "cp-async-bwd": {"DUALKV_CUDA_BWD_TMA": "0"},
-                   "tile-dq-add": {"DUALKV_CUDA_BWD_LATE_DQ_ADD": "0"}, "pair": {"DUALKV_CUDA_BWD_PAIR": "1"},
+                   "tile-dq-add": {"DUALKV_CUDA_BWD_LATE_DQ_ADD": "0"},
                    "mma-sync": {"DUALKV_CUDA_WGMMA": "0", "DUALKV_CUDA_WGMMA_BWD": "0"}}
 
 
@@ -733,7 +687,6 @@ def test_compute_sanitizer_small_case(cuda_backend, tool, paths, tmp_path):
     env.pop("DUALKV_CUDA_FWD_PERSISTENT", None)
     env.pop("DUALKV_CUDA_FWD_MERGE", None)
     env.pop("DUALKV_CUDA_BWD_LATE_DQ_ADD", None)
-    env.pop("DUALKV_CUDA_BWD_PAIR", None)
     env.update(SANITIZER_PATHS[paths])
     base = [sanitizer, "--tool", tool, "--error-exitcode", "3"]
     cmd = [*base, "--kernel-name", "kns=dkv_", sys.executable, str(script)]
