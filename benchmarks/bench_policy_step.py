@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import re
 import statistics
 import sys
 import time
@@ -71,7 +72,7 @@ PACKINGS = ("dualkv", "replicated")
 PHASES = ("old_log_prob", "ref_log_prob", "update")
 COLUMNS = ["packing", "P", "mb", "groups", "status", "rho", "packed_tokens", "replicated_tokens",
            "time_old_log_prob", "time_ref_log_prob", "time_update", "time_compute", "tokens_per_s",
-           "effective_tokens_per_s", "tflops", "mfu", "useful_mfu", "peak_memory_gib", "steps", "sm_clock_mhz", "power_w"]
+           "effective_tokens_per_s", "tflops", "mfu", "useful_mfu", "peak_memory_gib", "steps", "sm_clock_mhz", "power_w", "oom_at"]
 
 
 def predicted_rho(N: int, P: float, R: float) -> float:
@@ -144,17 +145,20 @@ def run_config(args, packing: str, mb: int, meta: dict | None = None) -> dict:
 
     row = dict(packing=packing, P=args.prompt, mb=mb, groups=args.responses_per_step // mb)
     trainer = None
+    stage = "building the trainer"  # where an out-of-memory error struck, for the report
     # this rank's GPU clock and power over the measured steps (the step runs at the card's power cap)
     with GpuMonitor(torch.cuda.current_device() if args.device.startswith("cuda") else None) as monitor:
         try:
             trainer = Trainer(train_config(args, packing, mb))
             for step in range(args.warmup):
+                stage = f"warm-up step {step + 1}"
                 _report_step(packing, mb, step, args, trainer.train_step(step))
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
             recs, useful = [], []
             measured_from = time.monotonic()
             for step in range(args.warmup, args.warmup + args.steps):
+                stage = f"measured step {step - args.warmup + 1}"
                 rec = trainer.train_step(step)
                 _report_step(packing, mb, step, args, rec)
                 compute = sum(rec.get(f"time_{k}", 0.0) for k in PHASES)
@@ -166,6 +170,7 @@ def run_config(args, packing: str, mb: int, meta: dict | None = None) -> dict:
             if clocks is not None:
                 row.update(sm_clock_mhz=clocks["sm_clock_mhz"], power_w=clocks["power_w"])
             if args.profile:
+                stage = "the profiled step"
                 row["profile"] = profile_step(trainer, args.warmup + args.steps,
                                               Path(args.out) / f"{args.stem or 'policy_step'}_{packing}_mb{mb}_profile.txt",
                                               meta or {}, peak=peak_flops(args.peak_tflops))
@@ -182,12 +187,20 @@ def run_config(args, packing: str, mb: int, meta: dict | None = None) -> dict:
             if not _is_oom(e) or _world() > 1:  # several ranks: one rank's OOM would leave the others waiting
                 raise
             row["status"] = "OOM"
+            row["oom_at"] = oom_place(stage, trainer.timer.failed_in if trainer is not None else None, e)
         finally:
             if trainer is not None:
                 trainer.close()
             trainer = None
             _free()
     return row
+
+
+def oom_place(stage: str, phase: str | None, err: BaseException) -> str:
+    """Where an out-of-memory error struck: the stage, the step's phase, and the allocation it tried."""
+    place = f"{stage}, {phase}" if phase else stage
+    tried = re.search(r"Tried to allocate ([0-9.]+ [KMGT]?i?B)", str(err))
+    return f"{place} (tried to allocate {tried.group(1)})" if tried else place
 
 
 def _world() -> int:
@@ -293,7 +306,8 @@ def tables(rows: list[dict], meta: dict) -> str:
            "| effective tokens/s | MFU | useful MFU | peak GiB |", "|" + " --- |" * 12]
     for r in rows:
         if r["status"] != "ok":
-            out.append(f"| {r['packing']} | {r['mb']} | {r['status']} |" + " |" * 9)
+            status = f"OOM in {r['oom_at']}" if r["status"] == "OOM" and r.get("oom_at") else r["status"]
+            out.append(f"| {r['packing']} | {r['mb']} | {status} |" + " |" * 9)
             continue
         out.append(f"| {r['packing']} | {r['mb']} | ok | {_f(r['time_old_log_prob'], '.3f')} "
                    f"| {_f(r['time_ref_log_prob'], '.3f')} | {_f(r['time_update'], '.3f')} | {_phase_range(r)} "
@@ -331,6 +345,7 @@ def plot(rows: list[dict], path: Path, title: str) -> Path | None:
     by = {(r["mb"], r["packing"]): r for r in rows}
     fig, ax = plt.subplots(figsize=(2.0 + 1.6 * len(mbs), 4.2))
     width = 0.38
+    labelled = set()  # each phase named in the legend once, by the first bar drawn for it
     for j, p in enumerate(PACKINGS):
         for i, mb in enumerate(mbs):
             r, x = by.get((mb, p)), i - 0.2 + j * width
@@ -344,11 +359,13 @@ def plot(rows: list[dict], path: Path, title: str) -> Path | None:
             for k, phase in enumerate(PHASES):
                 v = r.get(f"time_{phase}") or 0.0
                 ax.bar(x, v, width, bottom=bottom, color=f"C{k}", hatch="//" if p == "replicated" else None,
-                       edgecolor="white", label=phase if (i == 0 and j == 0) else None)
+                       edgecolor="white", label=None if phase in labelled else phase)
+                labelled.add(phase)
                 bottom += v
     ax.set_xticks(range(len(mbs)), [f"mb={m}\n(dualkv | repl.)" for m in mbs], fontsize=8)
     ax.set_ylabel("seconds per step")
-    ax.legend(fontsize=8)
+    if labelled:
+        ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     ax.set_title(f"Policy-update step phases, {title}", fontsize=9)
     return save_figure(fig, path)

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: ``benchmarks``
 
@@ -304,6 +305,36 @@ def test_policy_step_table_shows_the_steps_spread():
     assert ps._phase_range(row) == "2.000 (1.900-2.600)"
     assert ps._phase_range(dict(time_compute=2.0)) == "2.000"  # files written before the field
     assert ps._phase_range(dict(time_compute=2.0, time_compute_steps=[2.0])) == "2.000"
+
+
+def test_policy_step_reports_where_it_ran_out_of_memory(tmp_path, one_thread, monkeypatch):
+    """An out-of-memory error in the update of the measured step (the second mini-batch, after the
+    warm-up's one): the row says OOM, the stage, the phase and the allocation the error names, and the
+    markdown shows it."""
+    from dualkv.train.update import PolicyUpdater
+
+    calls = []
+    real = PolicyUpdater._update_mini_batch
+
+    def failing(self, groups, tokens):
+        calls.append(len(groups))
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.50 GiB. GPU 0 has a total capacity of 139.80 GiB")
+        return real(self, groups, tokens)
+
+    monkeypatch.setattr(PolicyUpdater, "_update_mini_batch", failing)
+    out = ps.main(["--preset", "tiny-qwen3", "--prompt", "32", "--response-range", "4:8", "--mbs", "2",
+                   "--packings", "dualkv", "--responses-per-step", "4", "--steps", "1", "--warmup", "1",
+                   "--device", "cpu", "--out", str(tmp_path), "--stem", "oom"])
+    row = json.loads(out.read_text())["rows"][0]
+    assert len(calls) == 2
+    assert row["status"] == "OOM" and row["oom_at"] == "measured step 1, update (tried to allocate 2.50 GiB)"
+    assert "| dualkv | 2 | OOM in measured step 1, update (tried to allocate 2.50 GiB) |" in (tmp_path / "oom.md").read_text()
+
+
+def test_oom_place_without_a_phase_or_a_size():
+    assert ps.oom_place("building the trainer", None, RuntimeError("CUDA out of memory")) == "building the trainer"
+    assert ps.oom_place("measured step 2", "ref_log_prob", RuntimeError("out of memory")) == "measured step 2, ref_log_prob"
 
 
 def test_policy_step_profile(tmp_path, one_thread):

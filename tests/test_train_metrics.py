@@ -65,6 +65,21 @@ def test_logger_and_timer(tmp_path):
     assert rec == {"step": 3, "loss": 0.5, "mfu": None, "n": 2}
 
 
+def test_timer_names_the_phase_an_error_left():
+    """The innermost phase an exception passes through, kept until reset(); its time still counts."""
+    timer = PhaseTimer()
+    with timer.phase("update"):
+        pass
+    assert timer.failed_in is None
+    with pytest.raises(torch.OutOfMemoryError):
+        with timer.phase("update"):
+            with timer.phase("optimizer"):
+                raise torch.OutOfMemoryError("out of memory")
+    assert timer.failed_in == "optimizer" and set(timer.seconds) == {"update", "optimizer"}
+    timer.reset()
+    assert timer.failed_in is None
+
+
 def test_timer_phases_are_profiler_regions():
     """A profiled step shows each phase as a ``phase:<name>`` region around its operators."""
     from torch.profiler import ProfilerActivity, profile

@@ -116,6 +116,7 @@ class PhaseTimer:
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
+        self.failed_in: str | None = None  # the innermost phase an exception left, until reset()
 
     @contextmanager
     def phase(self, name: str):
@@ -125,13 +126,16 @@ class PhaseTimer:
         try:
             with torch.profiler.record_function(f"phase:{name}"):
                 yield
+        except BaseException:
+            self.failed_in = self.failed_in or name
+            raise
         finally:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             self.seconds[name] += time.perf_counter() - t0
 
     def reset(self) -> dict[str, float]:
-        out, self.seconds = dict(self.seconds), defaultdict(float)
+        out, self.seconds, self.failed_in = dict(self.seconds), defaultdict(float), None
         return out
 
 
