@@ -149,7 +149,8 @@ def _gathered(model) -> bool:
 def test_no_reshard_after_forward_trains_the_same(tmp_path):
     """--no-reshard-after-forward keeps each layer's gathered parameters from forward to backward; the
     training is bit-identical to FSDP's default, with two optimizer steps per rollout batch (a gather
-    after each step must see the new values) and the frozen reference gathered once for good."""
+    after each step must see the new values). The frozen reference, which runs no backward, reshards
+    after every forward either way (kept, its gathered copy would stay for good)."""
     args = ["--kl-beta", "0.04", "--mini-batches", "2"]
     runs = {}
     for keep in (False, True):
@@ -158,14 +159,14 @@ def test_no_reshard_after_forward_trains_the_same(tmp_path):
         trainer = Trainer(cfg)
         try:
             history = trainer.run()
-            # the last step ended in a backward (the policy's shards registered again); the reference,
-            # which never runs one, keeps what its first forward gathered unless it reshards
+            # the last step ended in a backward (the policy's shards registered again); the reference
+            # runs none, and resharded after its last forward
             runs[keep] = (history, _local(dict(trainer.policy.state_dict())), _gathered(trainer.updater.reference))
             assert not _gathered(trainer.policy)
         finally:
             trainer.close()
     (hist_keep, params_keep, ref_keep), (hist_default, params_default, ref_default) = runs[True], runs[False]
-    assert ref_keep and not ref_default
+    assert not ref_keep and not ref_default
     assert all(h["skipped"] == 0 for h in hist_keep)
     for h_keep, h_default in zip(hist_keep, hist_default, strict=True):
         for key in ("loss", "kl", "grad_norm"):

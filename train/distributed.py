@@ -8,9 +8,11 @@
 * ``parallelize_policy``: activation checkpointing (per decoder layer), Ulysses SP on every attention
   module, optional ``torch.compile`` of every decoder layer, then FSDP2 ``fully_shard`` of every
   decoder layer and of the root with ``MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)``.
-  ``ParallelConfig.reshard_after_forward=False`` keeps each layer's gathered parameters from forward
-  to backward (no second gather, more memory); a backward frees them, so the next forward gathers
-  the optimizer's new values. ``ParallelConfig.reduce_grads_once`` reduces the gradients once per
+  ``ParallelConfig.reshard_after_forward=False`` keeps each of the policy's layers' gathered
+  parameters from forward to backward (no second gather, more memory); a backward frees them, so the
+  next forward gathers the optimizer's new values. The frozen reference runs no backward, so it
+  reshards after every forward whatever the flag (kept, its gathered copy would stay for good: the
+  whole model's weights once more on every rank). ``ParallelConfig.reduce_grads_once`` reduces the gradients once per
   mini-batch instead of once per micro-batch (FSDP2's gradient accumulation without communication).
   Parameters are sharded over all dp x sp ranks (the dp axis flattened with sp, since SP ranks hold
   the same parameters and their gradient shares add up). FSDP's reduction averages over those
@@ -54,11 +56,12 @@ class ParallelConfig:
     parameters after its forward and gathers them again for the backward (True, FSDP's default: the
     least memory), or keeps them until the backward frees them (False: one gather a micro-batch fewer;
     after a no-grad pass they stay gathered until the next backward, so the policy's old_log_prob pass
-    hands them on to the update and the frozen reference keeps them for good); reduce_grads_once: FSDP
-    reduces a mini-batch's gradients once, after its last micro-batch, instead of after every one (the
-    micro-batches before it add to unsharded fp32 gradients and keep their parameters gathered for the
-    next forward: one reduce-scatter and one all-gather a layer fewer per micro-batch, for the memory of
-    the whole model's unsharded gradients until the last backward; see ``PolicyUpdater``)."""
+    hands them on to the update; a frozen model, ``trainable=False``, reshards whatever the flag);
+    reduce_grads_once: FSDP reduces a mini-batch's gradients once, after its last micro-batch, instead
+    of after every one (the micro-batches before it add to unsharded fp32 gradients and keep their
+    parameters gathered for the next forward: one reduce-scatter and one all-gather a layer fewer per
+    micro-batch, for the memory of the whole model's unsharded gradients until the last backward; see
+    ``PolicyUpdater``)."""
 
     sp: int = 1
     param_dtype: str = "bf16"
@@ -243,7 +246,9 @@ def parallelize_policy(model: torch.nn.Module, ctx: DistContext, cfg: ParallelCo
             _store_in(module, cfg.dtype)
         # The root keeps FSDP's own default (it never reshards after forward: the log-prob head reads
         # its weights after the decoder's forward method returns).
-        fully_shard(module, mesh=mesh, mp_policy=mp, **({} if root else {"reshard_after_forward": cfg.reshard_after_forward}))
+        # A frozen model has no backward to keep its gathered parameters for: it always reshards.
+        reshard = cfg.reshard_after_forward or not trainable
+        fully_shard(module, mesh=mesh, mp_policy=mp, **({} if root else {"reshard_after_forward": reshard}))
 
     if any(p.is_meta for p in model.parameters()):
         from dualkv.models import materialize
