@@ -12,8 +12,9 @@
   parameters from forward to backward (no second gather, more memory); a backward frees them, so the
   next forward gathers the optimizer's new values. The frozen reference runs no backward, so it
   reshards after every forward whatever the flag (kept, its gathered copy would stay for good: the
-  whole model's weights once more on every rank). ``ParallelConfig.reduce_grads_once`` reduces the gradients once per
-  mini-batch instead of once per micro-batch (FSDP2's gradient accumulation without communication).
+  whole model's weights once more on every rank). ``ParallelConfig.reduce_grads_once`` reduces the
+  gradients once per mini-batch instead of once per micro-batch (FSDP2's gradient accumulation
+  without communication).
   Parameters are sharded over all dp x sp ranks (the dp axis flattened with sp, since SP ranks hold
   the same parameters and their gradient shares add up). FSDP's reduction averages over those
   ``fsdp_size`` ranks, while every micro-batch loss is already normalised by the whole mini-batch
