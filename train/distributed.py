@@ -240,6 +240,8 @@ def parallelize_policy(model: torch.nn.Module, ctx: DistContext, cfg: ParallelCo
         for block in _blocks(model):
             block.compile(dynamic=True)
     mp = MixedPrecisionPolicy(param_dtype=cfg.dtype, reduce_dtype=torch.float32)
+    # A frozen model has no backward to keep its gathered parameters for: it always reshards.
+    reshard = cfg.reshard_after_forward or not trainable
     mesh = ctx.mesh.dp_sp_mesh if ctx.world_size > 1 else ctx.mesh.mesh["dp"]
 
     def shard(module, root: bool = False):  # a decoder layer, then the root (what is left: embeddings, final norm)
@@ -247,8 +249,6 @@ def parallelize_policy(model: torch.nn.Module, ctx: DistContext, cfg: ParallelCo
             _store_in(module, cfg.dtype)
         # The root keeps FSDP's own default (it never reshards after forward: the log-prob head reads
         # its weights after the decoder's forward method returns).
-        # A frozen model has no backward to keep its gathered parameters for: it always reshards.
-        reshard = cfg.reshard_after_forward or not trainable
         fully_shard(module, mesh=mesh, mp_policy=mp, **({} if root else {"reshard_after_forward": reshard}))
 
     if any(p.is_meta for p in model.parameters()):
